@@ -1,0 +1,132 @@
+"""The engine manifest: what an engine directory holds and how its ranks split the model.
+
+An engine directory is `manifest.json` plus one safetensors file per rank (`rank{r}.safetensors`).
+Each rank reads only its own file; the manifest carries each file's size and SHA-256 so a damaged
+or swapped file is caught at load, before it can serve a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mdtriton.engine.plan import ParallelPlan
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+# Triton's data type names (as in tritonclient and the HTTP/gRPC protocol) that engines may use.
+DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32")
+
+
+class EngineError(Exception):
+    """An engine directory that cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output: name, Triton data type and shape (-1 for a dimension that varies)."""
+
+    name: str
+    data_type: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.data_type not in DATA_TYPES:
+            raise ValueError(f"tensor {self.name!r}: data type {self.data_type!r} is not one of {DATA_TYPES}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "data_type": self.data_type, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TensorSpec":
+        return cls(data["name"], data["data_type"], tuple(int(d) for d in data["shape"]))
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    architecture: str
+    config: dict
+    plan: ParallelPlan
+    data_type: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    weights: tuple[WeightFile, ...] = field(default=())
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "architecture": self.architecture,
+            "config": self.config,
+            "plan": self.plan.to_dict(),
+            "data_type": self.data_type,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "weights": [vars(w) for w in self.weights],
+        }
+
+    def write(self, engine_dir: Path) -> None:
+        (Path(engine_dir) / MANIFEST_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> "Manifest":
+        path = Path(engine_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise EngineError(f"{path}: no engine manifest here (build one with `mdtriton build`)")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise EngineError(f"{path}: unreadable manifest: {error}") from error
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EngineError(
+                f"{path}: engine format version {version} is not supported by this mdtriton "
+                f"(it reads version {FORMAT_VERSION}); rebuild the engine or upgrade mdtriton"
+            )
+        try:
+            return cls(
+                architecture=data["architecture"],
+                config=data["config"],
+                plan=ParallelPlan.from_dict(data["plan"]),
+                data_type=data["data_type"],
+                inputs=tuple(TensorSpec.from_dict(t) for t in data["inputs"]),
+                outputs=tuple(TensorSpec.from_dict(t) for t in data["outputs"]),
+                weights=tuple(WeightFile(**w) for w in data["weights"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise EngineError(f"{path}: malformed manifest: {error!r}") from error
+
+    def weight_file(self, engine_dir: Path, rank: int) -> Path:
+        """The path of rank's weights, checked against the manifest's size and checksum."""
+        if len(self.weights) != self.plan.world_size:
+            raise EngineError(f"{engine_dir}: manifest lists {len(self.weights)} weight files "
+                              f"for {self.plan.world_size} ranks")
+        entry = self.weights[rank]
+        path = Path(engine_dir) / entry.file
+        if not path.is_file():
+            raise EngineError(f"{path}: weight file of rank {rank} is missing")
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise EngineError(f"{path}: weight file of rank {rank} has {size} bytes, manifest says {entry.bytes} "
+                              "(truncated or replaced; rebuild the engine)")
+        digest = file_sha256(path)
+        if digest != entry.sha256:
+            raise EngineError(f"{path}: weight file of rank {rank} fails its checksum (corrupted; rebuild the engine)")
+        return path
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
