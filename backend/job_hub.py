@@ -1,0 +1,94 @@
+"""The control plane: rank 0 puts every job in one global order and tells all ranks to run it.
+
+Triton hands a request to ONE instance, but the engine needs every rank. Each rank submits the
+header of every job it receives (id, origin rank, input shapes) to the hub on rank 0, over a Unix
+socket in the rendezvous generation's directory; the hub sends each header, numbered, to all ranks,
+and all ranks run the jobs in that order. Tensors never pass through here: the origin rank
+broadcasts the inputs over the communicator (NCCL/gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener, wait
+
+
+def send(connection: Connection, message: dict) -> None:
+    connection.send_bytes(json.dumps(message).encode())
+
+
+def receive(connection: Connection) -> dict:
+    return json.loads(connection.recv_bytes())
+
+
+class JobHub:
+    """Runs on rank 0 in its own thread; lives as long as one rendezvous generation."""
+
+    def __init__(self, address: str, token: str, world_size: int):
+        self.world_size = world_size
+        self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
+        self._thread = threading.Thread(target=self._serve, name="mdtriton-job-hub", daemon=True)
+
+    def start(self) -> "JobHub":
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        links: dict[int, Connection] = {}
+        while len(links) < self.world_size:
+            connection = self._listener.accept()
+            links[receive(connection)["rank"]] = connection
+        self._listener.close()
+        ranks = {connection: rank for rank, connection in links.items()}
+        sequence = 0
+        while True:
+            for connection in wait(list(ranks)):
+                try:
+                    message = receive(connection)
+                except (EOFError, OSError):
+                    self._stop(links, f"rank {ranks[connection]} disconnected: its process exited or was restarted")
+                    return
+                if message["type"] == "leave":
+                    self._stop(links, f"rank {ranks[connection]} is shutting down (the model is being unloaded)")
+                    return
+                sequence += 1
+                for link in links.values():
+                    send(link, {**message, "type": "run", "sequence": sequence})
+
+    @staticmethod
+    def _stop(links: dict[int, Connection], reason: str) -> None:
+        for link in links.values():
+            try:
+                send(link, {"type": "stop", "reason": reason})
+                link.close()
+            except OSError:
+                pass
+
+
+class HubLink:
+    """One rank's connection to the hub: submit job headers, receive the ordered run list."""
+
+    def __init__(self, address: str, token: str, rank: int, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._connection = Client(address, family="AF_UNIX", authkey=token.encode())
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0's job hub at {address} did not come up within {timeout:.0f} s") from None
+                time.sleep(0.02)
+        self._send_lock = threading.Lock()
+        self.send({"rank": rank})
+
+    def send(self, message: dict) -> None:
+        with self._send_lock:
+            send(self._connection, message)
+
+    def receive(self) -> dict:
+        return receive(self._connection)
+
+    def close(self) -> None:
+        self._connection.close()

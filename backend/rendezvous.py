@@ -1,0 +1,171 @@
+"""How the ranks of one loaded model version find each other, without ever meeting another load's ranks.
+
+The rendezvous area is a directory per (Triton server process, model, version) holding `state.json`,
+guarded by a file lock. The ranks meet in numbered *generations*: a generation is open until all
+world_size ranks have joined, then closed for good. A rank opens a new generation when the current one
+is closed or already has a member of its rank, so:
+- ranks initialised in parallel or one after another meet in the same open generation;
+- a reload (new instances while the old ones still serve) finds the old generation closed and opens
+  a new one, which the old load's ranks never read again;
+- after a failure, every surviving rank and the restarted one join the next generation.
+Joining never blocks Triton: callers wait for the generation to close in a thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
+
+
+class RendezvousTimeout(Exception):
+    """Not every rank joined in time."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    directory: Path
+    token: str
+
+    @property
+    def store_path(self) -> Path:
+        return self.directory / "store"
+
+    @property
+    def hub_address(self) -> str:
+        return str(self.directory / "hub.sock")
+
+
+def rendezvous_dir(model_name: str, model_version: str) -> Path:
+    """The area shared by the ranks of this model version in this server (the stubs' parent process)."""
+    root = Path(os.environ.get(ROOT_ENV) or Path(tempfile.gettempdir()) / "mdtriton-rendezvous")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)[:40]
+    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
+    # Unix socket paths are limited to ~107 bytes, so keep this short.
+    return root / f"{os.getppid()}-{safe}-{digest}-v{model_version}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Rendezvous:
+    """This rank's handle on the rendezvous area."""
+
+    def __init__(self, directory: Path, rank: int, world_size: int):
+        self.directory = Path(directory)
+        self.rank = rank
+        self.world_size = world_size
+        self.pid = os.getpid()
+
+    @contextmanager
+    def _locked_state(self):
+        with self._lock():
+            path = self.directory / "state.json"
+            state = json.loads(path.read_text()) if path.exists() else {"current": 0, "generations": {}}
+            yield state
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(path)
+
+    @contextmanager
+    def _lock(self):
+        """An exclusive lock on the area; retried if the last member removed the area meanwhile."""
+        while True:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.directory / "lock", "a+") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    same_file = os.stat(self.directory / "lock").st_ino == os.fstat(lock.fileno()).st_ino
+                except FileNotFoundError:
+                    same_file = False
+                if same_file:
+                    yield
+                    return
+
+    def _remove_dead_generations(self, state: dict) -> None:
+        """Forget generations whose members have all exited (killed ranks never leave by themselves)."""
+        for number, generation in list(state["generations"].items()):
+            if int(number) != state["current"] and not any(_alive(p) for p in generation["members"].values()):
+                del state["generations"][number]
+                shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+
+    def _enter(self) -> int:
+        with self._locked_state() as state:
+            self._remove_dead_generations(state)
+            current = state["generations"].get(str(state["current"]))
+            if current is None or current["closed"] or str(self.rank) in current["members"]:
+                state["current"] += 1
+                current = {"members": {}, "closed": False, "token": secrets.token_hex(16)}
+                state["generations"][str(state["current"])] = current
+                (self.directory / f"gen{state['current']}").mkdir(exist_ok=True)
+            current["members"][str(self.rank)] = self.pid
+            current["closed"] = len(current["members"]) == self.world_size
+            return state["current"]
+
+    def join(self, timeout: float, stop: threading.Event) -> Generation:
+        """Join the open generation (or open one) and wait until all ranks are in it."""
+        deadline = time.monotonic() + timeout
+        number = self._enter()
+        while True:
+            with self._locked_state() as state:
+                generation = state["generations"].get(str(number))
+                if generation is not None and generation["closed"]:
+                    return Generation(number, self.directory / f"gen{number}", generation["token"])
+                if state["current"] != number:
+                    # Superseded before it closed (a member died and was restarted): join the newer one.
+                    self._leave_locked(state, number)
+                    number = None
+            if number is None:
+                number = self._enter()
+                continue
+            if stop.is_set():
+                self.leave(number)
+                raise RendezvousTimeout("stopped while waiting for the other ranks")
+            if time.monotonic() > deadline:
+                with self._locked_state() as state:
+                    missing = sorted(set(range(self.world_size)) - {int(r) for r in state["generations"][str(number)]["members"]})
+                self.leave(number)
+                raise RendezvousTimeout(f"ranks {missing} did not join within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _leave_locked(self, state: dict, number: int) -> None:
+        generation = state["generations"].get(str(number))
+        if generation is None:
+            return
+        if generation["members"].get(str(self.rank)) == self.pid:
+            del generation["members"][str(self.rank)]
+        if not generation["members"]:
+            del state["generations"][str(number)]
+            shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+
+    def leave(self, number: int) -> None:
+        """Leave a generation; the last member to leave removes its files (and the area, if nothing is left)."""
+        with self._locked_state() as state:
+            self._leave_locked(state, number)
+            self._remove_dead_generations(state)
+            empty = not state["generations"]
+        if empty:
+            with self._lock():
+                state_path = self.directory / "state.json"
+                if state_path.exists() and not json.loads(state_path.read_text())["generations"]:
+                    shutil.rmtree(self.directory, ignore_errors=True)

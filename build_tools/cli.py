@@ -1,0 +1,51 @@
+"""`mdtriton build`: build an engine and add it to a model repository as a new version."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.engine.architectures import ARCHITECTURES
+from mdtriton.engine.plan import CP_METHODS, ParallelPlan
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "build", help="build an engine into MODEL_REPOSITORY/NAME/VERSION",
+        description="Build a multi-rank engine (random weights from a seed, or a safetensors file) and write it, "
+                    "with model.py and config.pbtxt, as the next version of a model in a Triton model repository.")
+    parser.add_argument("repository", type=Path, help="model repository directory (created if missing)")
+    parser.add_argument("--name", required=True, help="model name")
+    parser.add_argument("--version", type=int, help="version number (default: the next free one)")
+    parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--config", default="{}",
+                        help="architecture config as JSON, overriding the defaults, or @FILE to read it from a file")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
+    parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16"), help="engine data type")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                        help="instance kind: one KIND_GPU instance per GPU, or KIND_CPU instances (gloo)")
+    parser.add_argument("--gpus", help="comma-separated GPU ids for the ranks, in rank order (default 0..N-1)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--seed", type=int, default=0, help="seed for random weights (default 0)")
+    weights.add_argument("--weights", type=Path, help="full weights in one safetensors file (names as the architecture's)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may wait for all ranks before it fails (default 300)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
+    try:
+        config = json.loads(config_text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"error: --config is not valid JSON: {error}") from None
+    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
+                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout)
+    print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
+    return 0

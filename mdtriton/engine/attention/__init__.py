@@ -1,0 +1,25 @@
+"""Attention over a sequence split across the context-parallel group, one module per method.
+
+Every method has the call signature of `local.attention`:
+`attention(q, k, v, comm, valid_len) -> out`, with q, k, v and out of shape
+[batch, heads, local_seq, head_dim] holding this rank's contiguous slice of the padded sequence
+(cp_rank * local_seq onwards). Keys at global positions >= valid_len are padding and never attended.
+"""
+
+from __future__ import annotations
+
+from mdtriton.engine.attention import allgather_kv, local, ring, ulysses
+from mdtriton.engine.plan import ParallelPlan
+
+CP_ATTENTION = {
+    "allgather_kv": allgather_kv.attention,
+    "ring": ring.attention,
+    "ulysses": ulysses.attention,
+}
+
+
+def attention_for(plan: ParallelPlan):
+    """The attention function for plan: its context-parallel method, or plain attention on one CP rank."""
+    if plan.cp_size == 1:
+        return local.attention
+    return CP_ATTENTION[plan.cp_method]

@@ -1,0 +1,139 @@
+"""The small pieces of the FLUX.1 transformer, with diffusers' parameter names and math:
+timestep/guidance/text conditioning, adaptive layer norms, the feed-forward, and rotary embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
+
+TIMESTEP_CHANNELS = 256
+ROPE_THETA = 10000
+
+
+def timestep_embedding(timesteps: torch.Tensor) -> torch.Tensor:
+    """Sinusoidal embedding [B, 256] (cos half first) of timesteps [B], in float32 as diffusers computes it."""
+    half = TIMESTEP_CHANNELS // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
+    angles = timesteps[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    """linear_1 -> SiLU -> linear_2: diffusers' TimestepEmbedding and PixArtAlphaTextProjection alike."""
+
+    def __init__(self, in_features: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbedding(nn.Module):
+    """The conditioning vector temb [B, dim] from timestep, guidance (when embedded) and pooled text."""
+
+    def __init__(self, dim: int, pooled_projection_dim: int, guidance_embeds: bool):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(TIMESTEP_CHANNELS, dim)
+        self.guidance_embedder = MLPEmbedder(TIMESTEP_CHANNELS, dim) if guidance_embeds else None
+        self.text_embedder = MLPEmbedder(pooled_projection_dim, dim)
+
+    def forward(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
+        temb = self.timestep_embedder(timestep_embedding(timestep).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            temb = temb + self.guidance_embedder(timestep_embedding(guidance).to(pooled.dtype))
+        return temb + self.text_embedder(pooled)
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm without weights (eps 1e-6), as every FLUX norm before a modulation."""
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+class AdaLayerNormZero(nn.Module):
+    """Norm + shift/scale from temb, plus the gate/shift/scale/gate the rest of a double block uses."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.linear(F.silu(temb)).chunk(6, dim=1)
+        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormZeroSingle(nn.Module):
+    """Norm + shift/scale from temb, and the gate of a single block's output."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shift, scale, gate = self.linear(F.silu(temb)).chunk(3, dim=1)
+        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """The final norm: scale and shift (in that order) from temb."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+class GeluProjection(nn.Module):
+    """The feed-forward's first layer (column-parallel) and its tanh GELU; named `proj` as in diffusers."""
+
+    def __init__(self, dim: int, hidden: int, comm: Communicator):
+        super().__init__()
+        self.proj = ColumnParallelLinear(dim, hidden, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """dim -> 4 dim -> dim, split column/row across the tensor-parallel group."""
+
+    def __init__(self, dim: int, comm: Communicator):
+        super().__init__()
+        # Keys "0" and "2" give diffusers' names net.0.proj / net.2 (its net.1 is a parameterless dropout).
+        self.net = nn.ModuleDict({"0": GeluProjection(dim, 4 * dim, comm), "2": RowParallelLinear(4 * dim, dim, comm)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net["2"](self.net["0"](x))
+
+
+def rotary_embedding(ids: torch.Tensor, axes_dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [S, head_dim] (float32) of each token's position ids [S, n_axes], as diffusers' FluxPosEmbed.
+
+    Computed per call from the ids, so the module holds no buffers and each rank can ask for its own tokens.
+    """
+    positions = ids.float()
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim)
+        angles = torch.outer(positions[:, axis], freqs)
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by the rotary embedding of its S tokens (adjacent pairs), in float32."""
+    cos, sin = rope
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((-imag, real), dim=-1).flatten(3)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)

@@ -1,0 +1,171 @@
+"""The embedded server: the Triton Inference Server shipped in the nvidia-pytriton wheel, run on a repository.
+
+It needs no Docker: the wheel carries `tritonserver` 2.51 with the Python backend. We assemble a
+backend directory for the running Python, point the stubs at this environment's packages, pick
+free ports on 127.0.0.1 and wait until the server is ready.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from importlib.util import find_spec
+from pathlib import Path
+
+
+class ServerError(Exception):
+    """The server could not be started or did not become ready."""
+
+
+def triton_dir() -> Path:
+    spec = find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("the Triton server is not installed: run `pip install --no-deps nvidia-pytriton==0.7.0`")
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def make_backend_dir(target: Path) -> Path:
+    """B/python/ with the Python backend and the stub built for this interpreter's version."""
+    server = triton_dir()
+    python = target / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
+    for source in (server / "backends/python/libtriton_python.so",
+                   server / "backends/python/triton_python_backend_utils.py", stub):
+        link = python / source.name
+        if not link.exists():
+            link.symlink_to(source)
+    return target
+
+
+def server_environment() -> dict[str, str]:
+    """The stubs embed libpython and see no virtualenv by themselves: hand them our packages and libraries."""
+    env = dict(os.environ)
+    libs = triton_dir().parent.parent / "nvidia_pytriton.libs"
+    library_path = [str(libs), sysconfig.get_config_var("LIBDIR")]
+    python_path = site.getsitepackages() + [str(Path(find_spec("mdtriton").origin).parent.parent)]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join(python_path + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+class TritonServer:
+    """A running tritonserver process; use as a context manager or call start() and stop()."""
+
+    def __init__(self, repository: Path, host: str = "127.0.0.1", grpc_port: int | None = None,
+                 http_port: int | None = None, metrics_port: int | None = None,
+                 model_control_mode: str = "none", load_models: tuple[str, ...] = (), log_file: Path | None = None,
+                 extra_args: tuple[str, ...] = ()):
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise ServerError(f"model repository {self.repository} does not exist")
+        self.host = host
+        self.grpc_port = grpc_port or free_port(host)
+        self.http_port = http_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.model_control_mode = model_control_mode
+        self.load_models = load_models
+        self.log_file = log_file
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+        self._backend_tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self, backend_dir: Path) -> list[str]:
+        command = [
+            str(triton_dir() / "bin/tritonserver"),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backend_dir}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--model-control-mode={self.model_control_mode}",
+        ]
+        command += [f"--load-model={name}" for name in self.load_models]
+        return command + list(self.extra_args)
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
+        backend_dir = make_backend_dir(Path(self._backend_tmp.name))
+        output = open(self.log_file, "ab") if self.log_file else None
+        # A session of its own, so stop() can end the server and every stub process it started.
+        self.process = subprocess.Popen(self.command(backend_dir), env=server_environment(), stdout=output,
+                                        stderr=subprocess.STDOUT if output else None, start_new_session=True)
+        if output:
+            output.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_address}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready"
+                                  + (f"; see {self.log_file}" if self.log_file else ""))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s"
+                          + (f"; see {self.log_file}" if self.log_file else ""))
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (Triton unloads its models, calling finalize on every rank); SIGKILL what is left."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        if self._backend_tmp is not None:
+            self._backend_tmp.cleanup()
+            self._backend_tmp = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
