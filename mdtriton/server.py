@@ -60,9 +60,11 @@ def server_environment() -> dict[str, str]:
     """The stubs embed libpython and see no virtualenv by themselves: hand them our packages and libraries."""
     env = dict(os.environ)
     libs = triton_dir().parent.parent / "nvidia_pytriton.libs"
-    library_path = [str(libs), sysconfig.get_config_var("LIBDIR")]
     python_path = site.getsitepackages() + [str(Path(find_spec("mdtriton").origin).parent.parent)]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    # libpython's directory goes last: on some hosts it is /usr/lib/<arch>, whose older CUDA libraries
+    # (cuDNN) must not shadow the ones torch brings.
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p]
+                                             + [sysconfig.get_config_var("LIBDIR")])
     env["PYTHONPATH"] = os.pathsep.join(python_path + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 

@@ -9,10 +9,12 @@ the inputs by name and returns a dict of full (unsplit) outputs on every rank, w
 from __future__ import annotations
 
 from mdtriton.engine.manifest import EngineError
+from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.models.tiny_transformer import TinyTransformer
 
 ARCHITECTURES = {
     "tiny_transformer": TinyTransformer,
+    "flux": Flux,
 }
 
 

@@ -6,6 +6,7 @@ Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint load
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ FLUX_DEV_CONFIG = {
     "axes_dims_rope": [16, 56, 56],
 }
 
-# A few-hundred-thousand-parameter FLUX for tests: same structure, tiny sizes.
+# A FLUX of ~0.3 M parameters for tests: the same structure at tiny sizes.
 TINY_CONFIG = {
     "patch_size": 1,
     "in_channels": 8,
@@ -50,42 +51,142 @@ TINY_CONFIG = {
 }
 
 
+CONFIG_KEYS = tuple(FLUX_DEV_CONFIG)
+
+
 @dataclass(frozen=True)
 class JointSlice:
     """This context-parallel rank's tokens of the joint [text; image] sequence.
 
-    The sequence is padded at its end to a multiple of cp_size; rank r holds positions
-    [r * local_len, (r + 1) * local_len): text positions first, then image, then padding.
+    The sequence is padded at its end to a multiple of cp_size; the rank holds positions
+    [start, start + local_len): its text tokens first, then its image tokens, then padding.
     """
 
     text_len: int
     image_len: int
-    local_len: int
     start: int
+    local_len: int
 
     @classmethod
     def of(cls, text_len: int, image_len: int, comm: Communicator) -> "JointSlice":
         local_len = -(-(text_len + image_len) // comm.cp_size)
-        return cls(text_len, image_len, local_len, comm.cp_rank * local_len)
+        return cls(text_len, image_len, comm.cp_rank * local_len, local_len)
 
     @property
     def valid_len(self) -> int:
-        """Real (unpadded) tokens in the joint sequence."""
+        """Real (unpadded) tokens in the whole joint sequence."""
         return self.text_len + self.image_len
 
-    @property
-    def padded_len(self) -> int:
-        return self.local_len * (self.start // self.local_len + 1) if False else None  # replaced below
-
     def text_range(self) -> tuple[int, int]:
-        """This rank's text tokens, as a range of text positions."""
+        """This rank's text tokens, as [first, end) text positions."""
         return min(self.start, self.text_len), min(self.start + self.local_len, self.text_len)
 
     def image_range(self) -> tuple[int, int]:
-        """This rank's image tokens, as a range of image positions."""
+        """This rank's image tokens, as [first, end) image positions."""
         first, end = self.start - self.text_len, self.start + self.local_len - self.text_len
         return min(max(first, 0), self.image_len), min(max(end, 0), self.image_len)
 
     def padding(self) -> int:
-        """How many padding tokens this rank holds after its real ones."""
-        return self.start + self.local_len - max(self.start, self.valid_len) if self.start + self.local_len > self.valid_len else 0
+        """Padding tokens this rank holds after its real ones."""
+        return max(self.start + self.local_len - max(self.start, self.valid_len), 0)
+
+
+class Flux(nn.Module):
+    """One rank's FLUX.1 transformer: inputs by diffusers' names, output {"sample"} in full on every rank."""
+
+    def __init__(self, config: dict, comm: Communicator):
+        super().__init__()
+        Flux.check_plan(config, comm.plan)
+        self.comm = comm
+        self.axes_dims = list(config["axes_dims_rope"])
+        self.guidance_embeds = bool(config["guidance_embeds"])
+        heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+        dim = heads * head_dim
+        out_channels = config["out_channels"] or config["in_channels"]
+        attention = attention_for(comm.plan)
+
+        self.time_text_embed = TimeTextEmbedding(dim, config["pooled_projection_dim"], self.guidance_embeds)
+        self.context_embedder = nn.Linear(config["joint_attention_dim"], dim)
+        self.x_embedder = nn.Linear(config["in_channels"], dim)
+        self.transformer_blocks = nn.ModuleList(
+            FluxTransformerBlock(dim, heads, head_dim, comm, attention) for _ in range(config["num_layers"]))
+        self.single_transformer_blocks = nn.ModuleList(
+            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention) for _ in range(config["num_single_layers"]))
+        self.norm_out = AdaLayerNormContinuous(dim)
+        self.proj_out = nn.Linear(dim, config["patch_size"] ** 2 * out_channels)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor,
+                txt_ids: torch.Tensor, guidance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Denoiser output for the image tokens: {"sample": [B, S_img, patch_size**2 * out_channels]}.
+
+        Every rank gets the same full inputs and embeds only its own slice of the joint sequence.
+        """
+        if self.guidance_embeds and guidance is None:
+            raise ValueError("this FLUX config has guidance_embeds; pass a guidance input [B]")
+        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
+        text_first, text_end = tokens.text_range()
+        image_first, image_end = tokens.image_range()
+        padding = tokens.padding()
+
+        text = self.context_embedder(encoder_hidden_states[:, text_first:text_end])
+        image = self.x_embedder(hidden_states[:, image_first:image_end])
+        ids = torch.cat((txt_ids[text_first:text_end], img_ids[image_first:image_end]))
+        if padding:
+            image = F.pad(image, (0, 0, 0, padding))
+            ids = F.pad(ids, (0, 0, 0, padding))
+        rope = rotary_embedding(ids, self.axes_dims)
+        timestep = timestep.to(image.dtype) * 1000
+        if self.guidance_embeds:
+            guidance = guidance.to(image.dtype) * 1000
+        temb = self.time_text_embed(timestep, guidance, pooled_projections)
+
+        for block in self.transformer_blocks:
+            image, text = block(image, text, temb, rope, tokens.valid_len)
+        joint = torch.cat((text, image), dim=1)
+        for block in self.single_transformer_blocks:
+            joint = block(joint, temb, rope, tokens.valid_len)
+        # The final norm and projection are per token; doing them on the text tokens too costs little and
+        # lets every rank contribute an equal slice to the gather.
+        sample = self.comm.cp_all_gather(self.proj_out(self.norm_out(joint, temb)), dim=1)
+        return {"sample": sample[:, tokens.text_len:tokens.valid_len].contiguous()}
+
+    @staticmethod
+    def default_config() -> dict:
+        return copy.deepcopy(TINY_CONFIG)
+
+    @staticmethod
+    def check_plan(config: dict, plan: ParallelPlan) -> None:
+        """Raise ValueError saying what to change if config is not a FLUX config or plan cannot split it."""
+        missing = [key for key in CONFIG_KEYS if key not in config]
+        if missing:
+            raise ValueError(f"FLUX config lacks {', '.join(missing)} (keys as diffusers' FluxTransformer2DModel config)")
+        heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+        axes_dims = list(config["axes_dims_rope"])
+        if sum(axes_dims) != head_dim or any(d % 2 for d in axes_dims):
+            raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to attention_head_dim {head_dim}")
+        if heads % plan.tp_size:
+            raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
+                             "choose a tp_size that divides the head count")
+        local_heads = heads // plan.tp_size
+        if plan.cp_size > 1 and plan.cp_method == "ulysses" and local_heads % plan.cp_size:
+            raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
+                             f"{plan.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
+                             "or a cp_size that divides the heads per tensor-parallel rank")
+
+    @staticmethod
+    def signature(config: dict, data_type: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """Inputs and outputs as diffusers' forward; position ids are FP32 (diffusers turns them to float32)."""
+        axes = len(config["axes_dims_rope"])
+        inputs = [
+            TensorSpec("hidden_states", data_type, (-1, -1, config["in_channels"])),
+            TensorSpec("encoder_hidden_states", data_type, (-1, -1, config["joint_attention_dim"])),
+            TensorSpec("pooled_projections", data_type, (-1, config["pooled_projection_dim"])),
+            TensorSpec("timestep", data_type, (-1,)),
+        ]
+        if config["guidance_embeds"]:
+            inputs.append(TensorSpec("guidance", data_type, (-1,)))
+        inputs += [TensorSpec("img_ids", "FP32", (-1, axes)), TensorSpec("txt_ids", "FP32", (-1, axes))]
+        out_channels = config["out_channels"] or config["in_channels"]
+        outputs = (TensorSpec("sample", data_type, (-1, -1, config["patch_size"] ** 2 * out_channels)),)
+        return tuple(inputs), outputs

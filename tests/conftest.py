@@ -1,0 +1,43 @@
+"""Shared fixtures: small engines built into a temporary model repository, and a real Triton server on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mdtriton.server import TritonServer
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
+    """Start a server on free ports; on failure, show the end of its log in the error."""
+    try:
+        return TritonServer(repository, log_file=log_file, **kwargs).start(timeout=180)
+    except Exception as error:
+        tail = log_file.read_text()[-4000:] if log_file.exists() else "(no log)"
+        raise RuntimeError(f"{error}\n--- server log tail ---\n{tail}") from error
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    """Start servers for one test; each is stopped at the end of the test."""
+    servers = []
+
+    def start(repository: Path, **kwargs) -> TritonServer:
+        server = start_server(repository, tmp_path / f"server{len(servers)}.log", **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
