@@ -150,7 +150,7 @@ class JobRunner:
             job.result.set_exception(RanksUnavailable(reason))
 
     def stop(self) -> None:
-        """Leave the group: tell the hub (so the other ranks stop cleanly), then free the rendezvous slot."""
+        """Leave: tell the hub (so the other ranks stop without waiting on us), then free the rendezvous slot."""
         self._stopping.set()
         if self._link is not None:
             try:
@@ -158,7 +158,7 @@ class JobRunner:
             except OSError:
                 pass
             self._link.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The process group is not destroyed here: Triton ends the stub process right after finalize,
+        # which frees it, while destroying an NCCL group whose peers are already gone can block.
         if self._generation is not None:
             self.rendezvous.leave(self._generation.number)

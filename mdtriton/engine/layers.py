@@ -68,8 +68,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.tp_all_reduce(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        # Rank 0 adds the bias inside its GEMM (no extra kernel; on one rank the exact nn.Linear math), so
+        # the sum holds it once.
+        bias = self.bias if self.comm.tp_rank == 0 else None
+        return self.comm.tp_all_reduce(F.linear(x, self.weight, bias))
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}

@@ -80,7 +80,8 @@ class FluxTransformerBlock(nn.Module):
         image_q, image_k, image_v = self.attn.image_qkv(norm_image)
         joint = attend(torch.cat((text_q, image_q), dim=1), torch.cat((text_k, image_k), dim=1),
                        torch.cat((text_v, image_v), dim=1), rope, self.attention, self.comm, valid_len)
-        text_attn, image_attn = joint.split((text.shape[1], image.shape[1]), dim=1)
+        # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
+        text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
 
         image = image + gate[:, None] * self.attn.to_out[0](image_attn)
         image = image + gate_mlp[:, None] * self.ff(layer_norm(image) * (1 + scale_mlp[:, None]) + shift_mlp[:, None])

@@ -1,0 +1,93 @@
+"""Multi-rank FLUX engines (tensor, context and both) against the one-rank engine, on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdtriton.build_tools.engine_builder import build_engine, random_weights
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.models.flux import Flux, JointSlice
+from mdtriton.engine.plan import ParallelPlan
+from tests.distributed import run_ranks
+from tests.engine.flux_inputs import flux_inputs, relative_error
+
+# (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
+# 4 ranks the last rank holds only padding and the one before it a real token and padding.
+SEQUENCES = [(5, 10), (4, 12), (2, 3)]
+CP_METHODS = ("allgather_kv", "ring", "ulysses")
+PLANS = {
+    2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
+    4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
+       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS],
+}
+
+
+def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
+    """On one rank: load each engine and run every input case; the samples as numpy arrays."""
+    results = {}
+    for name, engine_dir in engine_dirs.items():
+        comm = Communicator(Manifest.read(engine_dir).plan, rank, torch.device("cpu"))
+        comm.join_groups()
+        engine = TorchEngine.load(engine_dir, comm)
+        results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_engines_match_one_rank(tmp_path, world_size):
+    config = Flux.default_config()
+    weights = random_weights("flux", config, seed=1)
+    cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
+
+    build_engine(tmp_path / "one_rank", "flux", config, ParallelPlan(), "FP32", weights, progress=False)
+    reference = TorchEngine.load(tmp_path / "one_rank", Communicator.single())
+    expected = [reference.forward(inputs)["sample"] for inputs in cases]
+
+    engine_dirs = {}
+    for plan in PLANS[world_size]:
+        name = f"tp{plan.tp_size}_cp{plan.cp_size}_{plan.cp_method}"
+        build_engine(tmp_path / name, "flux", config, plan, "FP32", weights, progress=False)
+        engine_dirs[name] = str(tmp_path / name)
+    per_rank = run_ranks(world_size, run_engines, engine_dirs, cases)
+
+    for rank, results in enumerate(per_rank):
+        for name, samples in results.items():
+            for (text_len, image_len), sample, want in zip(SEQUENCES, samples, expected):
+                got = torch.from_numpy(sample)
+                assert got.shape == want.shape, f"{name}, rank {rank}, text {text_len} + image {image_len}"
+                error = relative_error(got, want)
+                assert error < 1e-5, f"{name}, rank {rank}, text {text_len} + image {image_len}: error {error:.2e}"
+
+
+@pytest.mark.parametrize("tp_size, cp_size", [(1, 3), (2, 4)])
+def test_ulysses_with_indivisible_heads_says_what_to_use(tp_size, cp_size):
+    plan = ParallelPlan(tp_size=tp_size, cp_size=cp_size, cp_method="ulysses")
+    with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"):
+        Flux.check_plan(Flux.default_config(), plan)
+    with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"), torch.device("meta"):
+        Flux(Flux.default_config(), Communicator(plan, 0, torch.device("cpu")))
+    Flux.check_plan(Flux.default_config(), ParallelPlan(tp_size=tp_size, cp_size=cp_size, cp_method="ring"))
+
+
+def test_heads_indivisible_by_tp_size_is_refused():
+    with pytest.raises(ValueError, match="num_attention_heads 4 does not divide by tp_size 3"):
+        Flux.check_plan(Flux.default_config(), ParallelPlan(tp_size=3))
+
+
+@pytest.mark.parametrize("text_len, image_len", [(5, 10), (4, 12), (2, 3), (7, 0)])
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_joint_slices_cover_the_sequence_once(text_len, image_len, cp_size):
+    """Rank slices, in rank order, are the text tokens, then the image tokens, then the padding."""
+    text, image, padding = [], [], 0
+    for cp_rank in range(cp_size):
+        tokens = JointSlice.of(text_len, image_len, Communicator(ParallelPlan(cp_size=cp_size), cp_rank, "cpu"))
+        text += range(*tokens.text_range())
+        image += range(*tokens.image_range())
+        padding += tokens.padding()
+        held = len(range(*tokens.text_range())) + len(range(*tokens.image_range())) + tokens.padding()
+        assert held == tokens.local_len
+    assert text == list(range(text_len)) and image == list(range(image_len))
+    assert padding == -(text_len + image_len) % cp_size
