@@ -4,7 +4,8 @@ The rendezvous area is a directory per (Triton server process, model, version) h
 guarded by a file lock. The ranks meet in numbered *generations*: a generation is open until all
 world_size ranks have joined, then closed for good. A rank opens a new generation when the current one
 is closed or already has a member of its rank, so:
-- ranks initialised in parallel or one after another meet in the same open generation;
+- ranks initialised in parallel or one after another meet in the same open generation (a slot
+  held by a process that died before the generation closed is given to the next comer);
 - a reload (new instances while the old ones still serve) finds the old generation closed and opens
   a new one, which the old load's ranks never read again;
 - after a failure, every surviving rank and the restarted one join the next generation.
@@ -113,6 +114,9 @@ class Rendezvous:
         with self._locked_state() as state:
             self._remove_dead_generations(state)
             current = state["generations"].get(str(state["current"]))
+            if current is not None and not current["closed"]:
+                # No group has formed in an open generation yet, so a slot held by a dead process is free.
+                current["members"] = {r: p for r, p in current["members"].items() if _alive(p)}
             if current is None or current["closed"] or str(self.rank) in current["members"]:
                 state["current"] += 1
                 current = {"members": {}, "closed": False, "token": secrets.token_hex(16)}

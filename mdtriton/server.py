@@ -60,7 +60,8 @@ def server_environment() -> dict[str, str]:
     """The stubs embed libpython and see no virtualenv by themselves: hand them our packages and libraries."""
     env = dict(os.environ)
     libs = triton_dir().parent.parent / "nvidia_pytriton.libs"
-    python_path = site.getsitepackages() + [str(Path(find_spec("mdtriton").origin).parent.parent)]
+    # This process's mdtriton first, so the stubs run the same code as the launcher (a checkout too).
+    python_path = [str(Path(find_spec("mdtriton").origin).parent.parent)] + site.getsitepackages()
     # libpython's directory goes last: on some hosts it is /usr/lib/<arch>, whose older CUDA libraries
     # (cuDNN) must not shadow the ones torch brings.
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p]

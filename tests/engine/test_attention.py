@@ -1,0 +1,68 @@
+"""Each context-parallel attention method against plain attention over the unpadded sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.plan import ParallelPlan
+from tests.distributed import run_ranks
+from tests.engine.flux_inputs import relative_error
+
+BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
+# Real tokens of the 2 x 5 padded sequence: none padded, padding inside rank 1's slice, rank 1 all padding.
+VALID_LENS = [10, 7, 4]
+
+
+def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v [B, H, world_size * LOCAL_LEN, D]; keys and values past valid_len are huge, so any
+    leak of padding into a real token's output would be plain to see."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (BATCH, HEADS, world_size * LOCAL_LEN, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=generator) for _ in range(3))
+    k[:, :, valid_len:] *= 30
+    v[:, :, valid_len:] *= 1000
+    return q, k, v
+
+
+def expected_output(q, k, v, valid_len: int) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[:, :, :valid_len], k[:, :, :valid_len], v[:, :, :valid_len])
+
+
+def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
+    """On one rank: every CP method on this rank's slice of every case; outputs as numpy arrays."""
+    comm = Communicator(ParallelPlan(cp_size=world_size), rank, torch.device("cpu"))
+    comm.join_groups()
+    mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
+    return {name: [attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, valid_len).numpy()
+                   for q, k, v, valid_len in cases]
+            for name, attention in CP_ATTENTION.items()}
+
+
+def test_methods_on_two_ranks_match_plain_attention():
+    cases = [(*qkv_with_loud_padding(2, n, seed), n) for seed, n in enumerate(VALID_LENS)]
+    per_rank = run_ranks(2, run_methods, cases)
+    for name in CP_ATTENTION:
+        for (q, k, v, valid_len), *outputs in zip(cases, *(results[name] for results in per_rank)):
+            got = torch.cat([torch.from_numpy(out) for out in outputs], dim=2)[:, :, :valid_len]
+            error = relative_error(got, expected_output(q, k, v, valid_len))
+            assert error < 1e-5, f"{name}, valid_len {valid_len}: error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", sorted(CP_ATTENTION))
+def test_methods_on_one_rank_are_plain_attention(name):
+    q, k, v = qkv_with_loud_padding(1, 3, seed=7)
+    got = CP_ATTENTION[name](q, k, v, Communicator.single(), 3)
+    assert relative_error(got[:, :, :3], expected_output(q, k, v, 3)) < 1e-5
+    assert attention_for(ParallelPlan(cp_method=name)) is local.attention
+
+
+def test_attention_with_lse_gives_output_and_log_sum_exp():
+    q, k, v = qkv_with_loud_padding(1, LOCAL_LEN, seed=3)
+    out, lse = local.attention_with_lse(q, k, v)
+    scores = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
+    assert relative_error(out, F.scaled_dot_product_attention(q, k, v)) < 1e-5
+    assert relative_error(lse, scores.logsumexp(dim=-1)) < 1e-6
