@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 from mdtriton import __version__
+from mdtriton.client.grpc_client import ClientError
+from mdtriton.engine.manifest import EngineError
+from mdtriton.server import ServerError
+
+# Errors that are the user's to fix: shown as one line, exit code 1 (anything else keeps its traceback).
+USER_ERRORS = (ClientError, EngineError, ServerError, ValueError, OSError)
 
 
 def add_serve_parser(subparsers) -> None:
@@ -57,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     client_cli.add_parser(subparsers)
     demo.add_parser(subparsers)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""The mdtriton command as a user runs it: build, serve (stopped by SIGTERM, nothing left behind), infer."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mdtriton.cli import main
+
+
+def mdtriton(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mdtriton.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_command():
+    result = mdtriton("--help")
+    assert result.returncode == 0
+    for command in ("build", "serve", "infer", "demo"):
+        assert command in result.stdout
+
+
+def test_bad_arguments_give_one_clear_line(tmp_path):
+    result = mdtriton("build", str(tmp_path), "--name", "m", "--config", "{not json")
+    assert result.returncode != 0 and "--config is not valid JSON" in result.stderr
+
+
+def stub_processes_of(pid: int) -> list[int]:
+    result = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True)
+    return [int(line.split()[0]) for line in result.stdout.splitlines()[1:]
+            if line.split()[1] == str(pid) and "triton_python_backend_stub" in line]
+
+
+@pytest.mark.timeout(300)
+def test_build_serve_infer_and_stop_cleanly(tmp_path):
+    assert main(["build", str(tmp_path / "repo"), "--name", "tiny", "--tp", "2", "--seed", "1"]) == 0
+    serve = subprocess.Popen([sys.executable, "-m", "mdtriton.cli", "serve", str(tmp_path / "repo")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        address = None
+        deadline = time.monotonic() + 180
+        while address is None and time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            match = re.search(r"ready: gRPC (\S+)", line)
+            address = match.group(1) if match else None
+        assert address, "serve never printed its gRPC address"
+        server_pid = int(subprocess.run(["pgrep", "-f", f"tritonserver.*{tmp_path}"], capture_output=True,
+                                        text=True).stdout.split()[0])
+        assert len(stub_processes_of(server_pid)) == 2  # one stub per rank
+        np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((1, 4, 64), dtype=np.float32))
+        result = mdtriton("infer", "tiny", "--url", address, "--input", f"hidden_states={tmp_path / 'x.npy'}",
+                          "--output-dir", str(tmp_path / "out"))
+        assert result.returncode == 0, result.stderr
+        assert np.load(tmp_path / "out" / "output.npy").shape == (1, 4, 64)
+        assert "latency:" in result.stdout
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=120)
+    assert serve.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+    assert stub_processes_of(server_pid) == []
+
+
+def test_infer_against_no_server_fails_in_one_line(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((1, 4, 64), np.float32))
+    result = mdtriton("infer", "tiny", "--url", "127.0.0.1:1", "--input", f"hidden_states={tmp_path / 'x.npy'}",
+                      "--timeout", "5")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "error" in result.stderr.lower()
