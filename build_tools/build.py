@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mdtriton.build_tools.engine_builder import build_engine, load_weights, random_weights
+from mdtriton.build_tools.engine_builder import build_engine, load_weights, random_shard, shard_from_full
 from mdtriton.build_tools.model_config import model_config
 from mdtriton.build_tools.repository import ENGINE_DIR, check_compatible, install_version, new_version_dir
 from mdtriton.engine.architectures import architecture
@@ -30,11 +30,15 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs)
     triton_config = model_config(name, probe, device, gpus, request_timeout_s)
     check_compatible(version_dir.parent, triton_config)
-    full_weights = load_weights(weights_path) if weights_path else random_weights(architecture_name, config, seed)
+    if weights_path:
+        full_weights = load_weights(weights_path)
+        shard_of_rank = lambda rank: shard_from_full(architecture_name, config, plan, rank, full_weights)  # noqa: E731
+    else:
+        shard_of_rank = lambda rank: random_shard(architecture_name, config, plan, rank, seed)  # noqa: E731
     staging = version_dir.parent / f".building-{version_dir.name}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, full_weights, progress)
+        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, shard_of_rank, progress)
         install_version(staging, triton_config)
         staging.rename(version_dir)
     except BaseException:

@@ -51,7 +51,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mdtriton import demo
+    from mdtriton import bench, demo
     from mdtriton.build_tools import cli as build_cli
     from mdtriton.client import cli as client_cli
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(subparsers)
     client_cli.add_parser(subparsers)
     demo.add_parser(subparsers)
+    bench.add_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

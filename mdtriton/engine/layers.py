@@ -77,24 +77,29 @@ class RowParallelLinear(nn.Module):
         return {"weight": (1, self.in_segments)}
 
 
+def parallel_specs(model: nn.Module) -> dict[str, tuple[int, list[int], int, int]]:
+    """For each split parameter of model (built for one rank): (dim, segments, tp_rank, tp_size)."""
+    specs = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            for name, (dim, segments) in module.shard_specs().items():
+                specs[f"{prefix}.{name}" if prefix else name] = (dim, segments, module.comm.tp_rank, module.comm.tp_size)
+    return specs
+
+
 def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cut this rank's weights for `model` (built for one rank of a plan) out of the full weights.
 
     Parameters of parallel layers are split by their shard_specs; all others are copied whole.
     """
-    specs = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            for name, spec in module.shard_specs().items():
-                specs[f"{prefix}.{name}" if prefix else name] = (spec, module.comm)
+    specs = parallel_specs(model)
     local = {}
     for name, expected in model.state_dict().items():
         if name not in full_state:
             raise KeyError(f"weight {name!r} is missing from the full weights")
         full = full_state[name]
         if name in specs:
-            (dim, segments), comm = specs[name]
-            full = take_shard(full, dim, segments, comm.tp_rank, comm.tp_size)
+            full = take_shard(full, *specs[name])
         if tuple(full.shape) != tuple(expected.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(full.shape)}, expected {tuple(expected.shape)}")
         local[name] = full

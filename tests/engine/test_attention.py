@@ -10,7 +10,7 @@ from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
-from tests.engine.flux_inputs import relative_error
+from tests.engine.flux_cases import relative_error
 
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
 # Real tokens of the 2 x 5 padded sequence: none padded, padding inside rank 1's slice, rank 1 all padding.

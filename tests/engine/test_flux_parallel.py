@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdtriton.build_tools.engine_builder import build_engine, random_weights
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import Flux, JointSlice
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
-from tests.engine.flux_inputs import flux_inputs, relative_error
+from tests.engine.flux_cases import flux_inputs, random_weights, relative_error, write_engine
 
 # (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
 # 4 ranks the last rank holds only padding and the one before it a real token and padding.
@@ -39,18 +38,17 @@ def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_engines_match_one_rank(tmp_path, world_size):
     config = Flux.default_config()
-    weights = random_weights("flux", config, seed=1)
+    weights = random_weights(config, seed=1)
     cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
 
-    build_engine(tmp_path / "one_rank", "flux", config, ParallelPlan(), "FP32", weights, progress=False)
-    reference = TorchEngine.load(tmp_path / "one_rank", Communicator.single())
+    reference = TorchEngine.load(write_engine(tmp_path / "one_rank", config, ParallelPlan(), weights),
+                                 Communicator.single())
     expected = [reference.forward(inputs)["sample"] for inputs in cases]
 
     engine_dirs = {}
     for plan in PLANS[world_size]:
-        name = f"tp{plan.tp_size}_cp{plan.cp_size}_{plan.cp_method}"
-        build_engine(tmp_path / name, "flux", config, plan, "FP32", weights, progress=False)
-        engine_dirs[name] = str(tmp_path / name)
+        name = f"tp{plan.tp_size}_cp{plan.cp_size}" + (f"_{plan.cp_method}" if plan.cp_size > 1 else "")
+        engine_dirs[name] = str(write_engine(tmp_path / name, config, plan, weights))
     per_rank = run_ranks(world_size, run_engines, engine_dirs, cases)
 
     for rank, results in enumerate(per_rank):

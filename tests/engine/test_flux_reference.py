@@ -8,7 +8,7 @@ from diffusers import FluxTransformer2DModel
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
-from tests.engine.flux_inputs import flux_inputs, relative_error
+from tests.engine.flux_cases import flux_inputs, relative_error
 
 
 def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:

@@ -8,8 +8,15 @@ Every method has the call signature of `local.attention`:
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 from mdtriton.engine.attention import allgather_kv, local, ring, ulysses
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Communicator, int], torch.Tensor]
 
 CP_ATTENTION = {
     "allgather_kv": allgather_kv.attention,
@@ -18,7 +25,7 @@ CP_ATTENTION = {
 }
 
 
-def attention_for(plan: ParallelPlan):
+def attention_for(plan: ParallelPlan) -> Attention:
     """The attention function for plan: its context-parallel method, or plain attention on one CP rank."""
     if plan.cp_size == 1:
         return local.attention

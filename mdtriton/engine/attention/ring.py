@@ -38,5 +38,5 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     if out is None:
         return block_out.float(), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
-    return out, new_lse
+    weight, block_weight = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
+    return out * weight + block_out.float() * block_weight, new_lse

@@ -34,8 +34,9 @@ FLUX_DEV_CONFIG = {
     "guidance_embeds": True,
     "axes_dims_rope": [16, 56, 56],
 }
+CONFIG_KEYS = tuple(FLUX_DEV_CONFIG)
 
-# A FLUX of ~0.3 M parameters for tests: the same structure at tiny sizes.
+# A FLUX of ~0.5 M parameters for tests: the same structure at tiny sizes.
 TINY_CONFIG = {
     "patch_size": 1,
     "in_channels": 8,
@@ -49,9 +50,6 @@ TINY_CONFIG = {
     "guidance_embeds": True,
     "axes_dims_rope": [4, 6, 6],
 }
-
-
-CONFIG_KEYS = tuple(FLUX_DEV_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,8 @@ class Flux(nn.Module):
         self.transformer_blocks = nn.ModuleList(
             FluxTransformerBlock(dim, heads, head_dim, comm, attention) for _ in range(config["num_layers"]))
         self.single_transformer_blocks = nn.ModuleList(
-            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention) for _ in range(config["num_single_layers"]))
+            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention)
+            for _ in range(config["num_single_layers"]))
         self.norm_out = AdaLayerNormContinuous(dim)
         self.proj_out = nn.Linear(dim, config["patch_size"] ** 2 * out_channels)
 
@@ -161,11 +160,13 @@ class Flux(nn.Module):
         """Raise ValueError saying what to change if config is not a FLUX config or plan cannot split it."""
         missing = [key for key in CONFIG_KEYS if key not in config]
         if missing:
-            raise ValueError(f"FLUX config lacks {', '.join(missing)} (keys as diffusers' FluxTransformer2DModel config)")
+            raise ValueError(f"FLUX config lacks {', '.join(missing)} "
+                             "(its keys are those of diffusers' FluxTransformer2DModel config)")
         heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
         axes_dims = list(config["axes_dims_rope"])
         if sum(axes_dims) != head_dim or any(d % 2 for d in axes_dims):
-            raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to attention_head_dim {head_dim}")
+            raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to "
+                             f"attention_head_dim {head_dim}")
         if heads % plan.tp_size:
             raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
                              "choose a tp_size that divides the head count")

@@ -5,14 +5,17 @@ group, tokens split across the context-parallel group (each rank holds a contigu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
 from mdtriton.engine.models.flux_layers import (AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward,
                                                 apply_rotary, layer_norm)
 
 RMS_EPS = 1e-6
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class FluxAttention(nn.Module):
@@ -51,7 +54,8 @@ class FluxAttention(nn.Module):
         return x.unflatten(-1, (-1, self.head_dim))
 
 
-def attend(q, k, v, rope, attention, comm: Communicator, valid_len: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, attention: Attention,
+           comm: Communicator, valid_len: int) -> torch.Tensor:
     """Rotary-embed q and k [B, S, H, D], run the attention function on [B, H, S, D] views, return [B, S, H*D]."""
     q, k = apply_rotary(q, rope), apply_rotary(k, rope)
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), comm, valid_len)
@@ -61,7 +65,7 @@ def attend(q, k, v, rope, attention, comm: Communicator, valid_len: int) -> torc
 class FluxTransformerBlock(nn.Module):
     """Double-stream block: text and image keep their own weights and meet in one joint attention."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention):
         super().__init__()
         self.comm = comm
         self.attention = attention
@@ -71,7 +75,8 @@ class FluxTransformerBlock(nn.Module):
         self.ff = FeedForward(dim, comm)
         self.ff_context = FeedForward(dim, comm)
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, valid_len: int):
+    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope,
+                valid_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """image [B, S_img_local, dim] and text [B, S_txt_local, dim] -> both updated; text comes first in the
         joint sequence, so this rank's text tokens (if any) precede its image tokens."""
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
@@ -97,7 +102,7 @@ class FluxSingleTransformerBlock(nn.Module):
     """Single-stream block over the joint sequence: attention and MLP in parallel, one output projection
     over [attention | MLP] (row-parallel per part, so each rank's share of both lines up)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention):
         super().__init__()
         self.comm = comm
         self.attention = attention
@@ -108,10 +113,10 @@ class FluxSingleTransformerBlock(nn.Module):
                                           in_segments=[heads * head_dim, mlp_hidden])
         self.attn = FluxAttention(dim, heads, head_dim, comm, joint=False)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope, valid_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
         norm_x, gate = self.norm(x, temb)
-        mlp = nn.functional.gelu(self.proj_mlp(norm_x), approximate="tanh")
+        mlp = F.gelu(self.proj_mlp(norm_x), approximate="tanh")
         attn = attend(*self.attn.image_qkv(norm_x), rope, self.attention, self.comm, valid_len)
         x = x + gate[:, None] * self.proj_out(torch.cat((attn, mlp), dim=2))
         if x.dtype == torch.float16:

@@ -1,0 +1,226 @@
+"""`mdtriton bench`: one FLUX transformer forward per GPU count x parallel method x sequence length.
+
+Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are random, made on each
+GPU shard by shard from one seed (the same full model for every plan), bf16. Timing: warm-up runs,
+then CUDA-event times of whole forwards between barriers; the median is reported. At --check-tokens
+every plan's output is compared with the 1-GPU output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.server import free_port
+
+METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
+
+
+def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
+    """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
+    if world_size == 1:
+        return {"1 GPU": ParallelPlan()}
+    plans = {}
+    for method in methods:
+        if method == "tp":
+            plans[method] = ParallelPlan(tp_size=world_size)
+        elif method == "tp_cp":
+            if world_size >= 4 and world_size % 2 == 0:
+                plans[method] = ParallelPlan(tp_size=2, cp_size=world_size // 2, cp_method="ulysses")
+        else:
+            plans[method] = ParallelPlan(cp_size=world_size, cp_method=method)
+    return plans
+
+
+def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid."""
+    generator = torch.Generator().manual_seed(0)
+    side = math.isqrt(image_tokens)
+    positions = torch.arange(image_tokens)
+    inputs = {
+        "hidden_states": torch.randn(1, image_tokens, config["in_channels"], generator=generator),
+        "encoder_hidden_states": torch.randn(1, text_tokens, config["joint_attention_dim"], generator=generator),
+        "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=generator),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.stack((torch.zeros(image_tokens), positions // side, positions % side), dim=1).float(),
+        "txt_ids": torch.zeros(text_tokens, 3),
+    }
+    if config["guidance_embeds"]:
+        inputs["guidance"] = torch.tensor([3.5])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {name: t.to(device, dtype if name not in ("img_ids", "txt_ids") else torch.float32)
+            for name, t in inputs.items()}
+
+
+def time_forward(module, inputs, warmup: int, iterations: int) -> tuple[list[float], torch.Tensor]:
+    """Milliseconds of each timed forward (CUDA events on GPU; ranks lined up by a barrier first)."""
+    times = []
+    cuda = inputs["hidden_states"].is_cuda
+    for i in range(warmup + iterations):
+        if dist.is_initialized():
+            dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            began = time.perf_counter()
+        output = module(**inputs)["sample"]
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            elapsed = (time.perf_counter() - began) * 1000
+        if i >= warmup:
+            times.append(elapsed)
+    return times, output
+
+
+def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(||a - b|| / ||b||, max |a - b| / max |b|)."""
+    diff = actual.float() - expected.float()
+    return (diff.norm() / expected.float().norm()).item(), (diff.abs().max() / expected.float().abs().max()).item()
+
+
+def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
+    config = FLUX_DEV_CONFIG if args.config == "dev" else {**Flux.default_config(), **json.loads(args.config)}
+    rows = []
+    for method, plan in plans_for(world_size, args.methods).items():
+        comm = Communicator(plan, rank, device)
+        comm.join_groups()
+        with torch.device("meta"):
+            module = Flux(config, comm)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        module.load_state_dict(random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype), assign=True)
+        module.eval()
+        for image_tokens in args.image_tokens:
+            inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
+            with torch.inference_mode():
+                times, output = time_forward(module, inputs, args.warmup, args.iterations)
+            row = {"gpus": world_size, "method": method, "plan": str(plan), "image_tokens": image_tokens,
+                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times), "min_ms": min(times)}
+            reference = Path(work_dir) / f"reference-{image_tokens}.pt"
+            if image_tokens in args.check_tokens and rank == 0:
+                if world_size == 1:
+                    torch.save(output.cpu(), reference)
+                elif reference.exists():
+                    row["rel_error"], row["max_rel_error"] = relative_errors(output.cpu(), torch.load(reference))
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+        del module
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        with open(Path(work_dir) / f"rows-{world_size}.json", "w") as handle:
+            json.dump(rows, handle)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def attention_tflops(row: dict, config: dict) -> float:
+    """Whole-model attention FLOPs (4 S^2 heads dim per block) per GPU per second, over the forward's time."""
+    tokens = row["image_tokens"] + row["text_tokens"]
+    blocks = config["num_layers"] + config["num_single_layers"]
+    flops = 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"] * blocks
+    return flops / row["gpus"] / (row["median_ms"] / 1000) / 1e12
+
+
+def print_table(rows: list[dict], config: dict) -> str:
+    single = {r["image_tokens"]: r["median_ms"] for r in rows if r["gpus"] == 1}
+    lines = ["| image+text tokens | GPUs | method | plan | median ms | speedup | efficiency | attention-equivalent TFLOP/s per GPU | rel. error vs 1 GPU (norm / max elem.) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"])):
+        speedup = single.get(r["image_tokens"], float("nan")) / r["median_ms"]
+        error = f"{r['rel_error']:.1e} / {r['max_rel_error']:.1e}" if "rel_error" in r else ""
+        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | {r['plan']} | "
+                     f"{r['median_ms']:.1f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | "
+                     f"{attention_tflops(r, config):.0f} | {error} |")
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["image_tokens"] for r in rows})
+    figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for axis, length in zip(axes[0], lengths):
+        single = next((r["median_ms"] for r in rows if r["gpus"] == 1 and r["image_tokens"] == length), None)
+        for method in sorted({r["method"] for r in rows if r["gpus"] > 1}):
+            points = sorted((r["gpus"], single / r["median_ms"]) for r in rows
+                            if r["method"] == method and r["image_tokens"] == length and single)
+            axis.plot([1] + [p[0] for p in points], [1.0] + [p[1] for p in points], marker="o", label=method)
+        gpus = sorted({r["gpus"] for r in rows})
+        axis.plot(gpus, gpus, linestyle="--", color="gray", label="ideal")
+        axis.set(title=f"{length:,} image + {rows[0]['text_tokens']} text tokens", xlabel="GPUs", ylabel="speedup over 1 GPU")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="measure the FLUX engine on 1..N GPUs per parallel method",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
+    parser.add_argument("--image-tokens", default="4096,16384,65536", help="image sequence lengths")
+    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--config", default="dev", help="'dev' (FLUX.1-dev size) or JSON overriding the tiny config")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--check-tokens", default="4096", help="lengths at which outputs are compared with 1 GPU")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (default when there is a GPU) or cpu: gloo ranks, float32, for checking the tool")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = [int(g) for g in args.gpus.split(",")]
+    if args.device == "cuda" and max(counts) > torch.cuda.device_count():
+        raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
+                         "for a functional run on CPU ranks)")
+    args.methods = args.methods.split(",")
+    args.image_tokens = [int(n) for n in args.image_tokens.split(",")]
+    args.check_tokens = [int(n) for n in args.check_tokens.split(",")]
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for world_size in sorted(set(counts) | {1}):
+            mp.spawn(_rank_main, args=(world_size, free_port(), args, work_dir), nprocs=world_size)
+            rows += json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
+    config = FLUX_DEV_CONFIG if args.config == "dev" else {**Flux.default_config(), **json.loads(args.config)}
+    table = print_table(rows, config)
+    (args.output_dir / "results.json").write_text(json.dumps(rows, indent=1))
+    (args.output_dir / "results.md").write_text(table + "\n")
+    plot(rows, args.output_dir / "speedup.png")
+    print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
+    return 0
