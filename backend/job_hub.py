@@ -5,6 +5,10 @@ header of every job it receives (id, origin rank, input shapes) to the hub on ra
 socket in the rendezvous generation's directory; the hub sends each header, numbered, to all ranks,
 and all ranks run the jobs in that order. Tensors never pass through here: the origin rank
 broadcasts the inputs over the communicator (NCCL/gloo).
+
+The hub lives as long as one generation. When a rank leaves (its process exited, so its socket
+closed; or it ended the generation after an error, saying why; or the model is unloading) the hub
+tells every rank to stop, with the reason, and ends: the generation is over for all of them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 
@@ -27,44 +32,76 @@ class JobHub:
     """Runs on rank 0 in its own thread; lives as long as one rendezvous generation."""
 
     def __init__(self, address: str, token: str, world_size: int):
+        self.address = address
+        self.token = token
         self.world_size = world_size
         self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
+        self._stopping = threading.Event()
+        self._wake_reader, self._wake_writer = Pipe(duplex=False)
         self._thread = threading.Thread(target=self._serve, name="mdtriton-job-hub", daemon=True)
 
     def start(self) -> "JobHub":
         self._thread.start()
         return self
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tell every rank to stop (if the hub still runs) and end the hub's thread."""
+        self._stopping.set()
+        self._wake_writer.send(None)
+        try:  # wakes accept() if not every rank has connected yet
+            Client(self.address, family="AF_UNIX", authkey=self.token.encode()).close()
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._wake_reader.close()
+        self._wake_writer.close()
+
     def _serve(self) -> None:
         links: dict[int, Connection] = {}
-        while len(links) < self.world_size:
-            connection = self._listener.accept()
-            links[receive(connection)["rank"]] = connection
-        self._listener.close()
+        try:
+            while len(links) < self.world_size:
+                connection = self._listener.accept()
+                if self._stopping.is_set():
+                    connection.close()
+                    break
+                links[receive(connection)["rank"]] = connection
+        except (EOFError, OSError):
+            pass  # a rank died while connecting; the others learn it when the hub stops below
+        finally:
+            self._listener.close()
+        if len(links) < self.world_size or self._stopping.is_set():
+            self._stop(links, "the ranks did not all connect to rank 0's job hub")
+            return
         ranks = {connection: rank for rank, connection in links.items()}
         sequence = 0
         while True:
-            for connection in wait(list(ranks)):
+            for connection in wait(list(ranks) + [self._wake_reader]):
+                if connection is self._wake_reader:
+                    self._stop(links, "rank 0 ended this generation")
+                    return
                 try:
                     message = receive(connection)
                 except (EOFError, OSError):
-                    self._stop(links, f"rank {ranks[connection]} disconnected: its process exited or was restarted")
+                    self._stop(links, f"rank {ranks[connection]} disconnected")
                     return
                 if message["type"] == "leave":
-                    self._stop(links, f"rank {ranks[connection]} is shutting down (the model is being unloaded)")
+                    self._stop(links, f"rank {ranks[connection]} left: {message['reason']}")
                     return
                 sequence += 1
                 for link in links.values():
-                    send(link, {**message, "type": "run", "sequence": sequence})
+                    try:
+                        send(link, {**message, "type": "run", "sequence": sequence})
+                    except OSError:
+                        pass  # that rank is gone: its closed socket ends the generation on the next wait()
 
     @staticmethod
     def _stop(links: dict[int, Connection], reason: str) -> None:
         for link in links.values():
             try:
                 send(link, {"type": "stop", "reason": reason})
-                link.close()
             except OSError:
                 pass
+            link.close()
 
 
 class HubLink:

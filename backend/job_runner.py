@@ -1,9 +1,18 @@
 """Every rank runs every job, in one order: the data plane of the backend.
 
-A JobRunner lives in each rank's stub process. Its thread joins the rendezvous, forms the process
-group (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and then runs the jobs the hub
-orders: the rank that received the request broadcasts its inputs, every rank runs the engine, and
-the receiving rank hands the outputs back to its waiting request.
+A JobRunner lives in each rank's stub process. Its thread forms a *generation* of the ranks: it joins
+the rendezvous, forms the process group (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and
+runs the jobs the hub orders: the rank that received the request broadcasts its inputs, every rank runs
+the engine, and the receiving rank hands the outputs back to its waiting request.
+
+A generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket
+close), a collective fails or times out (a rank stopped or stuck), or a job raises on this rank (its
+peers may be waiting in a collective that will never complete, so the job order cannot be trusted any
+more). Every job still pending then fails at once, saying why, and the runner goes on:
+- every member process is still alive: the same processes form the successor generation and serve
+  again (automatic recovery); requests fail fast while they re-form;
+- a member has exited: Triton does not restart the stub of a Python backend instance, so the model
+  cannot serve until it is reloaded; every request fails fast saying so.
 """
 
 from __future__ import annotations
@@ -13,17 +22,20 @@ import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from mdtriton.backend.job_hub import HubLink, JobHub
-from mdtriton.backend.rendezvous import Generation, Rendezvous
+from mdtriton.backend.process_state import describe_ranks
+from mdtriton.backend.rendezvous import Generation, RankExited, Rendezvous, RendezvousTimeout
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
 
 log = logging.getLogger("mdtriton.backend")
+
+RELOAD_ADVICE = ("Triton does not restart the stub process of a Python backend instance, so this model cannot "
+                 "serve until it is reloaded: unload and load it through the model control API (server started "
+                 "with --model-control-mode=explicit), or restart the server")
 
 
 class RanksUnavailable(Exception):
@@ -44,13 +56,14 @@ class JobRunner:
         self.rendezvous = rendezvous
         self.join_timeout = join_timeout
         self.collective_timeout = collective_timeout
+        self._lock = threading.Lock()  # guards the fields below, which the runner thread and requests share
         self._pending: dict[str, Job] = {}
-        self._pending_lock = threading.Lock()
+        self._link: HubLink | None = None
+        self._generation: Generation | None = None
+        self._problem: str | None = None  # why no job can run now; None while serving or forming the first time
         self._ready = threading.Event()
         self._stopping = threading.Event()
-        self._failure: str | None = None
-        self._generation: Generation | None = None
-        self._link: HubLink | None = None
+        self._hub: JobHub | None = None
         self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
 
     def start(self) -> None:
@@ -60,105 +73,151 @@ class JobRunner:
         """Wait until every rank has joined; False if that did not happen within timeout."""
         return self._ready.wait(timeout)
 
-    def submit(self, inputs: dict[str, torch.Tensor], timeout: float) -> Job:
-        """Queue a job for all ranks; its `result` future gets the outputs (or the error)."""
-        if not self._ready.wait(timeout):
-            raise RanksUnavailable(self._failure or f"not all {self.comm.plan.world_size} ranks have joined "
-                                   f"within {timeout:.0f} s; check the server log of the other instances")
+    def submit(self, inputs: dict[str, torch.Tensor], first_join_wait: float) -> Job:
+        """Queue a job for all ranks; its `result` future gets the outputs (or the error).
+
+        Fails at once (RanksUnavailable) while the ranks are apart; only before the first generation has
+        formed does it wait, up to first_join_wait, for the other ranks to join.
+        """
+        if self._problem is None and not self._ready.is_set():
+            self._ready.wait(first_join_wait)
         job = Job(inputs)
-        with self._pending_lock:
+        with self._lock:
+            if not self._ready.is_set():
+                raise RanksUnavailable(self._problem or f"not all {self.comm.plan.world_size} ranks have joined within "
+                                       f"{first_join_wait:.0f} s; check the server log of the other instances")
             self._pending[job.id] = job
+            link = self._link
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in inputs.items()]
         try:
-            self._link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
+            link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
         except OSError as error:
-            self._fail_pending(f"lost the connection to rank 0's job hub: {error}")
+            with self._lock:
+                self._pending.pop(job.id, None)
+            raise RanksUnavailable(f"lost the connection to rank 0's job hub: {error}") from None
         return job
+
+    def ranks_not_running(self) -> str:
+        """The ranks of the current (or last) generation that are stopped or gone, as one phrase ("" if none)."""
+        generation = self._generation
+        return describe_ranks(generation.members, exclude=self.comm.rank) if generation else ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us."""
+        self._stopping.set()
+        with self._lock:
+            link = self._link
+        if link is not None:
+            try:
+                link.send({"type": "leave", "reason": "the model is being unloaded"})
+            except OSError:
+                pass
+        self._thread.join(timeout)
+        # The runner thread leaves its generation when it ends; if it is still stuck (in a collective with a
+        # stopped rank), leave from here so the rendezvous area is cleaned up anyway.
+        generation = self._generation
+        if self._thread.is_alive() and generation is not None:
+            self.rendezvous.leave(generation.number)
 
     def _run(self) -> None:
         if self.comm.device.type == "cuda":
             torch.cuda.set_device(self.comm.device)
-        try:
-            self._connect()
-        except Exception as error:  # noqa: BLE001 - reported to every request instead of killing the thread
-            self._failure = f"rank {self.comm.rank} could not join the other ranks: {error}"
-            log.error(self._failure)
-            return
-        self._serve()
-
-    def _connect(self) -> None:
-        plan, rank = self.comm.plan, self.comm.rank
-        self._generation = generation = self.rendezvous.join(self.join_timeout, self._stopping)
-        if plan.world_size > 1:
-            backend = "nccl" if self.comm.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.FileStore(str(generation.store_path), plan.world_size),
-                                    rank=rank, world_size=plan.world_size,
-                                    timeout=timedelta(seconds=self.collective_timeout),
-                                    device_id=self.comm.device if backend == "nccl" else None)
-            self.comm.join_groups()
-        if rank == 0:
-            JobHub(generation.hub_address, generation.token, plan.world_size).start()
-        self._link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
-        self._ready.set()
-        log.info("rank %d joined generation %d of %s", rank, generation.number, plan)
-
-    def _serve(self) -> None:
-        while True:
+        generation = None
+        while not self._stopping.is_set():
             try:
-                message = self._link.receive()
-            except Exception:  # noqa: BLE001 - EOF, reset, or our own close() during stop()
-                if self._stopping.is_set():
-                    return
-                message = {"type": "stop", "reason": "rank 0's job hub went away (rank 0 exited or was restarted)"}
-            if message["type"] == "stop":
-                self._ready.clear()
-                self._failure = message["reason"]
-                self._fail_pending(message["reason"])
+                if generation is None:
+                    generation = self.rendezvous.join(self.join_timeout, self._stopping)
+                else:
+                    generation = self.rendezvous.reform(generation, self._stopping)
+            except RankExited as error:
+                self._give_up(f"{error}. {RELOAD_ADVICE}")
                 return
-            self._execute(message)
+            except RendezvousTimeout as error:
+                if not self._stopping.is_set():
+                    self._give_up(f"rank {self.comm.rank} could not join the other ranks: {error}")
+                return
+            reason = self._serve(generation)
+            self._end_generation(generation, reason)
+
+    def _serve(self, generation: Generation) -> str:
+        """Form the process group of this generation and run its jobs until it ends; return why it ended."""
+        rank = self.comm.rank
+        try:
+            self.comm.connect(generation.store_path, self.collective_timeout)
+            if rank == 0:
+                self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
+            link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
+            with self._lock:
+                self._link, self._generation, self._problem = link, generation, None
+                self._ready.set()
+            log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
+            while True:
+                message = link.receive()
+                if message["type"] == "stop":
+                    return message["reason"]
+                self._execute(message)
+        except (EOFError, ConnectionError):
+            return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
+        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason reaches every request
+            return f"rank {rank}: {error}"
 
     def _execute(self, message: dict) -> None:
+        """Run one job with all ranks; any exception leaves the collective order unknown, so it ends the generation."""
         origin = message["origin"]
-        mine = origin == self.comm.rank
-        job = self._pop(message["job"]) if mine else None
-        inputs = {}
-        for name, data_type, shape in message["inputs"]:
-            if mine:
-                tensor = job.inputs[name].to(self.comm.device).contiguous()
-            else:
-                tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
-            inputs[name] = self.comm.broadcast(tensor, src=origin)
+        job = self._pop(message["job"]) if origin == self.comm.rank else None
         try:
+            inputs = {}
+            for name, data_type, shape in message["inputs"]:
+                if job is not None:
+                    tensor = job.inputs[name].to(self.comm.device).contiguous()
+                else:
+                    tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
+                inputs[name] = self.comm.broadcast(tensor, src=origin)
             outputs = self.engine.forward(inputs)
             if self.comm.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-        except Exception as error:  # noqa: BLE001 - the error belongs to the request, not to this thread
-            if mine:
+        except Exception as error:
+            if job is not None:
                 job.result.set_exception(error)
-            return
-        if mine:
+            raise
+        if job is not None:
             job.result.set_result(outputs)
 
     def _pop(self, job_id: str) -> Job:
-        with self._pending_lock:
+        with self._lock:
             return self._pending.pop(job_id)
 
-    def _fail_pending(self, reason: str) -> None:
-        with self._pending_lock:
+    def _end_generation(self, generation: Generation, reason: str) -> None:
+        """Fail every pending job with the reason, tell the others (via the hub), and free the communicator."""
+        lost = describe_ranks(generation.members, exclude=self.comm.rank)
+        what = f"{reason}; {lost}" if lost else reason
+        with self._lock:
+            self._ready.clear()
+            if not self._stopping.is_set():
+                self._problem = f"the ranks are re-forming after a failure ({what}); retry in a few seconds"
             jobs, self._pending = list(self._pending.values()), {}
+            link, self._link = self._link, None
+        if not self._stopping.is_set():
+            log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
         for job in jobs:
-            job.result.set_exception(RanksUnavailable(reason))
-
-    def stop(self) -> None:
-        """Leave: tell the hub (so the other ranks stop without waiting on us), then free the rendezvous slot."""
-        self._stopping.set()
-        if self._link is not None:
+            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request ran: {what}"))
+        if link is not None:
             try:
-                self._link.send({"type": "leave"})
+                link.send({"type": "leave", "reason": reason})
             except OSError:
                 pass
-            self._link.close()
-        # The process group is not destroyed here: Triton ends the stub process right after finalize,
-        # which frees it, while destroying an NCCL group whose peers are already gone can block.
-        if self._generation is not None:
-            self.rendezvous.leave(self._generation.number)
+            link.close()
+        if self._hub is not None:
+            self._hub.stop()
+            self._hub = None
+        try:
+            self.comm.disconnect()
+        except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the next one is new
+            log.warning("rank %d: tearing down the process group of generation %d: %s",
+                        self.comm.rank, generation.number, error)
+        self.rendezvous.leave(generation.number)
+
+    def _give_up(self, problem: str) -> None:
+        with self._lock:
+            self._problem = problem
+        log.error("rank %d: %s", self.comm.rank, problem)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
@@ -11,22 +13,34 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from mdtriton.backend.freeze_watchdog import FreezeWatchdog
 from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.placement import placement_from_args
 from mdtriton.backend.rendezvous import Rendezvous, rendezvous_dir
-from mdtriton.engine.comm import Communicator
+from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.request_check import RequestError, check_request
 
 log = logging.getLogger("mdtriton.backend")
 
 # How long initialize() waits for the other ranks before letting Triton go on (it may be loading the
 # instances one after another, and the others can only join after this one returns).
 INITIALIZE_JOIN_WAIT_S = 20.0
+DEFAULT_REQUEST_TIMEOUT_S = "30"
 
 
-class BadRequest(Exception):
-    """A request the engine cannot take; sent back as INVALID_ARG."""
+class TritonLogHandler(logging.Handler):
+    """Python logging records into Triton's log (pb_utils.Logger), where operators read the server's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record)
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(message)
+        else:
+            pb_utils.Logger.log_info(message)
 
 
 def error_response(message: str, code) -> "pb_utils.InferenceResponse":
@@ -39,15 +53,18 @@ def read_parameters(config: dict) -> dict[str, str]:
 
 class RankModel:
     def __init__(self, args: dict):
+        if not log.handlers:
+            log.addHandler(TritonLogHandler())
+            log.setLevel(logging.INFO)
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
-        self.request_timeout = float(parameters.get("request_timeout_s", "300"))
+        self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
         join_timeout = float(parameters.get("join_timeout_s", "600"))
         if self.placement.device.type == "cuda":
             torch.cuda.set_device(self.placement.device)
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
-        manifest = Manifest.read(engine_dir)
+        self.manifest = manifest = Manifest.read(engine_dir)
         if manifest.plan.world_size != self.placement.world_size:
             raise EngineError(f"{engine_dir}: engine has {manifest.plan.world_size} ranks ({manifest.plan}) but the "
                               f"model config starts {self.placement.world_size} instances; they must match")
@@ -55,50 +72,61 @@ class RankModel:
         self.engine = TorchEngine.load(engine_dir, comm)
         log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
                  self.placement.device, self.engine.load_seconds)
-        self.inputs = {spec.name: spec for spec in manifest.inputs}
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 comm.rank, manifest.plan.world_size)
         self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout)
         self.runner.start()
+        self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
         if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
             log.warning("rank %d: the other ranks have not joined yet; carrying on in the background", comm.rank)
 
     def execute(self, requests: list) -> list:
+        self.freeze_watchdog.check()
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = []
         for request in requests:
+            deadline = time.monotonic() + self.request_timeout
             try:
-                submitted.append(self.runner.submit(self._inputs(request), self.request_timeout))
-            except BadRequest as error:
+                inputs = self._inputs(request)
+                check_request(self.manifest, inputs)
+                submitted.append((self.runner.submit(inputs, self.request_timeout), deadline))
+            except RequestError as error:
                 submitted.append(error_response(str(error), pb_utils.TritonError.INVALID_ARG))
             except RanksUnavailable as error:
                 submitted.append(error_response(str(error), pb_utils.TritonError.UNAVAILABLE))
-        return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(item) for item in submitted]
+        return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(*item) for item in submitted]
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
         inputs = {}
-        for name, spec in self.inputs.items():
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                raise BadRequest(f"input {name!r} is missing")
-            value = torch.from_dlpack(tensor.to_dlpack())
-            if value.numel() == 0:
-                raise BadRequest(f"input {name!r} is empty (shape {list(value.shape)})")
-            inputs[name] = value
+        for spec in self.manifest.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is not None:
+                inputs[spec.name] = torch.from_dlpack(tensor.to_dlpack())
         return inputs
 
-    def _response(self, job):
+    def _response(self, job, deadline: float):
         try:
-            outputs = job.result.result(timeout=self.request_timeout)
+            outputs = job.result.result(timeout=max(deadline - time.monotonic(), 0.0))
         except FutureTimeout:
-            return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s",
-                                  pb_utils.TritonError.UNAVAILABLE)
+            stuck = self.runner.ranks_not_running()
+            return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "
+                                  f"config.pbtxt){': ' + stuck if stuck else ''}", pb_utils.TritonError.UNAVAILABLE)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
-        except Exception as error:  # noqa: BLE001 - an engine error answers this request, the model keeps serving
+        except CommunicationError as error:
+            return error_response(f"the ranks lost each other while running this request: {error}",
+                                  pb_utils.TritonError.UNAVAILABLE)
+        except Exception as error:  # noqa: BLE001 - an engine error answers this request; the ranks re-form
             return error_response(f"engine failed on this request: {error}", pb_utils.TritonError.INTERNAL)
         tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous())) for name, value in outputs.items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    def _on_freeze(self, seconds: float) -> None:
+        log.error("rank %d was frozen for %.1f s (SIGSTOP?); Triton may have declared this stub unhealthy, and "
+                  "serving on would crash the server, so this process exits: reload the model to recover",
+                  self.placement.rank, seconds)
+        os._exit(1)
+
     def finalize(self) -> None:
+        self.freeze_watchdog.stop()
         self.runner.stop()

@@ -8,7 +8,11 @@ is closed or already has a member of its rank, so:
   held by a process that died before the generation closed is given to the next comer);
 - a reload (new instances while the old ones still serve) finds the old generation closed and opens
   a new one, which the old load's ranks never read again;
-- after a failure, every surviving rank and the restarted one join the next generation.
+- after a failure that every rank survived (a collective timed out, a job failed on one rank), the same
+  processes meet again in the failed generation's *successor* (`reform`), which no other process may join;
+  if a member has exited instead, the successor can never close, and `reform` says which rank is gone
+  (Triton does not restart a dead stub: the model must be reloaded, and a reload's ranks meet in a fresh
+  generation of their own).
 Joining never blocks Triton: callers wait for the generation to close in a thread.
 """
 
@@ -25,14 +29,25 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
 
 
 class RendezvousTimeout(Exception):
-    """Not every rank joined in time."""
+    """Not every rank joined in time (or this rank was asked to stop while waiting)."""
+
+
+class RankExited(Exception):
+    """A member of the failed generation has exited, so its successor can never form."""
+
+    def __init__(self, rank: int, pid: int):
+        super().__init__(f"rank {rank} (pid {pid}) has exited (killed or crashed)")
+        self.rank = rank
+        self.pid = pid
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class Generation:
     number: int
     directory: Path
     token: str
+    members: dict[int, int] = field(default_factory=dict)  # rank -> pid
 
     @property
     def store_path(self) -> Path:
@@ -60,13 +76,7 @@ def rendezvous_dir(model_name: str, model_version: str) -> Path:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return process_state(pid) is not ProcessState.EXITED
 
 
 class Rendezvous:
@@ -82,7 +92,7 @@ class Rendezvous:
     def _locked_state(self):
         with self._lock():
             path = self.directory / "state.json"
-            state = json.loads(path.read_text()) if path.exists() else {"current": 0, "generations": {}}
+            state = json.loads(path.read_text()) if path.exists() else {"current": 0, "last": 0, "generations": {}}
             yield state
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(state))
@@ -118,13 +128,23 @@ class Rendezvous:
                 # No group has formed in an open generation yet, so a slot held by a dead process is free.
                 current["members"] = {r: p for r, p in current["members"].items() if _alive(p)}
             if current is None or current["closed"] or str(self.rank) in current["members"]:
-                state["current"] += 1
-                current = {"members": {}, "closed": False, "token": secrets.token_hex(16)}
-                state["generations"][str(state["current"])] = current
-                (self.directory / f"gen{state['current']}").mkdir(exist_ok=True)
+                state["current"] = self._open(state, after=None)
+                current = state["generations"][str(state["current"])]
             current["members"][str(self.rank)] = self.pid
             current["closed"] = len(current["members"]) == self.world_size
             return state["current"]
+
+    def _open(self, state: dict, after: int | None) -> int:
+        """Add a new, empty generation (the successor of `after`, or a fresh one) and return its number."""
+        state["last"] += 1
+        state["generations"][str(state["last"])] = {"members": {}, "closed": False, "token": secrets.token_hex(16),
+                                                    "after": after}
+        (self.directory / f"gen{state['last']}").mkdir(exist_ok=True)
+        return state["last"]
+
+    def _generation(self, number: int, generation: dict) -> Generation:
+        return Generation(number, self.directory / f"gen{number}", generation["token"],
+                          {int(rank): pid for rank, pid in generation["members"].items()})
 
     def join(self, timeout: float, stop: threading.Event) -> Generation:
         """Join the open generation (or open one) and wait until all ranks are in it."""
@@ -134,7 +154,7 @@ class Rendezvous:
             with self._locked_state() as state:
                 generation = state["generations"].get(str(number))
                 if generation is not None and generation["closed"]:
-                    return Generation(number, self.directory / f"gen{number}", generation["token"])
+                    return self._generation(number, generation)
                 if state["current"] != number:
                     # Superseded before it closed (a member died and was restarted): join the newer one.
                     self._leave_locked(state, number)
@@ -150,6 +170,34 @@ class Rendezvous:
                     missing = sorted(set(range(self.world_size)) - {int(r) for r in state["generations"][str(number)]["members"]})
                 self.leave(number)
                 raise RendezvousTimeout(f"ranks {missing} did not join within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def reform(self, previous: Generation, stop: threading.Event) -> Generation:
+        """Meet the other members of `previous` (the same processes) in its successor, once all are back.
+
+        Waits as long as the missing members are alive (a stopped rank may be continued); raises
+        RankExited as soon as one of them has exited, RendezvousTimeout if `stop` is set.
+        """
+        with self._locked_state() as state:
+            number = next((int(n) for n, g in state["generations"].items() if g["after"] == previous.number), None)
+            if number is None:
+                number = self._open(state, after=previous.number)
+            generation = state["generations"][str(number)]
+            generation["members"][str(self.rank)] = self.pid
+            generation["closed"] = len(generation["members"]) == self.world_size
+        while True:
+            with self._locked_state() as state:
+                generation = state["generations"][str(number)]
+                if generation["closed"]:
+                    return self._generation(number, generation)
+                missing = {rank: pid for rank, pid in previous.members.items() if str(rank) not in generation["members"]}
+            exited = [(rank, pid) for rank, pid in missing.items() if not _alive(pid)]
+            if exited:
+                self.leave(number)
+                raise RankExited(*exited[0])
+            if stop.is_set():
+                self.leave(number)
+                raise RendezvousTimeout("stopped while waiting for the other ranks")
             time.sleep(0.05)
 
     def _leave_locked(self, state: dict, number: int) -> None:

@@ -9,14 +9,15 @@ from mdtriton.build_tools.engine_builder import build_engine, load_weights, rand
 from mdtriton.build_tools.model_config import model_config
 from mdtriton.build_tools.repository import ENGINE_DIR, check_compatible, install_version, new_version_dir
 from mdtriton.engine.architectures import architecture
-from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.plan import ParallelPlan
 
 
 def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float = 300.0, progress: bool = True) -> Path:
+                        request_timeout_s: float = 30.0, progress: bool = True,
+                        limits: EngineLimits = EngineLimits()) -> Path:
     """Write repository/name/version/ and return its path.
 
     The version is assembled in a hidden folder (Triton ignores names that are not numbers) and
@@ -38,7 +39,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     staging = version_dir.parent / f".building-{version_dir.name}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, shard_of_rank, progress)
+        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, shard_of_rank, progress, limits)
         install_version(staging, triton_config)
         staging.rename(version_dir)
     except BaseException:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.architectures import ARCHITECTURES
+from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 
 
@@ -32,8 +33,13 @@ def add_parser(subparsers) -> None:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed for random weights (default 0)")
     weights.add_argument("--weights", type=Path, help="full weights in one safetensors file (names as the architecture's)")
-    parser.add_argument("--request-timeout", type=float, default=300.0,
-                        help="seconds a request may wait for all ranks before it fails (default 300)")
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="seconds a request may wait for all ranks before it fails, and the longest a collective "
+                             "may wait for a stopped or stuck rank (default 30)")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help=f"largest batch a request may carry (default {DEFAULT_MAX_BATCH_SIZE})")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"longest sequence a request may carry, in tokens (FLUX: text + image; default {DEFAULT_MAX_TOKENS})")
     parser.set_defaults(run=run)
 
 
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
-                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout)
+                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
+                                      limits=EngineLimits(args.max_batch_size, args.max_tokens))
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

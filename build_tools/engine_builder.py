@@ -15,7 +15,7 @@ from mdtriton.engine.architectures import architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.layers import parallel_specs, shard_state_dict, take_shard
-from mdtriton.engine.manifest import Manifest, WeightFile, file_sha256
+from mdtriton.engine.manifest import EngineLimits, Manifest, WeightFile, file_sha256
 from mdtriton.engine.plan import ParallelPlan
 
 
@@ -68,7 +68,8 @@ def shard_from_full(architecture_name: str, config: dict, plan: ParallelPlan, ra
 
 
 def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
-                 shard_of_rank: Callable[[int], dict[str, torch.Tensor]], progress: bool = True) -> Manifest:
+                 shard_of_rank: Callable[[int], dict[str, torch.Tensor]], progress: bool = True,
+                 limits: EngineLimits = EngineLimits()) -> Manifest:
     """Write each rank's shard (one at a time), then the manifest last.
 
     The manifest is written only after every weight file, so an interrupted build never looks complete.
@@ -85,7 +86,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
         save_file(shard, path, metadata={"rank": str(rank), "plan": str(plan)})
         files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
     inputs, outputs = arch.signature(config, data_type)
-    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files))
+    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits)
     manifest.write(engine_dir)
     return manifest
 

@@ -2,8 +2,10 @@
 
 An architecture is an nn.Module class built as `cls(config, comm)` for one rank, whose forward takes
 the inputs by name and returns a dict of full (unsplit) outputs on every rank, with static methods
-`default_config()`, `check_plan(config, plan)` (raise ValueError saying what to change) and
-`signature(config, data_type)` -> (input TensorSpecs, output TensorSpecs).
+`default_config()`, `check_plan(config, plan)` (raise ValueError saying what to change),
+`signature(config, data_type)` -> (input TensorSpecs, output TensorSpecs), and
+`check_request(config, inputs)` -> (batch size, tokens): raise ValueError, saying what to send instead,
+if the inputs (already of the signature's types and ranks) do not fit together.
 """
 
 from __future__ import annotations

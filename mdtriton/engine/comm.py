@@ -1,17 +1,30 @@
 """The one place that owns process groups; model code calls the named collectives below.
 
 A Communicator knows this rank's place in the plan from the start (so a model can be built and its
-weights loaded before the ranks meet); `join_groups()` creates the process groups once
-torch.distributed is initialised. Every collective is a no-op when its group has one rank, so the
-same model code runs on 1..N ranks.
+weights loaded before the ranks meet); `connect()` forms the process groups of one generation of the
+ranks and `disconnect()` ends them, so the same processes can form a new generation after a failure
+(`join_groups()` alone creates the groups when torch.distributed was initialised elsewhere). Every
+collective is a no-op when its group has one rank, so the same model code runs on 1..N ranks.
+
+A collective that fails (a peer exited, stopped past the timeout, or left) raises CommunicationError:
+the groups cannot be used again, and the caller must disconnect and form a new generation.
 """
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from mdtriton.engine.plan import ParallelPlan
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed: a peer rank exited, stopped or left, or the collective timed out."""
 
 
 class Communicator:
@@ -26,6 +39,48 @@ class Communicator:
         self._tp_group = None
         self._cp_group = None
         self._cp_ranks = plan.cp_group_ranks()[self.tp_rank] if plan.cp_size > 1 else [rank]
+
+    def connect(self, store_path: Path, timeout: float) -> None:
+        """Form the world of this generation (every rank calls this together) and its tp/cp groups.
+
+        `timeout` bounds every collective: a peer that stops answering makes it raise CommunicationError
+        after that long instead of blocking forever (gloo's own timeout; on NCCL, TORCH_NCCL_BLOCKING_WAIT
+        makes the calling thread wait for each collective and raise when it times out or the communicator
+        fails, rather than the watchdog thread ending the whole process).
+        """
+        if self.plan.world_size == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        with self._collective("forming the process group"):
+            dist.init_process_group(backend, store=dist.FileStore(str(store_path), self.plan.world_size),
+                                    rank=self.rank, world_size=self.plan.world_size,
+                                    timeout=timedelta(seconds=timeout),
+                                    device_id=self.device if backend == "nccl" else None)
+            self.join_groups()
+
+    def disconnect(self) -> None:
+        """End this generation's groups; a peer blocked in a collective with this rank then fails at once.
+
+        NCCL groups are aborted, not destroyed: destroying waits for the peers, which may be gone.
+        """
+        if self.plan.world_size == 1 or not dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+        self._tp_group = self._cp_group = None
+
+    @contextmanager
+    def _collective(self, what: str):
+        """Report a failed collective as CommunicationError, naming this rank and the operation."""
+        try:
+            yield
+        except RuntimeError as error:  # gloo and NCCL (DistBackendError) report lost peers and timeouts as this
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CommunicationError(f"{what} failed on rank {self.rank}: {first_line}") from error
 
     def join_groups(self) -> None:
         """Create the tensor- and context-parallel groups; every rank calls this together."""
@@ -63,7 +118,8 @@ class Communicator:
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial results of a row-parallel layer across the tensor-parallel group, in place."""
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self._tp_group)
+            with self._collective("tensor-parallel all-reduce"):
+                dist.all_reduce(x, group=self._tp_group)
         return x
 
     def cp_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,7 +128,8 @@ class Communicator:
             return x
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.cp_size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, moved, group=self._cp_group)
+        with self._collective("context-parallel all-gather"):
+            dist.all_gather_into_tensor(out, moved, group=self._cp_group)
         return out.movedim(0, dim)
 
     def cp_all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -81,13 +138,14 @@ class Communicator:
             return x
         chunks = [c.contiguous() for c in x.chunk(self.cp_size, dim=scatter_dim)]
         received = [torch.empty_like(c) for c in chunks]
-        dist.all_to_all(received, chunks, group=self._cp_group)
+        with self._collective("context-parallel all-to-all"):
+            dist.all_to_all(received, chunks, group=self._cp_group)
         return torch.cat(received, dim=gather_dim)
 
     def cp_ring_shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Start sending tensors to the next context-parallel rank and receiving the previous rank's.
 
-        Returns the receive buffers and the pending works; wait on the works before reading them.
+        Returns the receive buffers and the pending works; `wait` on the works before reading them.
         """
         position = self._cp_ranks.index(self.rank)
         send_to = self._cp_ranks[(position + 1) % self.cp_size]
@@ -95,10 +153,18 @@ class Communicator:
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
-        return received, dist.batch_isend_irecv(ops)
+        with self._collective("context-parallel ring shift"):
+            return received, dist.batch_isend_irecv(ops)
+
+    def wait(self, works: list) -> None:
+        """Wait for works returned by a collective of this communicator (e.g. cp_ring_shift)."""
+        with self._collective("waiting for a context-parallel transfer"):
+            for work in works:
+                work.wait()
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
         if self.plan.world_size > 1:
-            dist.broadcast(x, src=src)
+            with self._collective(f"broadcast from rank {src}"):
+                dist.broadcast(x, src=src)
         return x

@@ -2,7 +2,8 @@
 
 An engine directory is `manifest.json` plus one safetensors file per rank (`rank{r}.safetensors`).
 Each rank reads only its own file; the manifest carries each file's size and SHA-256 so a damaged
-or swapped file is caught at load, before it can serve a request.
+or swapped file is caught at load, before it can serve a request. It also records the engine's
+limits (largest batch, longest sequence), which the server checks before a request reaches any rank.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from pathlib import Path
 
 from mdtriton.engine.plan import ParallelPlan
 
-FORMAT_VERSION = 1
+# 2: limits added.
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
+# Defaults of the limits: FLUX at 2048x2048 pixels is 16384 image tokens plus up to 512 text tokens.
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_TOKENS = 32768
 # Triton's data type names (as in tritonclient and the HTTP/gRPC protocol) that engines may use.
 DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32")
 
@@ -45,6 +50,22 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class EngineLimits:
+    """The largest request the engine takes: batch size, and tokens in one sequence (FLUX: text + image).
+
+    The server refuses larger requests (INVALID_ARG) before any rank sees them, so one oversized request
+    cannot run every GPU out of memory; set them at build time (`mdtriton build --max-batch-size/--max-tokens`).
+    """
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.max_tokens < 1:
+            raise ValueError(f"max_batch_size and max_tokens must be >= 1, got {self.max_batch_size} and {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class WeightFile:
     file: str
     bytes: int
@@ -60,6 +81,7 @@ class Manifest:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     weights: tuple[WeightFile, ...] = field(default=())
+    limits: EngineLimits = field(default=EngineLimits())
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict:
@@ -72,6 +94,7 @@ class Manifest:
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
             "weights": [vars(w) for w in self.weights],
+            "limits": vars(self.limits),
         }
 
     def write(self, engine_dir: Path) -> None:
@@ -88,10 +111,11 @@ class Manifest:
             raise EngineError(f"{path}: unreadable manifest: {error}") from error
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise EngineError(
-                f"{path}: engine format version {version} is not supported by this mdtriton "
-                f"(it reads version {FORMAT_VERSION}); rebuild the engine or upgrade mdtriton"
-            )
+            advice = ("made by a newer mdtriton: upgrade mdtriton, or rebuild the engine with this one"
+                      if isinstance(version, int) and version > FORMAT_VERSION
+                      else "rebuild the engine with this mdtriton (`mdtriton build`)")
+            raise EngineError(f"{path}: engine format version {version} is not supported by this mdtriton "
+                              f"(it reads version {FORMAT_VERSION}); {advice}")
         try:
             return cls(
                 architecture=data["architecture"],
@@ -101,6 +125,7 @@ class Manifest:
                 inputs=tuple(TensorSpec.from_dict(t) for t in data["inputs"]),
                 outputs=tuple(TensorSpec.from_dict(t) for t in data["outputs"]),
                 weights=tuple(WeightFile(**w) for w in data["weights"]),
+                limits=EngineLimits(**data["limits"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"{path}: malformed manifest: {error!r}") from error

@@ -26,8 +26,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
             block_out, block_lse = attention_with_lse(q, kv[0, :, :, :keys], kv[1, :, :, :keys])
             out, lse = merge(out, lse, block_out, block_lse)
         if not last:
-            for work in works:
-                work.wait()
+            comm.wait(works)
             kv = received[0]
     return out.to(q.dtype)
 

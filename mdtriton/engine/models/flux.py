@@ -177,6 +177,24 @@ class Flux(nn.Module):
                              "or a cp_size that divides the heads per tensor-parallel rank")
 
     @staticmethod
+    def check_request(config: dict, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(batch size, text + image tokens); ValueError if the inputs disagree on the batch or the token counts."""
+        batch, image_len = inputs["hidden_states"].shape[:2]
+        text_len = inputs["encoder_hidden_states"].shape[1]
+        per_sample = ["encoder_hidden_states", "pooled_projections", "timestep"]
+        per_sample += ["guidance"] if config["guidance_embeds"] else []
+        for name in per_sample:
+            if inputs[name].shape[0] != batch:
+                raise ValueError(f"{name} has batch size {inputs[name].shape[0]} but hidden_states has {batch}; "
+                                 "every per-sample input needs the same batch size")
+        for ids, tokens, kind, length in (("img_ids", "hidden_states", "image", image_len),
+                                          ("txt_ids", "encoder_hidden_states", "text", text_len)):
+            if inputs[ids].shape[0] != length:
+                raise ValueError(f"{ids} has {inputs[ids].shape[0]} rows but {tokens} has {length} {kind} tokens; "
+                                 f"give one position-id row per {kind} token")
+        return batch, text_len + image_len
+
+    @staticmethod
     def signature(config: dict, data_type: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         """Inputs and outputs as diffusers' forward; position ids are FP32 (diffusers turns them to float32)."""
         axes = len(config["axes_dims_rope"])

@@ -73,6 +73,12 @@ class TinyTransformer(nn.Module):
             raise ValueError(f"hidden_size {config['hidden_size']} does not divide by num_heads {config['num_heads']}")
 
     @staticmethod
+    def check_request(config: dict, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(batch size, tokens) of a request: its one input is [batch, tokens, hidden]."""
+        batch, tokens = inputs["hidden_states"].shape[:2]
+        return batch, tokens
+
+    @staticmethod
     def signature(config: dict, data_type: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         hidden = config["hidden_size"]
         return ((TensorSpec("hidden_states", data_type, (-1, -1, hidden)),),

@@ -1,0 +1,47 @@
+"""Check one request against the engine before any rank sees it.
+
+Triton already refuses a wrong data type, a wrong number of dimensions, a wrong fixed dimension and a
+missing input (they are in config.pbtxt). What only the engine knows is checked here: no empty tensor,
+no NaN or infinity, inputs that fit together (the architecture's own check, e.g. FLUX's position ids),
+and the limits recorded in the manifest. A request that fails is answered with INVALID_ARG by the rank
+that received it, so it never reaches the other ranks or the collective order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mdtriton.engine.architectures import architecture
+from mdtriton.engine.manifest import Manifest
+
+
+class RequestError(ValueError):
+    """A request this engine cannot take; the message says what is wrong and what to send instead."""
+
+
+def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    """Raise RequestError if the inputs (by name) are not a request this engine can run."""
+    for spec in manifest.inputs:
+        tensor = inputs.get(spec.name)
+        if tensor is None:
+            raise RequestError(f"input {spec.name!r} is missing; this model takes "
+                               f"{', '.join(s.name for s in manifest.inputs)}")
+        if tensor.numel() == 0:
+            raise RequestError(f"input {spec.name!r} is empty (shape {list(tensor.shape)}); "
+                               "every dimension must be at least 1")
+        if tensor.is_floating_point():
+            bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+            if bad:
+                raise RequestError(f"input {spec.name!r} holds {bad} NaN or infinite value(s); send finite numbers")
+    try:
+        batch, tokens = architecture(manifest.architecture).check_request(manifest.config, inputs)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    limits = manifest.limits
+    if batch > limits.max_batch_size:
+        raise RequestError(f"batch size {batch} is over this engine's maximum of {limits.max_batch_size}; send at most "
+                           f"{limits.max_batch_size} samples per request (the limit is set at build time: "
+                           "mdtriton build --max-batch-size)")
+    if tokens > limits.max_tokens:
+        raise RequestError(f"the sequence has {tokens} tokens, over this engine's maximum of {limits.max_tokens}; "
+                           "send a shorter one (the limit is set at build time: mdtriton build --max-tokens)")
