@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -50,12 +51,15 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, collective_timeout: float):
+    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, collective_timeout: float,
+                 on_replaced: Callable[[], None]):
+        """on_replaced: called (in the runner thread) when this load is broken and a new load has replaced it."""
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
         self.join_timeout = join_timeout
         self.collective_timeout = collective_timeout
+        self._on_replaced = on_replaced
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and requests share
         self._pending: dict[str, Job] = {}
         self._link: HubLink | None = None
@@ -122,15 +126,20 @@ class JobRunner:
     def _run(self) -> None:
         if self.comm.device.type == "cuda":
             torch.cuda.set_device(self.comm.device)
-        generation = None
+        first = generation = None
         while not self._stopping.is_set():
             try:
                 if generation is None:
-                    generation = self.rendezvous.join(self.join_timeout, self._stopping)
+                    first = generation = self.rendezvous.join(self.join_timeout, self._stopping)
                 else:
                     generation = self.rendezvous.reform(generation, self._stopping)
             except RankExited as error:
                 self._give_up(f"{error}. {RELOAD_ADVICE}")
+                # Triton 2.51 never finalizes the other instances of a model one of whose stubs died after a
+                # request reached it (its unload hangs), so this process would outlive the reload that
+                # replaces it, holding its memory: leave once the new load's ranks meet.
+                if self.rendezvous.wait_for_newer_load(first.number, self._stopping):
+                    self._on_replaced()
                 return
             except RendezvousTimeout as error:
                 if not self._stopping.is_set():
@@ -194,7 +203,7 @@ class JobRunner:
         with self._lock:
             self._ready.clear()
             if not self._stopping.is_set():
-                self._problem = f"the ranks are re-forming after a failure ({what}); retry in a few seconds"
+                self._problem = f"the ranks are re-forming after a failure ({what}); requests fail until every rank is back"
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
         if not self._stopping.is_set():

@@ -74,7 +74,8 @@ class RankModel:
                  self.placement.device, self.engine.load_seconds)
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 comm.rank, manifest.plan.world_size)
-        self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout)
+        self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout,
+                                on_replaced=self._on_replaced)
         self.runner.start()
         self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
         if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
@@ -126,6 +127,11 @@ class RankModel:
                   "serving on would crash the server, so this process exits: reload the model to recover",
                   self.placement.rank, seconds)
         os._exit(1)
+
+    def _on_replaced(self) -> None:
+        log.warning("rank %d: a new load of this model has replaced this broken one; this process exits",
+                    self.placement.rank)
+        os._exit(0)
 
     def finalize(self) -> None:
         self.freeze_watchdog.stop()

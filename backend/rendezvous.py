@@ -35,6 +35,8 @@ from pathlib import Path
 from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
+# The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
+AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
 
 
 class RendezvousTimeout(Exception):
@@ -79,6 +81,16 @@ def _alive(pid: int) -> bool:
     return process_state(pid) is not ProcessState.EXITED
 
 
+def remove_areas_of_dead_servers(root: Path) -> None:
+    """Remove the rendezvous areas of servers that have exited (a killed server's stubs never clean up)."""
+    if not root.is_dir():
+        return
+    for area in root.iterdir():
+        match = AREA_NAME.fullmatch(area.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(area, ignore_errors=True)
+
+
 class Rendezvous:
     """This rank's handle on the rendezvous area."""
 
@@ -114,9 +126,13 @@ class Rendezvous:
                     return
 
     def _remove_dead_generations(self, state: dict) -> None:
-        """Forget generations whose members have all exited (killed ranks never leave by themselves)."""
+        """Forget generations whose members have all exited (killed ranks never leave by themselves).
+
+        The open fresh generation stays: the next comer takes over the slots of its dead members.
+        """
         for number, generation in list(state["generations"].items()):
-            if int(number) != state["current"] and not any(_alive(p) for p in generation["members"].values()):
+            open_fresh = int(number) == state["current"] and not generation["closed"]
+            if not open_fresh and not any(_alive(p) for p in generation["members"].values()):
                 del state["generations"][number]
                 shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
 
@@ -148,6 +164,7 @@ class Rendezvous:
 
     def join(self, timeout: float, stop: threading.Event) -> Generation:
         """Join the open generation (or open one) and wait until all ranks are in it."""
+        remove_areas_of_dead_servers(self.directory.parent)
         deadline = time.monotonic() + timeout
         number = self._enter()
         while True:
@@ -199,6 +216,21 @@ class Rendezvous:
                 self.leave(number)
                 raise RendezvousTimeout("stopped while waiting for the other ranks")
             time.sleep(0.05)
+
+    def wait_for_newer_load(self, number: int, stop: threading.Event) -> bool:
+        """Wait until a load newer than the one that formed fresh generation `number` opens one of its own.
+
+        True when it has, False once `stop` is set. Only reads state.json (written by atomic rename), so it
+        creates nothing in an area the last member may have removed.
+        """
+        path = self.directory / "state.json"
+        while not stop.wait(0.2):
+            try:
+                if json.loads(path.read_text())["current"] > number:
+                    return True
+            except FileNotFoundError:
+                pass
+        return False
 
     def _leave_locked(self, state: dict, number: int) -> None:
         generation = state["generations"].get(str(number))

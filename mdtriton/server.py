@@ -112,6 +112,9 @@ class TritonServer:
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             f"--model-control-mode={self.model_control_mode}",
+            # config.pbtxt is complete (mdtriton build writes it): skip the extra stub process per load that
+            # Triton would start only to ask model.py for a config (seconds per load on a small machine).
+            "--disable-auto-complete-config",
         ]
         command += [f"--load-model={name}" for name in self.load_models]
         return command + list(self.extra_args)

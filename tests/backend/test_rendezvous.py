@@ -1,15 +1,18 @@
-"""The rendezvous: ranks of one load meet in one generation, never in another load's, and leave no files."""
+"""The rendezvous: ranks of one load meet in one generation, never in another load's, re-form after a failure
+among themselves only, and leave no files."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mdtriton.backend.rendezvous import Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import Generation, RankExited, Rendezvous, RendezvousTimeout
 
 
 def join_all(directory, world_size, delays=None):
@@ -67,3 +70,49 @@ def test_slot_of_a_process_that_died_while_waiting_is_reused(tmp_path):
     for rank in range(2):
         Rendezvous(tmp_path, rank, 2).leave(1)
     assert not tmp_path.exists()
+
+
+def dead_pid() -> int:
+    process = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True)
+    return int(process.stdout)
+
+
+def test_survivors_reform_in_the_successor_and_a_new_load_stays_out(tmp_path):
+    failed = join_all(tmp_path, 2)[0]
+    stop = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        survivor0 = pool.submit(Rendezvous(tmp_path, 0, 2).reform, failed, stop)
+        # A new load's rank 1 arriving while the successor waits for rank 1 must not complete it.
+        with pytest.raises(RendezvousTimeout, match=r"ranks \[0\] did not join"):
+            Rendezvous(tmp_path, 1, 2).join(1, stop)
+        assert not survivor0.done()
+        survivor1 = pool.submit(Rendezvous(tmp_path, 1, 2).reform, failed, stop)
+        successors = [survivor0.result(10), survivor1.result(10)]
+    assert len({g.number for g in successors}) == 1 and successors[0].number > failed.number
+    assert successors[0].token != failed.token and successors[0].members == failed.members
+
+
+def test_reform_names_the_rank_that_exited(tmp_path):
+    pid = dead_pid()
+    failed = Generation(1, tmp_path / "gen1", "token", {0: os.getpid(), 1: pid})
+    started = time.monotonic()
+    with pytest.raises(RankExited, match=rf"rank 1 \(pid {pid}\) has exited"):
+        Rendezvous(tmp_path, 0, 2).reform(failed, threading.Event())
+    assert time.monotonic() - started < 2
+    assert not tmp_path.exists()
+
+
+def test_a_newer_load_is_seen_and_areas_of_dead_servers_are_removed(tmp_path):
+    area = tmp_path / "mine-m-0123abcd-v1"
+    first = join_all(area, 2)[0]
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    assert not Rendezvous(area, 0, 2).wait_for_newer_load(first.number, stop)
+    join_all(area, 2)  # a reload's ranks open a fresh generation
+    assert Rendezvous(area, 0, 2).wait_for_newer_load(first.number, threading.Event())
+    stale = tmp_path / f"{dead_pid()}-m-0123abcd-v1"
+    (stale / "gen1").mkdir(parents=True)
+    live = tmp_path / f"{os.getpid()}-m-0123abcd-v1"
+    live.mkdir()
+    join_all(tmp_path / f"{os.getpid()}-other-0123abcd-v2", 1)
+    assert not stale.exists() and live.exists()
