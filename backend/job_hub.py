@@ -8,7 +8,8 @@ broadcasts the inputs over the communicator (NCCL/gloo).
 
 The hub lives as long as one generation. When a rank leaves (its process exited, so its socket
 closed; or it ended the generation after an error, saying why; or the model is unloading) the hub
-tells every rank to stop, with the reason, and ends: the generation is over for all of them.
+tells every rank to stop, with the reason and whether the model is unloading, and ends: the
+generation is over for all of them.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class JobHub:
                     self._stop(links, f"rank {ranks[connection]} disconnected")
                     return
                 if message["type"] == "leave":
-                    self._stop(links, f"rank {ranks[connection]} left: {message['reason']}")
+                    self._stop(links, f"rank {ranks[connection]} left: {message['reason']}", message["unloading"])
                     return
                 sequence += 1
                 for link in links.values():
@@ -95,10 +96,10 @@ class JobHub:
                         pass  # that rank is gone: its closed socket ends the generation on the next wait()
 
     @staticmethod
-    def _stop(links: dict[int, Connection], reason: str) -> None:
+    def _stop(links: dict[int, Connection], reason: str, unloading: bool = False) -> None:
         for link in links.values():
             try:
-                send(link, {"type": "stop", "reason": reason})
+                send(link, {"type": "stop", "reason": reason, "unloading": unloading})
             except OSError:
                 pass
             link.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -68,6 +69,7 @@ class JobRunner:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._hub: JobHub | None = None
+        self._jobs_run = 0  # by this rank, in every generation (only the runner thread counts)
         self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
 
     def start(self) -> None:
@@ -98,7 +100,11 @@ class JobRunner:
         except OSError as error:
             with self._lock:
                 self._pending.pop(job.id, None)
-            raise RanksUnavailable(f"lost the connection to rank 0's job hub: {error}") from None
+            # The hub has gone, so this generation is ending: give the runner a moment to say why.
+            deadline = time.monotonic() + 1.0
+            while self._ready.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RanksUnavailable(self._problem or f"lost the connection to rank 0's job hub: {error}") from None
         return job
 
     def ranks_not_running(self) -> str:
@@ -113,7 +119,7 @@ class JobRunner:
             link = self._link
         if link is not None:
             try:
-                link.send({"type": "leave", "reason": "the model is being unloaded"})
+                link.send({"type": "leave", "reason": "the model is being unloaded", "unloading": True})
             except OSError:
                 pass
         self._thread.join(timeout)
@@ -127,6 +133,7 @@ class JobRunner:
         if self.comm.device.type == "cuda":
             torch.cuda.set_device(self.comm.device)
         first = generation = None
+        failures_in_a_row = 0
         while not self._stopping.is_set():
             try:
                 if generation is None:
@@ -145,8 +152,13 @@ class JobRunner:
                 if not self._stopping.is_set():
                     self._give_up(f"rank {self.comm.rank} could not join the other ranks: {error}")
                 return
+            jobs_before = self._jobs_run
             reason = self._serve(generation)
             self._end_generation(generation, reason)
+            # A generation that ends before running a single job, again and again, is a lasting fault (not a
+            # lost rank): back off rather than spin.
+            failures_in_a_row = failures_in_a_row + 1 if self._jobs_run == jobs_before else 0
+            self._stopping.wait(min(0.1 * 2 ** failures_in_a_row, 5.0) if failures_in_a_row > 1 else 0)
 
     def _serve(self, generation: Generation) -> str:
         """Form the process group of this generation and run its jobs until it ends; return why it ended."""
@@ -163,6 +175,9 @@ class JobRunner:
             while True:
                 message = link.receive()
                 if message["type"] == "stop":
+                    if message["unloading"]:
+                        # Triton unloads every instance of the model: this rank's finalize follows.
+                        self._stopping.set()
                     return message["reason"]
                 self._execute(message)
         except (EOFError, ConnectionError):
@@ -171,48 +186,49 @@ class JobRunner:
             return f"rank {rank}: {error}"
 
     def _execute(self, message: dict) -> None:
-        """Run one job with all ranks; any exception leaves the collective order unknown, so it ends the generation."""
-        origin = message["origin"]
-        job = self._pop(message["job"]) if origin == self.comm.rank else None
-        try:
-            inputs = {}
-            for name, data_type, shape in message["inputs"]:
-                if job is not None:
-                    tensor = job.inputs[name].to(self.comm.device).contiguous()
-                else:
-                    tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
-                inputs[name] = self.comm.broadcast(tensor, src=origin)
-            outputs = self.engine.forward(inputs)
-            if self.comm.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-        except Exception as error:
-            if job is not None:
-                job.result.set_exception(error)
-            raise
-        if job is not None:
-            job.result.set_result(outputs)
+        """Run one job with all ranks.
 
-    def _pop(self, job_id: str) -> Job:
+        Any exception leaves the collective order unknown, so it ends the generation; the job stays in
+        _pending until it has its outputs, so the end of the generation fails it with the reason.
+        """
+        origin = message["origin"]
         with self._lock:
-            return self._pending.pop(job_id)
+            job = self._pending[message["job"]] if origin == self.comm.rank else None
+        inputs = {}
+        for name, data_type, shape in message["inputs"]:
+            if job is not None:
+                tensor = job.inputs[name].to(self.comm.device).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
+            inputs[name] = self.comm.broadcast(tensor, src=origin)
+        outputs = self.engine.forward(inputs)
+        if self.comm.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self._jobs_run += 1
+        if job is not None:
+            with self._lock:
+                del self._pending[job.id]
+            job.result.set_result(outputs)
 
     def _end_generation(self, generation: Generation, reason: str) -> None:
         """Fail every pending job with the reason, tell the others (via the hub), and free the communicator."""
-        lost = describe_ranks(generation.members, exclude=self.comm.rank)
+        lost = self._lost_ranks(generation)
         what = f"{reason}; {lost}" if lost else reason
         with self._lock:
             self._ready.clear()
-            if not self._stopping.is_set():
+            if self._stopping.is_set():
+                self._problem = "the model is being unloaded"
+            else:
                 self._problem = f"the ranks are re-forming after a failure ({what}); requests fail until every rank is back"
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
         if not self._stopping.is_set():
             log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
         for job in jobs:
-            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request ran: {what}"))
+            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request completed: {what}"))
         if link is not None:
             try:
-                link.send({"type": "leave", "reason": reason})
+                link.send({"type": "leave", "reason": reason, "unloading": self._stopping.is_set()})
             except OSError:
                 pass
             link.close()
@@ -225,6 +241,16 @@ class JobRunner:
             log.warning("rank %d: tearing down the process group of generation %d: %s",
                         self.comm.rank, generation.number, error)
         self.rendezvous.leave(generation.number)
+
+    def _lost_ranks(self, generation: Generation) -> str:
+        """The members that exited or stopped, as one phrase; a killed peer's socket can close a moment before
+        its process shows as exited, so look again for up to half a second before answering "none"."""
+        for _ in range(10):
+            lost = describe_ranks(generation.members, exclude=self.comm.rank)
+            if lost or self._stopping.is_set():
+                return lost
+            time.sleep(0.05)
+        return ""
 
     def _give_up(self, problem: str) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from mdtriton.backend.freeze_watchdog import FreezeWatchdog
 from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.placement import placement_from_args
 from mdtriton.backend.rendezvous import Rendezvous, rendezvous_dir
-from mdtriton.engine.comm import CommunicationError, Communicator
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError, check_request
@@ -95,6 +95,10 @@ class RankModel:
                 submitted.append(error_response(str(error), pb_utils.TritonError.INVALID_ARG))
             except RanksUnavailable as error:
                 submitted.append(error_response(str(error), pb_utils.TritonError.UNAVAILABLE))
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: answer this request, keep serving
+                log.error("rank %d could not take a request: %r", self.placement.rank, error)
+                submitted.append(error_response(f"rank {self.placement.rank} could not take this request: {error}",
+                                                pb_utils.TritonError.INTERNAL))
         return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(*item) for item in submitted]
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
@@ -114,11 +118,6 @@ class RankModel:
                                   f"config.pbtxt){': ' + stuck if stuck else ''}", pb_utils.TritonError.UNAVAILABLE)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
-        except CommunicationError as error:
-            return error_response(f"the ranks lost each other while running this request: {error}",
-                                  pb_utils.TritonError.UNAVAILABLE)
-        except Exception as error:  # noqa: BLE001 - an engine error answers this request; the ranks re-form
-            return error_response(f"engine failed on this request: {error}", pb_utils.TritonError.INTERNAL)
         tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous())) for name, value in outputs.items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 

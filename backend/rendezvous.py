@@ -35,6 +35,7 @@ from pathlib import Path
 from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
+MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
 AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
 
@@ -96,6 +97,10 @@ class Rendezvous:
 
     def __init__(self, directory: Path, rank: int, world_size: int):
         self.directory = Path(directory)
+        longest_socket = self.directory / "gen1234567" / "hub.sock"
+        if len(str(longest_socket).encode()) > MAX_UNIX_SOCKET_PATH:
+            raise ValueError(f"the rendezvous area {self.directory} is too deep for the Unix sockets it holds "
+                             f"(at most {MAX_UNIX_SOCKET_PATH} bytes); set {ROOT_ENV} to a shorter directory")
         self.rank = rank
         self.world_size = world_size
         self.pid = os.getpid()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from mdtriton.backend.rendezvous import ROOT_ENV
 from mdtriton.server import TritonServer
 
 
@@ -26,6 +29,15 @@ def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
     except Exception as error:
         tail = log_file.read_text()[-4000:] if log_file.exists() else "(no log)"
         raise RuntimeError(f"{error}\n--- server log tail ---\n{tail}") from error
+
+
+@pytest.fixture
+def rendezvous_root(monkeypatch):
+    """A short directory for the stubs' rendezvous areas (their Unix socket paths must stay under 108 bytes)."""
+    root = Path(tempfile.mkdtemp(prefix="mdt-rdv-"))
+    monkeypatch.setenv(ROOT_ENV, str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

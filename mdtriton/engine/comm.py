@@ -13,6 +13,7 @@ the groups cannot be used again, and the caller must disconnect and form a new g
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,12 @@ from mdtriton.engine.plan import ParallelPlan
 
 class CommunicationError(RuntimeError):
     """A collective failed: a peer rank exited, stopped or left, or the collective timed out."""
+
+
+def first_sentence(error: Exception) -> str:
+    """The gist of a backend error: its first sentence, without gloo's "[source.cc:123] " prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    return text.splitlines()[0].split(". ")[0] if text else type(error).__name__
 
 
 class Communicator:
@@ -79,8 +86,7 @@ class Communicator:
         try:
             yield
         except RuntimeError as error:  # gloo and NCCL (DistBackendError) report lost peers and timeouts as this
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CommunicationError(f"{what} failed on rank {self.rank}: {first_line}") from error
+            raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
     def join_groups(self) -> None:
         """Create the tensor- and context-parallel groups; every rank calls this together."""

@@ -1,0 +1,156 @@
+"""Rank failures on a real tritonserver (2 CPU ranks, gloo) with requests in flight: a rank killed, a rank
+stopped (a hang), a rank that fails a job alone (out of memory). Every request ends, right or with a clear
+error, within a bounded time; nothing wrong is ever answered; the model recovers (by itself when every rank
+process is alive, by a reload when one has exited)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.engine.plan import ParallelPlan
+from tests.backend.load_clients import CONFIG, Clients, Reference, ask, send
+from tests.backend.triton_processes import files_under, stub_processes, wait_for_stubs
+
+MODEL = "tiny"
+SEED = 5
+
+
+def serve(tmp_path, server_factory, request_timeout_s: float):
+    build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
+                        seed=SEED, request_timeout_s=request_timeout_s, progress=False)
+    server = server_factory(tmp_path / "repo", model_control_mode="explicit", load_models=(MODEL,))
+    return server, wait_for_stubs(server.process.pid, 2)
+
+
+def triton_dead_stub(rank: int) -> str:
+    """Triton's own answer for a request it routed to the instance of a dead (or stopped) stub."""
+    return f"Stub process 'rank_{rank}' is not healthy"
+
+
+def reload_recovers(server, reference: Reference, broken_stubs: dict[str, int], rendezvous) -> None:
+    """Unload + load (a plain load of unchanged files is a no-op in Triton): new ranks answer right, and the
+    broken load's surviving ranks exit once the new ranks have met (Triton never finalizes them)."""
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    client.unload_model(MODEL)
+    client.load_model(MODEL)
+    stubs = wait_for_stubs(server.process.pid, 2)
+    assert len(stubs) == 2 and set(stubs.values()).isdisjoint(broken_stubs.values())
+    outcomes = [ask(client, MODEL, reference, index) for index in range(4)]
+    assert all(o.status is None and o.right for o in outcomes), outcomes
+    area = files_under(rendezvous)
+    assert len([name for name in area if name.count("/") == 1 and "/gen" in name]) == 1, area  # one live generation
+
+
+def check_errors(outcomes, failed_rank: int) -> None:
+    """Every error is ours (UNAVAILABLE, naming the failed rank) or Triton's for the failed rank's own instance."""
+    for outcome in outcomes:
+        if outcome.status == "StatusCode.UNAVAILABLE":
+            assert f"rank {failed_rank}" in outcome.message, outcome.message
+        else:
+            assert outcome.status in (None, "StatusCode.INTERNAL"), outcome
+            assert outcome.status is None or triton_dead_stub(failed_rank) in outcome.message, outcome.message
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_fails_every_request_fast_and_clearly_until_a_reload(tmp_path, rendezvous_root, server_factory):
+    server, stubs = serve(tmp_path, server_factory, request_timeout_s=10)
+    reference = Reference(SEED)
+    clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
+    time.sleep(2)
+    killed_at = time.monotonic()
+    victim = stubs["tiny/1/rank_1"]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(4)
+    outcomes = clients.stop()
+
+    assert [o for o in outcomes if o.end < killed_at and o.status is None], "no answer before the kill"
+    assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
+    around = [o for o in outcomes if o.end >= killed_at]
+    later = [o for o in outcomes if o.start > killed_at + 1]
+    assert max(o.latency for o in around) < 3, "a request in flight at the kill was not answered promptly"
+    assert later and all(o.status is not None for o in later)
+    assert max(o.latency for o in later) < 1.5, "requests after the failure do not fail fast"
+    check_errors(around, failed_rank=1)
+    ours = [o.message for o in later if o.status == "StatusCode.UNAVAILABLE"]
+    assert ours and all(f"rank 1 (pid {victim}) has exited" in m and "reloaded" in m for m in ours), ours[:1]
+    # Triton 2.51 goes on reporting the model ready: a Python backend model cannot say otherwise (docs/reliability.md).
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    assert client.is_server_live() and client.is_model_ready(MODEL)
+    reload_recovers(server, reference, stubs, rendezvous_root)
+
+
+@pytest.mark.timeout(300)
+def test_stopped_rank_fails_requests_within_the_timeout_then_exits_when_continued(tmp_path, rendezvous_root,
+                                                                                  server_factory):
+    timeout = 4
+    server, stubs = serve(tmp_path, server_factory, request_timeout_s=timeout)
+    reference = Reference(SEED)
+    clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
+    time.sleep(2)
+    stopped_at = time.monotonic()
+    victim = stubs["tiny/1/rank_0"]  # rank 0 also runs the job hub
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(timeout + 4)
+    continued_at = time.monotonic()
+    os.kill(victim, signal.SIGCONT)
+    # Continued, the stub exits rather than serve on (Triton 2.51 would abort the server; see freeze_watchdog).
+    assert wait_for_stubs(server.process.pid, 1, timeout=10) == {"tiny/1/rank_1": stubs["tiny/1/rank_1"]}
+    time.sleep(1)
+    outcomes = clients.stop()
+
+    assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
+    around = [o for o in outcomes if o.end >= stopped_at]
+    assert max(o.latency for o in around) < timeout + 2, "a request waited longer than the request timeout"
+    check_errors(around, failed_rank=0)
+    during = [o for o in outcomes if stopped_at + timeout + 1 < o.start < continued_at]
+    assert during and all(o.status is not None for o in during)
+    ours = [o.message for o in during if o.status == "StatusCode.UNAVAILABLE"]
+    assert ours and all(f"rank 0 (pid {victim}) is stopped" in m for m in ours), ours[:1]
+    after = [o for o in outcomes if o.start > continued_at + 3]
+    assert after and all(f"rank 0 (pid {victim}) has exited" in o.message for o in after
+                         if o.status == "StatusCode.UNAVAILABLE")
+    assert server.process.poll() is None, "the server died"
+    reload_recovers(server, reference, stubs, rendezvous_root)
+
+
+def data_size(pid: int) -> int:
+    """The process's private writable memory (VmData), which RLIMIT_DATA bounds."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+
+
+@pytest.mark.timeout(240)
+def test_rank_failing_a_job_alone_makes_the_ranks_reform_by_themselves(tmp_path, rendezvous_root, server_factory):
+    """Rank 1 runs out of memory (RLIMIT_DATA) in a large request; rank 0 is left in a collective that can never
+    complete. Both end the generation and, all processes being alive, form the next one without any reload."""
+    server, stubs = serve(tmp_path, server_factory, request_timeout_s=20)
+    reference = Reference(SEED)
+    large = np.random.default_rng(0).standard_normal((8, 2048, CONFIG["hidden_size"]), dtype=np.float32)
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    assert ask(client, MODEL, reference, 0).right
+    victim = stubs["tiny/1/rank_1"]
+    limit = resource.prlimit(victim, resource.RLIMIT_DATA)
+    resource.prlimit(victim, resource.RLIMIT_DATA, (data_size(victim) + 16 * 2**20, limit[1]))
+    try:
+        failed, _ = send(client, MODEL, large)
+    finally:
+        resource.prlimit(victim, resource.RLIMIT_DATA, limit)
+    assert failed.status == "StatusCode.UNAVAILABLE" and "lost each other" in failed.message, failed
+    deadline = time.monotonic() + 30
+    outcome = ask(client, MODEL, reference, 1)
+    while outcome.status is not None and time.monotonic() < deadline:
+        assert outcome.status == "StatusCode.UNAVAILABLE" and "re-forming" in outcome.message, outcome
+        time.sleep(0.2)
+        outcome = ask(client, MODEL, reference, 1)
+    assert outcome.status is None and outcome.right
+    assert all(o.status is None and o.right for o in (ask(client, MODEL, reference, i) for i in range(6)))
+    assert stub_processes(server.process.pid) == stubs  # the same processes: no restart, no reload
+    assert "/gen2" in " ".join(files_under(rendezvous_root))  # they met again in the next generation

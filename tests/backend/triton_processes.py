@@ -1,0 +1,58 @@
+"""What a running tritonserver holds, read from /proc: its stub processes (by instance name), threads, memory."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def stub_processes(server_pid: int) -> dict[str, int]:
+    """The live Python backend stubs started by the server: "MODEL/VERSION/INSTANCE" (e.g. "tiny/1/rank_1") -> pid."""
+    stubs = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            arguments = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        state, parent = fields[0], int(fields[1])
+        if parent == server_pid and state != "Z" and arguments and arguments[0].endswith("triton_python_backend_stub"):
+            # Arguments: stub, .../MODEL/VERSION/model.py, shm region, sizes, parent pid, ..., instance name, runtime.
+            model_file = Path(arguments[1])
+            stubs[f"{model_file.parent.parent.name}/{model_file.parent.name}/{arguments[-2]}"] = int(entry.name)
+    return stubs
+
+
+def wait_for_stubs(server_pid: int, count: int, timeout: float = 60.0) -> dict[str, int]:
+    """Wait until the server has exactly `count` live stubs; return them (whatever they are at the timeout)."""
+    deadline = time.monotonic() + timeout
+    stubs = stub_processes(server_pid)
+    while len(stubs) != count and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stubs = stub_processes(server_pid)
+    return stubs
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def rss_bytes(pids) -> int:
+    """Resident memory of the processes together (VmRSS)."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def files_under(directory: Path) -> list[str]:
+    """Every file and folder left under directory (relative paths), [] if it does not exist."""
+    if not directory.exists():
+        return []
+    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*"))
