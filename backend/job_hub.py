@@ -125,6 +125,10 @@ class HubLink:
         with self._send_lock:
             send(self._connection, message)
 
+    def poll(self, timeout: float) -> bool:
+        """Whether a message (or the end of the connection) arrives within timeout seconds."""
+        return self._connection.poll(timeout)
+
     def receive(self) -> dict:
         return receive(self._connection)
 

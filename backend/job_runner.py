@@ -6,9 +6,9 @@ runs the jobs the hub orders: the rank that received the request broadcasts its 
 the engine, and the receiving rank hands the outputs back to its waiting request.
 
 A generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket
-close), a collective fails or times out (a rank stopped or stuck), or a job raises on this rank (its
-peers may be waiting in a collective that will never complete, so the job order cannot be trusted any
-more). Every job still pending then fails at once, saying why, and the runner goes on:
+close), a collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn
+within the timeout (the hub's rank stopped or stuck), or a job raises on this rank (its peers may be
+waiting in a collective that will never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying why, and the runner goes on:
 - every member process is still alive: the same processes form the successor generation and serve
   again (automatic recovery); requests fail fast while they re-form;
 - a member has exited: Triton does not restart the stub of a Python backend instance, so the model
@@ -44,22 +44,29 @@ class RanksUnavailable(Exception):
     """The ranks are not (or no longer) together, so no job can run now."""
 
 
+# How often an idle runner checks the deadlines of its waiting jobs.
+WATCH_INTERVAL_S = 0.2
+
+
 @dataclass
 class Job:
     inputs: dict[str, torch.Tensor]
+    deadline: float  # time.monotonic() by which all ranks must have run it
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     result: Future = field(default_factory=Future)
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, collective_timeout: float,
+    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, timeout: float,
                  on_replaced: Callable[[], None]):
-        """on_replaced: called (in the runner thread) when this load is broken and a new load has replaced it."""
+        """timeout: the longest a job may wait for all ranks, and a collective for its peers, before the ranks
+        are taken as lost; on_replaced: called (in the runner thread) when this load is broken and a new load
+        has replaced it."""
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
         self.join_timeout = join_timeout
-        self.collective_timeout = collective_timeout
+        self.timeout = timeout
         self._on_replaced = on_replaced
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and requests share
         self._pending: dict[str, Job] = {}
@@ -79,19 +86,19 @@ class JobRunner:
         """Wait until every rank has joined; False if that did not happen within timeout."""
         return self._ready.wait(timeout)
 
-    def submit(self, inputs: dict[str, torch.Tensor], first_join_wait: float) -> Job:
-        """Queue a job for all ranks; its `result` future gets the outputs (or the error).
+    def submit(self, inputs: dict[str, torch.Tensor]) -> Job:
+        """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable by the deadline.
 
         Fails at once (RanksUnavailable) while the ranks are apart; only before the first generation has
-        formed does it wait, up to first_join_wait, for the other ranks to join.
+        formed does it wait, up to the timeout, for the other ranks to join.
         """
         if self._problem is None and not self._ready.is_set():
-            self._ready.wait(first_join_wait)
-        job = Job(inputs)
+            self._ready.wait(self.timeout)
+        job = Job(inputs, deadline=time.monotonic() + self.timeout)
         with self._lock:
             if not self._ready.is_set():
                 raise RanksUnavailable(self._problem or f"not all {self.comm.plan.world_size} ranks have joined within "
-                                       f"{first_join_wait:.0f} s; check the server log of the other instances")
+                                       f"{self.timeout:.0f} s; check the server log of the other instances")
             self._pending[job.id] = job
             link = self._link
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in inputs.items()]
@@ -164,7 +171,7 @@ class JobRunner:
         """Form the process group of this generation and run its jobs until it ends; return why it ended."""
         rank = self.comm.rank
         try:
-            self.comm.connect(generation.store_path, self.collective_timeout)
+            self.comm.connect(generation.store_path, self.timeout)
             if rank == 0:
                 self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
             link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
@@ -173,6 +180,10 @@ class JobRunner:
                 self._ready.set()
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
             while True:
+                if not link.poll(WATCH_INTERVAL_S):
+                    if self._overdue():
+                        return f"a job of rank {rank} got no turn from rank 0's job hub within {self.timeout:.0f} s"
+                    continue
                 message = link.receive()
                 if message["type"] == "stop":
                     if message["unloading"]:
@@ -241,6 +252,12 @@ class JobRunner:
             log.warning("rank %d: tearing down the process group of generation %d: %s",
                         self.comm.rank, generation.number, error)
         self.rendezvous.leave(generation.number)
+
+    def _overdue(self) -> bool:
+        """Whether a job of this rank is past its deadline (checked while no job runs, so it was never ordered)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(job.deadline < now for job in self._pending.values())
 
     def _lost_ranks(self, generation: Generation) -> str:
         """The members that exited or stopped, as one phrase; a killed peer's socket can close a moment before

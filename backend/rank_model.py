@@ -28,6 +28,8 @@ log = logging.getLogger("mdtriton.backend")
 # instances one after another, and the others can only join after this one returns).
 INITIALIZE_JOIN_WAIT_S = 20.0
 DEFAULT_REQUEST_TIMEOUT_S = "30"
+# How long past a job's deadline a request waits for the runner's own verdict on it.
+RUNNER_GRACE_S = 2.0
 
 
 class TritonLogHandler(logging.Handler):
@@ -74,7 +76,7 @@ class RankModel:
                  self.placement.device, self.engine.load_seconds)
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 comm.rank, manifest.plan.world_size)
-        self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout,
+        self.runner = JobRunner(self.engine, rendezvous, join_timeout, timeout=self.request_timeout,
                                 on_replaced=self._on_replaced)
         self.runner.start()
         self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
@@ -86,11 +88,10 @@ class RankModel:
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = []
         for request in requests:
-            deadline = time.monotonic() + self.request_timeout
             try:
                 inputs = self._inputs(request)
                 check_request(self.manifest, inputs)
-                submitted.append((self.runner.submit(inputs, self.request_timeout), deadline))
+                submitted.append(self.runner.submit(inputs))
             except RequestError as error:
                 submitted.append(error_response(str(error), pb_utils.TritonError.INVALID_ARG))
             except RanksUnavailable as error:
@@ -99,7 +100,7 @@ class RankModel:
                 log.error("rank %d could not take a request: %r", self.placement.rank, error)
                 submitted.append(error_response(f"rank {self.placement.rank} could not take this request: {error}",
                                                 pb_utils.TritonError.INTERNAL))
-        return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(*item) for item in submitted]
+        return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(item) for item in submitted]
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
         inputs = {}
@@ -109,9 +110,10 @@ class RankModel:
                 inputs[spec.name] = torch.from_dlpack(tensor.to_dlpack())
         return inputs
 
-    def _response(self, job, deadline: float):
+    def _response(self, job):
         try:
-            outputs = job.result.result(timeout=max(deadline - time.monotonic(), 0.0))
+            # The runner fails a job that missed its deadline, saying why; this wait is only a backstop.
+            outputs = job.result.result(timeout=max(job.deadline - time.monotonic(), 0.0) + RUNNER_GRACE_S)
         except FutureTimeout:
             stuck = self.runner.ranks_not_running()
             return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "

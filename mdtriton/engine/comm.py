@@ -65,7 +65,7 @@ class Communicator:
                                     rank=self.rank, world_size=self.plan.world_size,
                                     timeout=timedelta(seconds=timeout),
                                     device_id=self.device if backend == "nccl" else None)
-            self.join_groups()
+            self.join_groups(timedelta(seconds=timeout))
 
     def disconnect(self) -> None:
         """End this generation's groups; a peer blocked in a collective with this rank then fails at once.
@@ -88,8 +88,11 @@ class Communicator:
         except RuntimeError as error:  # gloo and NCCL (DistBackendError) report lost peers and timeouts as this
             raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
-    def join_groups(self) -> None:
-        """Create the tensor- and context-parallel groups; every rank calls this together."""
+    def join_groups(self, timeout: timedelta | None = None) -> None:
+        """Create the tensor- and context-parallel groups; every rank calls this together.
+
+        timeout bounds their collectives (a group does not inherit the world's timeout; None: torch's default).
+        """
         plan, rank = self.plan, self.rank
         if plan.world_size == 1:
             return
@@ -100,11 +103,11 @@ class Communicator:
             )
         # new_group is collective over the whole world: every rank creates every group, in order.
         for ranks in plan.tp_group_ranks():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 self._tp_group = group
         for ranks in plan.cp_group_ranks():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 self._cp_group = group
 

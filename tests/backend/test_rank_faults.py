@@ -26,7 +26,10 @@ SEED = 5
 def serve(tmp_path, server_factory, request_timeout_s: float):
     build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
                         seed=SEED, request_timeout_s=request_timeout_s, progress=False)
-    server = server_factory(tmp_path / "repo", model_control_mode="explicit", load_models=(MODEL,))
+    # Triton never finishes unloading a model one of whose stubs died after a request reached it (see
+    # reload_recovers), so the server's shutdown always waits out its exit timeout: keep that short.
+    server = server_factory(tmp_path / "repo", model_control_mode="explicit", load_models=(MODEL,),
+                            extra_args=("--exit-timeout-secs=5",))
     return server, wait_for_stubs(server.process.pid, 2)
 
 
@@ -75,7 +78,8 @@ def test_killed_rank_fails_every_request_fast_and_clearly_until_a_reload(tmp_pat
     assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
     around = [o for o in outcomes if o.end >= killed_at]
     later = [o for o in outcomes if o.start > killed_at + 1]
-    assert max(o.latency for o in around) < 3, "a request in flight at the kill was not answered promptly"
+    slow = [o for o in around if o.end - max(o.start, killed_at) >= 3]
+    assert not slow, f"requests not answered within 3 s of the kill: {slow}"
     assert later and all(o.status is not None for o in later)
     assert max(o.latency for o in later) < 1.5, "requests after the failure do not fail fast"
     check_errors(around, failed_rank=1)
@@ -88,8 +92,10 @@ def test_killed_rank_fails_every_request_fast_and_clearly_until_a_reload(tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_stopped_rank_fails_requests_within_the_timeout_then_exits_when_continued(tmp_path, rendezvous_root,
-                                                                                  server_factory):
+def test_stopped_rank_fails_requests_within_the_timeout_until_killed_and_reloaded(tmp_path, rendezvous_root,
+                                                                                 server_factory):
+    """A hang, simulated by SIGSTOP. The stuck rank is then killed, not continued: continuing a stub that Triton
+    2.51 has declared unhealthy can abort the whole server (docs/reliability.md)."""
     timeout = 4
     server, stubs = serve(tmp_path, server_factory, request_timeout_s=timeout)
     reference = Reference(SEED)
@@ -99,24 +105,23 @@ def test_stopped_rank_fails_requests_within_the_timeout_then_exits_when_continue
     victim = stubs["tiny/1/rank_0"]  # rank 0 also runs the job hub
     os.kill(victim, signal.SIGSTOP)
     time.sleep(timeout + 4)
-    continued_at = time.monotonic()
-    os.kill(victim, signal.SIGCONT)
-    # Continued, the stub exits rather than serve on (Triton 2.51 would abort the server; see freeze_watchdog).
-    assert wait_for_stubs(server.process.pid, 1, timeout=10) == {"tiny/1/rank_1": stubs["tiny/1/rank_1"]}
-    time.sleep(1)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    assert wait_for_stubs(server.process.pid, 1) == {"tiny/1/rank_1": stubs["tiny/1/rank_1"]}
+    time.sleep(3)
     outcomes = clients.stop()
 
     assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
     around = [o for o in outcomes if o.end >= stopped_at]
-    assert max(o.latency for o in around) < timeout + 2, "a request waited longer than the request timeout"
+    slow = [o for o in around if o.end - max(o.start, stopped_at) >= timeout + 2]
+    assert not slow, f"requests not answered within the request timeout: {slow}"
     check_errors(around, failed_rank=0)
-    during = [o for o in outcomes if stopped_at + timeout + 1 < o.start < continued_at]
+    during = [o for o in outcomes if stopped_at + timeout + 1 < o.start < killed_at]
     assert during and all(o.status is not None for o in during)
     ours = [o.message for o in during if o.status == "StatusCode.UNAVAILABLE"]
     assert ours and all(f"rank 0 (pid {victim}) is stopped" in m for m in ours), ours[:1]
-    after = [o for o in outcomes if o.start > continued_at + 3]
-    assert after and all(f"rank 0 (pid {victim}) has exited" in o.message for o in after
-                         if o.status == "StatusCode.UNAVAILABLE")
+    after = [o.message for o in outcomes if o.start > killed_at + 1 and o.status == "StatusCode.UNAVAILABLE"]
+    assert after and all(f"rank 0 (pid {victim}) has exited" in m for m in after), after[:1]
     assert server.process.poll() is None, "the server died"
     reload_recovers(server, reference, stubs, rendezvous_root)
 
