@@ -31,9 +31,20 @@ def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
         raise RuntimeError(f"{error}\n--- server log tail ---\n{tail}") from error
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_rendezvous_root():
+    """Every server of the test session keeps its rendezvous areas in a directory of its own (short: the Unix
+    socket paths in it must stay under 108 bytes), never in the machine's /tmp/mdtriton-rendezvous."""
+    root = Path(tempfile.mkdtemp(prefix="mdt-rdv-"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ROOT_ENV, str(root))
+        yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def rendezvous_root(monkeypatch):
-    """A short directory for the stubs' rendezvous areas (their Unix socket paths must stay under 108 bytes)."""
+    """A fresh rendezvous root for one test, to look at what its servers leave there."""
     root = Path(tempfile.mkdtemp(prefix="mdt-rdv-"))
     monkeypatch.setenv(ROOT_ENV, str(root))
     yield root

@@ -13,7 +13,8 @@ from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.build_tools.model_config import read_model_config
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
-from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.cli import main
+from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
 from mdtriton.engine.plan import ParallelPlan
 
 CONFIG = {"hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "num_layers": 1}
@@ -76,7 +77,11 @@ def test_single_rank_engine_loads_and_matches_reference(tmp_path):
     (lambda d: (d / "rank0.safetensors").write_bytes(b"x" * (d / "rank0.safetensors").stat().st_size), "checksum"),
     (lambda d: (d / "rank0.safetensors").unlink(), "missing"),
     (lambda d: (d / "manifest.json").write_text(
-        json.dumps({**json.loads((d / "manifest.json").read_text()), "format_version": 99})), "format version 99"),
+        json.dumps({**json.loads((d / "manifest.json").read_text()), "format_version": 99})),
+     "format version 99 .* made by a newer mdtriton"),
+    (lambda d: (d / "manifest.json").write_text(
+        json.dumps({**json.loads((d / "manifest.json").read_text()), "format_version": 1})),
+     "format version 1 .* rebuild the engine with this mdtriton"),
     (lambda d: (d / "manifest.json").unlink(), "no engine manifest"),
 ])
 def test_damaged_engine_is_refused_naming_the_file(tmp_path, damage, message):
@@ -92,3 +97,14 @@ def test_engine_for_another_plan_is_refused(tmp_path):
     assert Manifest.read(engine_dir).plan.world_size == 2
     with pytest.raises(EngineError, match="built for world 2"):
         TorchEngine.load(engine_dir, Communicator.single())
+
+
+def test_limits_are_recorded_in_the_manifest(tmp_path):
+    assert Manifest.read(build(tmp_path) / "engine").limits == EngineLimits()  # the defaults
+    version_dir = build(tmp_path, limits=EngineLimits(max_batch_size=3, max_tokens=100))
+    assert Manifest.read(version_dir / "engine").limits == EngineLimits(max_batch_size=3, max_tokens=100)
+    assert main(["build", str(tmp_path), "--name", "cli", "--tp", "2", "--max-batch-size", "2",
+                 "--max-tokens", "50", "--config", json.dumps(CONFIG)]) == 0
+    assert Manifest.read(tmp_path / "cli" / "1" / "engine").limits == EngineLimits(max_batch_size=2, max_tokens=50)
+    with pytest.raises(ValueError, match="max_batch_size and max_tokens must be >= 1"):
+        EngineLimits(max_batch_size=0)

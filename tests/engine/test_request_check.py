@@ -1,0 +1,55 @@
+"""The checks a request passes before any rank sees it: limits from the manifest, finite values, and the
+architecture's own consistency checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mdtriton.engine.architectures import architecture as architecture_class
+from mdtriton.engine.manifest import EngineLimits, Manifest
+from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.request_check import RequestError, check_request
+from tests.engine.flux_cases import flux_inputs
+
+
+def manifest(architecture: str, config: dict, limits: EngineLimits, data_type: str = "FP32") -> Manifest:
+    inputs, outputs = architecture_class(architecture).signature(config, data_type)
+    return Manifest(architecture, config, ParallelPlan(), data_type, inputs, outputs, limits=limits)
+
+
+TINY = manifest("tiny_transformer", {"hidden_size": 8, "num_heads": 2, "mlp_ratio": 2, "num_layers": 1},
+                EngineLimits(max_batch_size=2, max_tokens=16), data_type="FP16")
+FLUX = manifest("flux", Flux.default_config(), EngineLimits(max_batch_size=2, max_tokens=20))
+
+
+def test_limits_are_inclusive():
+    check_request(TINY, {"hidden_states": torch.zeros(2, 16, 8, dtype=torch.float16)})
+    with pytest.raises(RequestError, match="batch size 3 is over this engine's maximum of 2"):
+        check_request(TINY, {"hidden_states": torch.zeros(3, 16, 8, dtype=torch.float16)})
+    with pytest.raises(RequestError, match="17 tokens, over this engine's maximum of 16"):
+        check_request(TINY, {"hidden_states": torch.zeros(1, 17, 8, dtype=torch.float16)})
+
+
+def test_only_real_nan_or_infinity_is_refused_not_an_overflowing_sum():
+    large = torch.full((2, 16, 8), 60000.0, dtype=torch.float16)  # finite, but its float16 sum overflows
+    assert not torch.isfinite(large.sum())
+    check_request(TINY, {"hidden_states": large})
+    large[1, 2, 3] = float("inf")
+    large[0, 0, 0] = float("nan")
+    with pytest.raises(RequestError, match="'hidden_states' holds 2 NaN or infinite"):
+        check_request(TINY, {"hidden_states": large})
+
+
+def test_flux_inputs_must_agree_and_count_text_plus_image_tokens():
+    good = flux_inputs(Flux.default_config(), text_len=6, image_len=14, batch=2)
+    check_request(FLUX, good)
+    with pytest.raises(RequestError, match="21 tokens"):
+        check_request(FLUX, flux_inputs(Flux.default_config(), text_len=7, image_len=14, batch=2))
+    with pytest.raises(RequestError, match="img_ids has 13 rows but hidden_states has 14 image tokens"):
+        check_request(FLUX, {**good, "img_ids": good["img_ids"][:13]})
+    with pytest.raises(RequestError, match="guidance has batch size 1 but hidden_states has 2"):
+        check_request(FLUX, {**good, "guidance": good["guidance"][:1]})
+    with pytest.raises(RequestError, match="input 'txt_ids' is missing"):
+        check_request(FLUX, {name: t for name, t in good.items() if name != "txt_ids"})
