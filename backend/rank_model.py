@@ -24,9 +24,12 @@ from mdtriton.engine.request_check import RequestError, check_request
 
 log = logging.getLogger("mdtriton.backend")
 
-# How long initialize() waits for the other ranks before letting Triton go on (it may be loading the
-# instances one after another, and the others can only join after this one returns).
-INITIALIZE_JOIN_WAIT_S = 20.0
+# How long initialize() waits for the other ranks before letting Triton go on: long enough for ranks loaded
+# in parallel to meet, so a loaded model answers at once; short, because Triton may load the instances one
+# after another (the others can only join after this one returns), and because a load in which another
+# rank fails waits this long before Triton reports the failure. Requests that come before the ranks have
+# met wait for them (up to request_timeout_s).
+INITIALIZE_JOIN_WAIT_S = 5.0
 DEFAULT_REQUEST_TIMEOUT_S = "30"
 # How long past a job's deadline a request waits for the runner's own verdict on it.
 RUNNER_GRACE_S = 2.0

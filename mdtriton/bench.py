@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
@@ -122,12 +123,12 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, output = time_forward(module, inputs, args.warmup, args.iterations)
             row = {"gpus": world_size, "method": method, "plan": str(plan), "image_tokens": image_tokens,
                    "text_tokens": args.text_tokens, "median_ms": statistics.median(times), "min_ms": min(times)}
-            reference = Path(work_dir) / f"reference-{image_tokens}.pt"
+            reference = Path(work_dir) / f"reference-{image_tokens}.safetensors"
             if image_tokens in args.check_tokens and rank == 0:
                 if world_size == 1:
-                    torch.save(output.cpu(), reference)
+                    save_file({"sample": output.cpu().contiguous()}, reference)
                 elif reference.exists():
-                    row["rel_error"], row["max_rel_error"] = relative_errors(output.cpu(), torch.load(reference))
+                    row["rel_error"], row["max_rel_error"] = relative_errors(output.cpu(), load_file(reference)["sample"])
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
