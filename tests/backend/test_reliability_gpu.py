@@ -1,0 +1,99 @@
+"""The reliability promises on GPUs (KIND_GPU instances, NCCL): a killed rank, reload cycles that give the GPU
+memory back, and 64 concurrent clients. Run on a machine with 2+ GPUs:
+
+    python -m pytest -q -s tests/backend/test_reliability_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.engine.plan import ParallelPlan
+from tests.backend.load_clients import CONFIG, Clients, Reference, ask
+from tests.backend.test_rank_faults import reload_recovers
+from tests.backend.triton_processes import wait_for_stubs
+
+pytestmark = pytest.mark.gpu
+MODEL = "tiny"
+SEED = 5
+TIMEOUT_S = 10
+LOAD_SECONDS = float(os.environ.get("MDTRITON_LOAD_SECONDS", "20"))
+
+
+@pytest.fixture
+def two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+def free_gpu_memory() -> list[int]:
+    return [torch.cuda.mem_get_info(device)[0] for device in range(2)]
+
+
+def serve(tmp_path, server_factory, **kwargs):
+    build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "gpu",
+                        gpus=[0, 1], seed=SEED, request_timeout_s=TIMEOUT_S, progress=False)
+    server = server_factory(tmp_path / "repo", extra_args=("--exit-timeout-secs=5",), **kwargs)
+    return server
+
+
+@pytest.mark.timeout(300)
+def test_gpu_killed_rank_fails_requests_within_the_timeout_and_a_reload_recovers(two_gpus, tmp_path, rendezvous_root,
+                                                                                 server_factory):
+    server = serve(tmp_path, server_factory, model_control_mode="explicit", load_models=(MODEL,))
+    stubs = wait_for_stubs(server.process.pid, 2)
+    reference = Reference(SEED)
+    clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
+    time.sleep(3)
+    killed_at = time.monotonic()
+    victim = stubs["tiny/1/rank_1"]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(TIMEOUT_S + 4)
+    outcomes = clients.stop()
+    assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
+    around = [o for o in outcomes if o.end >= killed_at]
+    slow = [o for o in around if o.end - max(o.start, killed_at) >= TIMEOUT_S + 3]
+    assert not slow, f"requests not answered within the timeout: {slow}"
+    for outcome in around:  # ours (naming the dead stub's pid once known) or Triton's for the dead instance
+        assert outcome.status in (None, "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL"), outcome
+        assert outcome.status != "StatusCode.INTERNAL" or "Stub process 'rank_1' is not healthy" in outcome.message
+    later = [o.message for o in outcomes if o.start > killed_at + TIMEOUT_S + 2 and o.status == "StatusCode.UNAVAILABLE"]
+    assert later and all(f"(pid {victim}) has exited" in m for m in later), later[:1]
+    reload_recovers(server, reference, stubs, rendezvous_root)
+
+
+@pytest.mark.timeout(600)
+def test_gpu_reload_cycles_give_the_memory_back(two_gpus, tmp_path, rendezvous_root, server_factory):
+    free_before = free_gpu_memory()
+    server = serve(tmp_path, server_factory, model_control_mode="explicit")
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    reference = Reference(SEED)
+    for cycle in range(5):
+        client.load_model(MODEL)
+        assert len(wait_for_stubs(server.process.pid, 2)) == 2
+        assert all(ask(client, MODEL, reference, i).right for i in range(3)), f"cycle {cycle}"
+        client.unload_model(MODEL)
+        assert wait_for_stubs(server.process.pid, 0) == {}
+        freed = free_gpu_memory()
+        print(f"cycle {cycle}: free GPU memory {[f / 2**20 for f in freed]} MiB (before: {[f / 2**20 for f in free_before]})")
+        assert all(before - after < 256 * 2**20 for before, after in zip(free_before, freed)), f"cycle {cycle}"
+
+
+@pytest.mark.timeout(LOAD_SECONDS + 300)
+def test_gpu_64_clients_only_right_answers(two_gpus, tmp_path, server_factory):
+    server = serve(tmp_path, server_factory)
+    wait_for_stubs(server.process.pid, 2)
+    clients = Clients(server.grpc_address, MODEL, Reference(SEED, count=16), count=64).start()
+    time.sleep(LOAD_SECONDS)
+    outcomes = clients.stop()
+    latencies = sorted(o.latency * 1000 for o in outcomes)
+    print(f"\n64 clients on 2 GPUs: {len(outcomes)} requests, p50 {latencies[len(latencies) // 2]:.0f} ms, "
+          f"p99 {latencies[int(0.99 * len(latencies))]:.0f} ms")
+    assert all(o.status is None and o.right for o in outcomes)
