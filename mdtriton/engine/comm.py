@@ -53,13 +53,15 @@ class Communicator:
         `timeout` bounds every collective: a peer that stops answering makes it raise CommunicationError
         after that long instead of blocking forever (gloo's own timeout; on NCCL, TORCH_NCCL_BLOCKING_WAIT
         makes the calling thread wait for each collective and raise when it times out or the communicator
-        fails, rather than the watchdog thread ending the whole process).
+        fails, and TORCH_NCCL_ASYNC_ERROR_HANDLING=0 keeps torch's watchdog from ending the whole process,
+        as it does by default, so the ranks can abort this group and form a new one).
         """
         if self.plan.world_size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         with self._collective("forming the process group"):
             dist.init_process_group(backend, store=dist.FileStore(str(store_path), self.plan.world_size),
                                     rank=self.rank, world_size=self.plan.world_size,
