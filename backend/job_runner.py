@@ -8,7 +8,8 @@ the engine, and the receiving rank hands the outputs back to its waiting request
 A generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket
 close), a collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn
 within the timeout (the hub's rank stopped or stuck), or a job raises on this rank (its peers may be
-waiting in a collective that will never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying why, and the runner goes on:
+waiting in a collective that will never complete, so the job order cannot be trusted any more). Every
+job still pending then fails at once, saying why, and the runner goes on:
 - every member process is still alive: the same processes form the successor generation and serve
   again (automatic recovery); requests fail fast while they re-form;
 - a member has exited: Triton does not restart the stub of a Python backend instance, so the model
@@ -230,13 +231,15 @@ class JobRunner:
             if self._stopping.is_set():
                 self._problem = "the model is being unloaded"
             else:
-                self._problem = f"the ranks are re-forming after a failure ({what}); requests fail until every rank is back"
+                self._problem = (f"the ranks are re-forming after a failure ({what}); requests fail until every "
+                                 "rank is back")
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
         if not self._stopping.is_set():
             log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
         for job in jobs:
-            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request completed: {what}"))
+            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request completed: "
+                                                      f"{what}"))
         if link is not None:
             try:
                 link.send({"type": "leave", "reason": reason, "unloading": self._stopping.is_set()})

@@ -32,7 +32,8 @@ def process_state(pid: int) -> ProcessState:
 
 
 def describe_ranks(members: dict[int, int], exclude: int | None = None) -> str:
-    """One phrase on the ranks (rank -> pid) that are not running, e.g. "rank 1 (pid 4977) has exited"; "" if all run."""
+    """One phrase on the ranks (rank -> pid) that are not running, e.g. "rank 1 (pid 4977) has exited" ("" if
+    all run)."""
     phrases = []
     for rank, pid in sorted(members.items()):
         if rank == exclude:

@@ -212,7 +212,8 @@ class Rendezvous:
                 generation = state["generations"][str(number)]
                 if generation["closed"]:
                     return self._generation(number, generation)
-                missing = {rank: pid for rank, pid in previous.members.items() if str(rank) not in generation["members"]}
+                missing = {rank: pid for rank, pid in previous.members.items()
+                           if str(rank) not in generation["members"]}
             exited = [(rank, pid) for rank, pid in missing.items() if not _alive(pid)]
             if exited:
                 self.leave(number)

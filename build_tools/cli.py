@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help=f"largest batch a request may carry (default {DEFAULT_MAX_BATCH_SIZE})")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help=f"longest sequence a request may carry, in tokens (FLUX: text + image; default {DEFAULT_MAX_TOKENS})")
+                        help="longest sequence a request may carry, in tokens (FLUX: text + image; "
+                             f"default {DEFAULT_MAX_TOKENS})")
     parser.set_defaults(run=run)
 
 

@@ -1,4 +1,5 @@
-"""Telling a stopped rank from an exited one (/proc), and the freeze watchdog that ends a stub coming back from SIGSTOP."""
+"""Telling a stopped rank from an exited one (/proc), and the freeze watchdog that ends a stub coming back from
+SIGSTOP."""
 
 from __future__ import annotations
 
