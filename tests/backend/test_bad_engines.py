@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
@@ -50,6 +51,14 @@ def more_instances(model_dir: Path) -> None:
     write_model_config(model_dir / "config.pbtxt", config)
 
 
+def on_missing_gpus(model_dir: Path) -> None:
+    """One instance per GPU, on GPUs 0 and 99: more ranks than this machine (any machine here) has GPUs."""
+    config = read_model_config(model_dir / "config.pbtxt")
+    del config.instance_group[:]
+    config.instance_group.add(name="rank", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=[0, 99])
+    write_model_config(model_dir / "config.pbtxt", config)
+
+
 def flipped(path: Path) -> bytes:
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
@@ -66,6 +75,7 @@ DAMAGES = {
     "newer_format": (lambda e, m, x: edit_manifest(e, format_version=99),
                      [MANIFEST_FILE, "format version 99", "upgrade mdtriton"]),
     "world_size": (lambda e, m, x: more_instances(m), ["engine has 2 ranks", "starts 3 instances"]),
+    "missing_gpus": (lambda e, m, x: on_missing_gpus(m), ["invalid or unsupported gpu id"]),
     "pickled": (lambda e, m, x: set_weight_file(e, 0, pickle.dumps(RunsWhenUnpickled(x))),
                 ["rank0.safetensors", "not a readable safetensors file"]),
 }

@@ -52,6 +52,22 @@ def reload_recovers(server, reference: Reference, broken_stubs: dict[str, int], 
     assert len([name for name in area if name.count("/") == 1 and "/gen" in name]) == 1, area  # one live generation
 
 
+def summary(outcomes, failed_at: float, what: str) -> str:
+    """The figures docs/reliability.md reports: how requests ended around a failure."""
+    around = [o for o in outcomes if o.end >= failed_at]
+    in_flight = [o for o in around if o.start < failed_at]
+    later = [o for o in around if o.start >= failed_at]
+    kinds = {}
+    for o in around:
+        kinds[o.status or "answer"] = kinds.get(o.status or "answer", 0) + 1
+
+    def slowest(group):
+        return max((o.end - max(o.start, failed_at) for o in group), default=0.0)
+
+    return (f"\n{what}: {len(in_flight)} requests in flight ended at most {slowest(in_flight):.2f} s after the {what}; "
+            f"{len(later)} later ones took at most {slowest(later):.2f} s; outcomes {kinds}")
+
+
 def check_errors(outcomes, failed_rank: int) -> None:
     """Every error is ours (UNAVAILABLE, naming the failed rank) or Triton's for the failed rank's own instance."""
     for outcome in outcomes:
@@ -83,6 +99,7 @@ def test_killed_rank_fails_every_request_fast_and_clearly_until_a_reload(tmp_pat
     assert later and all(o.status is not None for o in later)
     assert max(o.latency for o in later) < 1.5, "requests after the failure do not fail fast"
     check_errors(around, failed_rank=1)
+    print(summary(outcomes, killed_at, "kill"))
     ours = [o.message for o in later if o.status == "StatusCode.UNAVAILABLE"]
     assert ours and all(f"rank 1 (pid {victim}) has exited" in m and "reloaded" in m for m in ours), ours[:1]
     # Triton 2.51 goes on reporting the model ready: a Python backend model cannot say otherwise (docs/reliability.md).
@@ -116,6 +133,7 @@ def test_stopped_rank_fails_requests_within_the_timeout_until_killed_and_reloade
     slow = [o for o in around if o.end - max(o.start, stopped_at) >= timeout + 2]
     assert not slow, f"requests not answered within the request timeout: {slow}"
     check_errors(around, failed_rank=0)
+    print(summary(outcomes, stopped_at, "stop"))
     during = [o for o in outcomes if stopped_at + timeout + 1 < o.start < killed_at]
     assert during and all(o.status is not None for o in during)
     ours = [o.message for o in during if o.status == "StatusCode.UNAVAILABLE"]
