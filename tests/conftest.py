@@ -39,7 +39,9 @@ def session_rendezvous_root():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ROOT_ENV, str(root))
         yield root
+    left = sorted(str(path.relative_to(root)) for path in root.rglob("*"))
     shutil.rmtree(root, ignore_errors=True)
+    assert not left, f"servers stopped normally left rendezvous files behind: {left}"
 
 
 @pytest.fixture
