@@ -26,11 +26,19 @@ def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[in
     return segments
 
 
+def shard_ranges(segments: list[int], tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the split dimension that this rank holds: its part of every segment."""
+    ranges, offset = [], 0
+    for size in segments:
+        part = size // tp_size
+        ranges.append((offset + tp_rank * part, offset + (tp_rank + 1) * part))
+        offset += size
+    return ranges
+
+
 def take_shard(full: torch.Tensor, dim: int, segments: list[int], tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of every segment of `full` along dim, concatenated."""
-    parts = []
-    for segment in full.split(segments, dim=dim):
-        parts.append(segment.chunk(tp_size, dim=dim)[tp_rank])
+    parts = [full.narrow(dim, start, stop - start) for start, stop in shard_ranges(segments, tp_rank, tp_size)]
     return torch.cat(parts, dim=dim).contiguous()
 
 

@@ -156,6 +156,10 @@ class Flux(nn.Module):
         return copy.deepcopy(TINY_CONFIG)
 
     @staticmethod
+    def presets() -> dict[str, dict]:
+        return {"tiny": copy.deepcopy(TINY_CONFIG), "flux.1-dev": copy.deepcopy(FLUX_DEV_CONFIG)}
+
+    @staticmethod
     def check_plan(config: dict, plan: ParallelPlan) -> None:
         """Raise ValueError saying what to change if config is not a FLUX config or plan cannot split it."""
         missing = [key for key in CONFIG_KEYS if key not in config]
