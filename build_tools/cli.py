@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--name", required=True, help="model name")
     parser.add_argument("--version", type=int, help="version number (default: the next free one)")
     parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES))
-    parser.add_argument("--preset", help="a named config of the architecture: flux: tiny (default), flux.1-dev; "
+    parser.add_argument("--preset", help="a named config of the architecture: flux: tiny (default), flux.1-dev, flux-80b; "
                                          "tiny_transformer: small (default)")
     parser.add_argument("--config", default="{}",
                         help="architecture config as JSON, overriding the preset, or @FILE to read it from a file")

@@ -44,3 +44,14 @@ def test_engine_too_big_names_the_memory_and_the_tp_size_that_fits():
 def test_nothing_fits_says_so():
     with pytest.raises(EngineError, match="no tensor-parallel size up to 64 fits"):
         check_fits(dev_manifest(ParallelPlan()), 0, 3 * GIB, "free")
+
+
+def test_80b_preset_needs_more_than_one_h200():
+    from mdtriton.engine.models.flux import FLUX_80B_CONFIG
+
+    h200 = 143771 * (1 << 20)
+    inputs, outputs = Flux.signature(FLUX_80B_CONFIG, "BF16")
+    manifest = Manifest("flux", FLUX_80B_CONFIG, ParallelPlan(), "BF16", inputs, outputs)
+    assert rank_weight_bytes("flux", FLUX_80B_CONFIG, ParallelPlan(), "BF16") > 150e9
+    with pytest.raises(EngineError, match="build it with --tp 2"):
+        check_fits(manifest, 0, h200, "in all")
