@@ -6,8 +6,9 @@ import shutil
 from pathlib import Path
 
 from mdtriton.build_tools.engine_builder import build_engine, load_weights, random_shard, shard_from_full
-from mdtriton.build_tools.model_config import model_config
-from mdtriton.build_tools.repository import ENGINE_DIR, check_compatible, install_version, new_version_dir
+from mdtriton.build_tools.model_config import model_config, version_policy
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_version_policy,
+                                              new_version_dir)
 from mdtriton.engine.architectures import architecture
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
@@ -16,8 +17,11 @@ from mdtriton.engine.plan import ParallelPlan
 def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float = 300.0, progress: bool = True) -> Path:
+                        request_timeout_s: float = 300.0, policy: str | None = None, progress: bool = True) -> Path:
     """Write repository/name/version/ and return its path.
+
+    policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
+    current one (Triton's default, latest:1, for a new model).
 
     The version is assembled in a hidden folder (Triton ignores names that are not numbers) and
     renamed into place at the end, so a failed or interrupted build never leaves a half version.
@@ -30,6 +34,10 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs)
     triton_config = model_config(name, probe, device, gpus, request_timeout_s)
     check_compatible(version_dir.parent, triton_config)
+    if policy is not None:
+        triton_config.version_policy.CopyFrom(version_policy(policy))
+    else:
+        keep_version_policy(version_dir.parent, triton_config)
     if weights_path:
         full_weights = load_weights(weights_path)
         shard_of_rank = lambda rank: shard_from_full(architecture_name, config, plan, rank, full_weights)  # noqa: E731

@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     weights.add_argument("--weights", type=Path, help="full weights in one safetensors file (names as the architecture's)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may wait for all ranks before it fails (default 300)")
+    parser.add_argument("--version-policy", metavar="POLICY",
+                        help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
+                             "(default: keep the model's policy; Triton's latest:1 for a new model)")
     parser.set_defaults(run=run)
 
 
