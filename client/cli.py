@@ -234,7 +234,7 @@ def load(args: argparse.Namespace) -> int:
         client.load(args.model, versions)
         served = sorted(int(e["version"]) for e in client.repository_index()
                         if e["name"] == args.model and e.get("state") == "READY" and e.get("version"))
-    print(f"loaded {args.model}: versions {', '.join(map(str, served)) or 'none'} ready")
+    print(f"loaded {args.model}; versions ready: {', '.join(map(str, served)) or 'none'}")
     return 0
 
 
