@@ -59,7 +59,7 @@ def add_parsers(subparsers) -> None:
     tensors.add_argument("--output", type=Path, metavar="PATH",
                          help="save the outputs: FILE.safetensors, or a directory of NAME.npy files")
     tensors.add_argument("--no-shm", action="store_true",
-                         help="send every tensor in the gRPC messages (default: tensors of 1 MiB or more go "
+                         help="send every tensor in the gRPC messages (default: tensors of 128 KiB or more go "
                               "through shared memory when the server is on this host)")
 
     parser = subparsers.add_parser("infer", parents=[connection, tensors], help="send inference requests over gRPC",

@@ -27,9 +27,10 @@ from mdtriton.client.tensors import NUMPY_TYPES, as_numpy, is_cuda, sendable, to
 
 log = logging.getLogger("mdtriton.client")
 
-# Tensors this big or bigger go through shared memory (when the server is local): below it, gRPC's
-# copy costs less than the extra bookkeeping. Measured with benchmarks/shared_memory.py (docs/benchmarks.md).
-SHM_THRESHOLD_BYTES = 1 << 20
+# Tensors this big or bigger go through shared memory (when the server is local). benchmarks/shared_memory.py
+# (docs/benchmarks.md): below ~64 KiB both ways cost the same, from 128 KiB shared memory was 1.6x faster,
+# 3x at 1 MiB, 9x at 64 MiB.
+SHM_THRESHOLD_BYTES = 128 << 10
 # UNAVAILABLE (server starting, model loading, ranks regrouping) is retried after 0.5 s, 1 s, 2 s, ...
 RETRY_FIRST_WAIT_S = 0.5
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
