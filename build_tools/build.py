@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mdtriton.build_tools.engine_builder import build_engine, load_weights, random_shard, shard_from_full
 from mdtriton.build_tools.model_config import model_config, version_policy
-from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_version_policy,
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
                                               new_version_dir)
 from mdtriton.engine.architectures import architecture
 from mdtriton.engine.manifest import Manifest
@@ -36,8 +36,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     check_compatible(version_dir.parent, triton_config)
     if policy is not None:
         triton_config.version_policy.CopyFrom(version_policy(policy))
-    else:
-        keep_version_policy(version_dir.parent, triton_config)
+    keep_model_settings(version_dir.parent, triton_config)
     if weights_path:
         full_weights = load_weights(weights_path)
         shard_of_rank = lambda rank: shard_from_full(architecture_name, config, plan, rank, full_weights)  # noqa: E731

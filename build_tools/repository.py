@@ -54,13 +54,18 @@ def check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
             f"model share config.pbtxt (same architecture, plan, ranks and inputs), so build it under a new model name")
 
 
-def keep_version_policy(model_dir: Path, config: mc.ModelConfig) -> None:
-    """A new version keeps the model's version_policy (set by an earlier build or by hand) unless it sets one."""
+def keep_model_settings(model_dir: Path, config: mc.ModelConfig) -> None:
+    """A new version keeps what was set on the model by an earlier build or by hand: its version_policy
+    (unless the new build sets one) and every parameter the build does not write (e.g. EXECUTION_ENV_PATH)."""
     path = model_dir / "config.pbtxt"
-    if path.exists() and not config.HasField("version_policy"):
-        existing = read_model_config(path)
-        if existing.HasField("version_policy"):
-            config.version_policy.CopyFrom(existing.version_policy)
+    if not path.exists():
+        return
+    existing = read_model_config(path)
+    if existing.HasField("version_policy") and not config.HasField("version_policy"):
+        config.version_policy.CopyFrom(existing.version_policy)
+    for key, value in existing.parameters.items():
+        if key not in config.parameters:
+            config.parameters[key].CopyFrom(value)
 
 
 def install_version(version_dir: Path, config: mc.ModelConfig) -> None:
