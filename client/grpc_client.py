@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -22,14 +23,14 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils.shared_memory import SharedMemoryException
 
-from mdtriton.client.shared_memory import RegionPool
+from mdtriton.client.shared_memory import RegionPool, cuda_shared_memory_available
 from mdtriton.client.tensors import NUMPY_TYPES, as_numpy, is_cuda, sendable, to_torch  # noqa: F401 - to_torch: API
 
 log = logging.getLogger("mdtriton.client")
 
 # Tensors this big or bigger go through shared memory (when the server is local). benchmarks/shared_memory.py
-# (docs/benchmarks.md): below ~64 KiB both ways cost the same, from 128 KiB shared memory was 1.6x faster,
-# 3x at 1 MiB, 9x at 64 MiB.
+# (docs/benchmarks.md): below ~64 KiB both ways cost the same; shared memory was ~1.6x faster at 128-256 KiB,
+# ~3x at 1 MiB, ~8x at 64 MiB.
 SHM_THRESHOLD_BYTES = 128 << 10
 # UNAVAILABLE (server starting, model loading, ranks regrouping) is retried after 0.5 s, 1 s, 2 s, ...
 RETRY_FIRST_WAIT_S = 0.5
@@ -72,6 +73,7 @@ class Client:
         self._client = grpcclient.InferenceServerClient(url)
         self._metadata: dict[tuple[str, str], dict] = {}
         self._pools: dict[tuple[str, int], RegionPool] = {}
+        self._pools_lock = threading.Lock()
         # Output byte sizes seen for a (model, version, input signature): outputs that big go to shared memory.
         self._output_bytes: dict[tuple, dict[str, int]] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -200,6 +202,8 @@ class Client:
         for name, value in inputs.items():
             datatype = declared[name]
             value = sendable(value, datatype)
+            if is_cuda(value) and (self.shm_threshold is None or not cuda_shared_memory_available()):
+                value = as_numpy(value)  # through the host: CUDA shared memory is off or needs cuda-python
             gpu = value.device.index if is_cuda(value) else None
             infer_input = grpcclient.InferInput(name, list(value.shape), datatype)
             lease = self._lend(value.nbytes, gpu, lent)
@@ -252,17 +256,17 @@ class Client:
         if self.shm_threshold is None or nbytes < self.shm_threshold:
             return None
         key = ("cuda", cuda_device) if cuda_device is not None else ("system", 0)
+        with self._pools_lock:
+            pool = self._pools.get(key) or self._pools.setdefault(key, RegionPool(self._client, *key))
         try:
-            if key not in self._pools:
-                self._pools[key] = RegionPool(self._client, *key)
-            region = self._pools[key].take(nbytes)
+            region = pool.take(nbytes)
         except (InferenceServerException, SharedMemoryException) as error:
             log.warning("shared memory with %s does not work (%s); sending tensors in gRPC messages instead",
                         self.url, error)
             self.shm_threshold = None
             return None
-        lent.append((self._pools[key], region))
-        return self._pools[key], region
+        lent.append((pool, region))
+        return pool, region
 
     def _call(self, what: str, method, *args, **kwargs):
         """method(*args, **kwargs), retried on UNAVAILABLE; its failure as a one-line ClientError."""

@@ -9,7 +9,9 @@ so nothing is left under /dev/shm.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -121,6 +123,17 @@ class RegionPool:
                     system_shm.destroy_shared_memory_region(region.handle)
                 else:
                     self._cuda.destroy_shared_memory_region(region.handle)
+
+
+@functools.cache
+def cuda_shared_memory_available() -> bool:
+    """Whether tritonclient's CUDA shared memory can be used here (it needs cuda-python); says why once if not."""
+    try:
+        _cuda_shm()
+    except RuntimeError as error:
+        logging.getLogger("mdtriton.client").warning("%s; CUDA tensors go through host memory", error)
+        return False
+    return True
 
 
 def _cuda_shm():
