@@ -14,6 +14,8 @@ from torch import nn
 
 from mdtriton.engine.comm import Communicator
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[int]:
     """Check that each segment divides by tp_size; return the segments (the whole dim if none)."""
@@ -26,11 +28,19 @@ def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[in
     return segments
 
 
+def shard_ranges(segments: list[int], tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the split dimension that this rank holds: its part of every segment."""
+    ranges, offset = [], 0
+    for size in segments:
+        part = size // tp_size
+        ranges.append((offset + tp_rank * part, offset + (tp_rank + 1) * part))
+        offset += size
+    return ranges
+
+
 def take_shard(full: torch.Tensor, dim: int, segments: list[int], tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of every segment of `full` along dim, concatenated."""
-    parts = []
-    for segment in full.split(segments, dim=dim):
-        parts.append(segment.chunk(tp_size, dim=dim)[tp_rank])
+    parts = [full.narrow(dim, start, stop - start) for start, stop in shard_ranges(segments, tp_rank, tp_size)]
     return torch.cat(parts, dim=dim).contiguous()
 
 
@@ -68,10 +78,18 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Rank 0 adds the bias inside its GEMM (no extra kernel; on one rank the exact nn.Linear math), so
-        # the sum holds it once.
-        bias = self.bias if self.comm.tp_rank == 0 else None
-        return self.comm.tp_all_reduce(F.linear(x, self.weight, bias))
+        if self.comm.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if x.is_cuda and x.dtype in HALF_DTYPES:
+            # Partial products leave the GEMM in float32, are summed in float32 and rounded once, as one GPU's
+            # GEMM rounds its float32 accumulator once. Summing bf16 partials rounds every rank's share first:
+            # about 1% off the one-GPU output after FLUX.1-dev's 57 blocks (docs/benchmarks.md).
+            partial = torch.mm(x.flatten(0, -2), self.weight.t(), out_dtype=torch.float32)
+            if self.comm.tp_rank == 0 and self.bias is not None:
+                partial += self.bias
+            return self.comm.tp_all_reduce(partial).to(x.dtype).unflatten(0, x.shape[:-1])
+        # Rank 0 adds the bias inside its GEMM (no extra kernel), so the sum holds it once.
+        return self.comm.tp_all_reduce(F.linear(x, self.weight, self.bias if self.comm.tp_rank == 0 else None))
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}

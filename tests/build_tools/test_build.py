@@ -8,12 +8,12 @@ import pytest
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
-from mdtriton.build_tools.build import build_model_version
-from mdtriton.build_tools.engine_builder import random_weights, reference_module
+from mdtriton.build_tools.build import BuildInterrupted, build_model_version
+from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes, random_weights, reference_module
 from mdtriton.build_tools.model_config import read_model_config
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
-from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.manifest import EngineError, Manifest, file_sha256
 from mdtriton.engine.plan import ParallelPlan
 
 CONFIG = {"hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "num_layers": 1}
@@ -141,3 +141,68 @@ def test_a_version_with_another_plan_of_the_same_size_is_refused(tmp_path):
     build(tmp_path, **flux, plan=ParallelPlan(tp_size=2))
     with pytest.raises(ValueError, match="parameter parallel_plan differs"):
         build(tmp_path, **flux, plan=ParallelPlan(cp_size=2))
+
+
+class InterruptAtRank1:
+    """A weight source that is stopped (as by Ctrl-C) when rank 1's weights are being read."""
+
+    def __init__(self, source):
+        self.source = source
+        self.reads = 0
+
+    def read(self, name, split=None):
+        self.reads += 1
+        if split is not None and split[2] == 1:
+            raise KeyboardInterrupt
+        return self.source.read(name, split)
+
+    def fingerprint(self):
+        return self.source.fingerprint()
+
+
+def test_interrupted_build_resumes_and_keeps_verified_rank_files(tmp_path):
+    shapes = full_shapes("tiny_transformer", CONFIG)
+    plan = ParallelPlan(tp_size=2)
+    interrupted = InterruptAtRank1(RandomWeights(shapes, seed=5))
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32", interrupted, progress=False)
+    rank0 = tmp_path / "engine" / "rank0.safetensors"
+    written = rank0.stat().st_mtime_ns
+    assert not (tmp_path / "engine" / "manifest.json").exists()  # an interrupted build never looks complete
+
+    manifest = build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32",
+                            RandomWeights(shapes, seed=5), progress=False)
+    assert rank0.stat().st_mtime_ns == written  # kept, not rewritten
+    fresh = build_engine(tmp_path / "fresh", "tiny_transformer", CONFIG, plan, "FP32", RandomWeights(shapes, seed=5),
+                         progress=False)
+    assert manifest.weights == fresh.weights  # the same bytes as an uninterrupted build
+    assert not (tmp_path / "engine" / "build-progress.json").exists()
+
+
+def test_resume_rewrites_a_damaged_rank_file(tmp_path):
+    shapes = full_shapes("tiny_transformer", CONFIG)
+    plan = ParallelPlan(tp_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32",
+                     InterruptAtRank1(RandomWeights(shapes, seed=5)), progress=False)
+    rank0 = tmp_path / "engine" / "rank0.safetensors"
+    rank0.write_bytes(rank0.read_bytes()[:-8] + b"damaged!")
+    manifest = build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32",
+                            RandomWeights(shapes, seed=5), progress=False)
+    fresh = build_engine(tmp_path / "fresh", "tiny_transformer", CONFIG, plan, "FP32", RandomWeights(shapes, seed=5),
+                         progress=False)
+    assert manifest.weights == fresh.weights and file_sha256(rank0) == fresh.weights[0].sha256
+
+
+def test_interrupted_version_build_says_how_to_resume(tmp_path, monkeypatch):
+    import mdtriton.build_tools.build as build_module
+
+    original = build_module.RandomWeights
+    monkeypatch.setattr(build_module, "RandomWeights", lambda *args: InterruptAtRank1(original(*args)))
+    with pytest.raises(BuildInterrupted, match="run the same command again to resume") as caught:
+        build(tmp_path)
+    staging = next((tmp_path / "m").glob(".building-*"))
+    assert str(staging) in str(caught.value)
+    monkeypatch.setattr(build_module, "RandomWeights", original)
+    assert build(tmp_path) == tmp_path / "m" / "1"
+    assert not any((tmp_path / "m").glob(".building-*"))
