@@ -21,7 +21,7 @@ def cuda_regions(url: str) -> dict:
 
 def test_cuda_shared_memory_gives_the_same_answers(tmp_path, server_factory):
     try:
-        import tritonclient.utils.cuda_shared_memory  # noqa: F401
+        import tritonclient.utils.cuda_shared_memory  # noqa: F401 - needs cuda-python
     except RuntimeError:
         pytest.fail("CUDA shared memory needs cuda-python: pip install 'mdtriton[cuda]'")
     world_size = min(torch.cuda.device_count(), 2)
