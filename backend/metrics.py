@@ -43,6 +43,7 @@ class RankMetrics:
         ]
         self._requests, self._jobs, self._communication, self._compute = (
             family.Metric(labels=labels) for family in self._families)
+        self._in_job = False  # jobs and their collectives all run in the job runner's thread
         self._host_seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -51,8 +52,12 @@ class RankMetrics:
 
     @contextmanager
     def time_collective(self):
-        """Measure one collective: host time on CPU (gloo is synchronous), CUDA events on GPU."""
-        if self.device.type == "cuda":
+        """Measure one collective of a job: host time on CPU (gloo is synchronous), CUDA events on GPU.
+
+        Collectives outside jobs (forming the process groups) are not counted."""
+        if not self._in_job:
+            yield
+        elif self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
@@ -67,9 +72,11 @@ class RankMetrics:
     def job(self):
         """Count one job and split its wall time into communication and compute."""
         started = time.perf_counter()
+        self._in_job = True
         try:
             yield
         finally:
+            self._in_job = False
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the events must have happened to be read
             wall = time.perf_counter() - started
