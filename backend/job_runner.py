@@ -38,12 +38,14 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, collective_timeout: float):
+    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, collective_timeout: float,
+                 metrics):
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
         self.join_timeout = join_timeout
         self.collective_timeout = collective_timeout
+        self.metrics = metrics  # backend.metrics.RankMetrics: its job() context counts and times each job
         self._pending: dict[str, Job] = {}
         self._pending_lock = threading.Lock()
         self._ready = threading.Event()
@@ -115,7 +117,8 @@ class JobRunner:
                 self._failure = message["reason"]
                 self._fail_pending(message["reason"])
                 return
-            self._execute(message)
+            with self.metrics.job():
+                self._execute(message)
 
     def _execute(self, message: dict) -> None:
         origin = message["origin"]

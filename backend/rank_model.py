@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
 from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
+from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
 from mdtriton.backend.rendezvous import Rendezvous, rendezvous_dir
 from mdtriton.engine.comm import Communicator
@@ -52,18 +53,22 @@ class RankModel:
             raise EngineError(f"{engine_dir}: engine has {manifest.plan.world_size} ranks ({manifest.plan}) but the "
                               f"model config starts {self.placement.world_size} instances; they must match")
         comm = Communicator(manifest.plan, self.placement.rank, self.placement.device)
+        self.metrics = RankMetrics(args["model_name"], args["model_version"], comm.rank, comm.device)
+        comm.collective_timer = self.metrics.time_collective
         self.engine = TorchEngine.load(engine_dir, comm)
         log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
                  self.placement.device, self.engine.load_seconds)
         self.inputs = {spec.name: spec for spec in manifest.inputs}
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 comm.rank, manifest.plan.world_size)
-        self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout)
+        self.runner = JobRunner(self.engine, rendezvous, join_timeout, collective_timeout=self.request_timeout,
+                                metrics=self.metrics)
         self.runner.start()
         if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
             log.warning("rank %d: the other ranks have not joined yet; carrying on in the background", comm.rank)
 
     def execute(self, requests: list) -> list:
+        self.metrics.received(len(requests))
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = []
         for request in requests:

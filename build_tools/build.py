@@ -8,8 +8,9 @@ from pathlib import Path
 
 from mdtriton.build_tools.checkpoint import Checkpoint
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
-from mdtriton.build_tools.model_config import model_config
-from mdtriton.build_tools.repository import ENGINE_DIR, check_compatible, install_version, new_version_dir
+from mdtriton.build_tools.model_config import model_config, version_policy
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
+                                              new_version_dir)
 from mdtriton.engine.architectures import architecture
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.memory import check_gpus_fit
@@ -23,8 +24,13 @@ class BuildInterrupted(Exception):
 def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float = 300.0, progress: bool = True, random_device: str = "cpu") -> Path:
+                        request_timeout_s: float = 300.0, progress: bool = True, random_device: str = "cpu",
+                        policy: str | None = None) -> Path:
     """Write repository/name/version/ and return its path.
+
+    policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
+    current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
+    hand (e.g. EXECUTION_ENV_PATH) are kept.
 
     Weights: a checkpoint at weights_path (its config.json, if any, fills the config under `config`), or
     random from seed, generated on random_device. The version is assembled in a hidden folder named after
@@ -43,6 +49,9 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     triton_config = model_config(name, probe, device, gpus, request_timeout_s)
     model_dir = Path(repository) / name
     check_compatible(model_dir, triton_config)
+    if policy is not None:
+        triton_config.version_policy.CopyFrom(version_policy(policy))
+    keep_model_settings(model_dir, triton_config)
     if device == "gpu":
         check_gpus_fit(probe, list(triton_config.instance_group[0].gpus))
     shapes = full_shapes(architecture_name, config)

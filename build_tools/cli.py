@@ -43,6 +43,9 @@ def add_parser(subparsers) -> None:
                              "gives other weights than on cpu)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may wait for all ranks before it fails (default 300)")
+    parser.add_argument("--version-policy", metavar="POLICY",
+                        help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
+                             "(default: keep the model's policy; Triton's latest:1 for a new model)")
     parser.set_defaults(run=run)
 
 
@@ -61,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
                                       args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
-                                      random_device=args.random_device)
+                                      random_device=args.random_device, policy=args.version_policy)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     build_cli.add_parser(subparsers)
     add_serve_parser(subparsers)
-    client_cli.add_parser(subparsers)
+    client_cli.add_parsers(subparsers)
     demo.add_parser(subparsers)
     bench.add_parser(subparsers)
     args = parser.parse_args(argv)

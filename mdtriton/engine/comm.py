@@ -8,6 +8,8 @@ same model code runs on 1..N ranks.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,12 @@ class Communicator:
         self._tp_group = None
         self._cp_group = None
         self._cp_ranks = plan.cp_group_ranks()[self.tp_rank] if plan.cp_size > 1 else [rank]
+        # Optional hook: a callable returning a context manager wrapped around every collective (the
+        # backend's metrics time them with it).
+        self.collective_timer = None
+
+    def _timed(self):
+        return self.collective_timer() if self.collective_timer is not None else nullcontext()
 
     def join_groups(self) -> None:
         """Create the tensor- and context-parallel groups; every rank calls this together."""
@@ -63,7 +71,8 @@ class Communicator:
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial results of a row-parallel layer across the tensor-parallel group, in place."""
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self._tp_group)
+            with self._timed():
+                dist.all_reduce(x, group=self._tp_group)
         return x
 
     def cp_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,7 +81,8 @@ class Communicator:
             return x
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.cp_size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, moved, group=self._cp_group)
+        with self._timed():
+            dist.all_gather_into_tensor(out, moved, group=self._cp_group)
         return out.movedim(0, dim)
 
     def cp_all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -81,7 +91,8 @@ class Communicator:
             return x
         chunks = [c.contiguous() for c in x.chunk(self.cp_size, dim=scatter_dim)]
         received = [torch.empty_like(c) for c in chunks]
-        dist.all_to_all(received, chunks, group=self._cp_group)
+        with self._timed():
+            dist.all_to_all(received, chunks, group=self._cp_group)
         return torch.cat(received, dim=gather_dim)
 
     def cp_ring_shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
@@ -95,10 +106,13 @@ class Communicator:
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
-        return received, dist.batch_isend_irecv(ops)
+        with self._timed():
+            works = dist.batch_isend_irecv(ops)
+        return received, works
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
         if self.plan.world_size > 1:
-            dist.broadcast(x, src=src)
+            with self._timed():
+                dist.broadcast(x, src=src)
         return x

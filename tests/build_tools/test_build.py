@@ -94,6 +94,55 @@ def test_engine_for_another_plan_is_refused(tmp_path):
         TorchEngine.load(engine_dir, Communicator.single())
 
 
+def test_version_policy_is_set_kept_and_replaced(tmp_path):
+    build(tmp_path, policy="all")
+    assert read_model_config(tmp_path / "m" / "config.pbtxt").version_policy.HasField("all")
+    build(tmp_path, seed=1)  # no policy given: the model keeps its own
+    assert read_model_config(tmp_path / "m" / "config.pbtxt").version_policy.HasField("all")
+    build(tmp_path, seed=2, policy="specific:1,3")
+    assert list(read_model_config(tmp_path / "m" / "config.pbtxt").version_policy.specific.versions) == [1, 3]
+    build(tmp_path, seed=3, policy="latest:2")
+    assert read_model_config(tmp_path / "m" / "config.pbtxt").version_policy.latest.num_versions == 2
+    assert not read_model_config(tmp_path / "m" / "config.pbtxt").version_policy.HasField("specific")
+
+
+def test_parameters_added_by_hand_are_kept_by_later_builds(tmp_path):
+    build(tmp_path)
+    path = tmp_path / "m" / "config.pbtxt"
+    path.write_text(path.read_text() + 'parameters { key: "EXECUTION_ENV_PATH" value { string_value: "env.tar.gz" } }\n')
+    build(tmp_path, seed=1, request_timeout_s=60.0)
+    parameters = read_model_config(path).parameters
+    assert parameters["EXECUTION_ENV_PATH"].string_value == "env.tar.gz"
+    assert parameters["request_timeout_s"].string_value == "60.0"  # the build's own parameters are the new ones
+
+
+@pytest.mark.parametrize("policy", ["latest:0", "latest", "specific:", "specific:0,1", "everything", "all:1"])
+def test_bad_version_policy_is_refused_before_anything_is_written(tmp_path, policy):
+    with pytest.raises(ValueError, match="use 'all', 'latest:K'"):
+        build(tmp_path, policy=policy)
+    assert not (tmp_path / "m").exists()
+
+
+def test_config_tells_the_plan_and_warms_up_every_rank(tmp_path):
+    build(tmp_path, name="f", architecture_name="flux", config=None, plan=ParallelPlan(cp_size=2, cp_method="ring"))
+    config = read_model_config(tmp_path / "f" / "config.pbtxt")
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["architecture"] == "flux" and parameters["data_type"] == "FP32"
+    assert parameters["parallel_plan"] == "world 2 = tp 1 x cp 2 (ring)"
+    [warmup] = config.model_warmup
+    assert warmup.batch_size == 1 and set(warmup.inputs) == {i.name for i in config.input}
+    # Every variable dimension is cp_size, so each context-parallel rank gets real tokens.
+    assert list(warmup.inputs["hidden_states"].dims) == [2, 2, 8] and list(warmup.inputs["img_ids"].dims) == [2, 3]
+    assert all(sample.zero_data for sample in warmup.inputs.values())
+
+
+def test_a_version_with_another_plan_of_the_same_size_is_refused(tmp_path):
+    flux = dict(name="f", architecture_name="flux", config=None)
+    build(tmp_path, **flux, plan=ParallelPlan(tp_size=2))
+    with pytest.raises(ValueError, match="parameter parallel_plan differs"):
+        build(tmp_path, **flux, plan=ParallelPlan(cp_size=2))
+
+
 class InterruptAtRank1:
     """A weight source that is stopped (as by Ctrl-C) when rank 1's weights are being read."""
 
