@@ -14,8 +14,6 @@ from torch import nn
 
 from mdtriton.engine.comm import Communicator
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[int]:
     """Check that each segment divides by tp_size; return the segments (the whole dim if none)."""
@@ -78,18 +76,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.comm.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        if x.is_cuda and x.dtype in HALF_DTYPES:
-            # Partial products leave the GEMM in float32, are summed in float32 and rounded once, as one GPU's
-            # GEMM rounds its float32 accumulator once. Summing bf16 partials rounds every rank's share first:
-            # about 1% off the one-GPU output after FLUX.1-dev's 57 blocks (docs/benchmarks.md).
-            partial = torch.mm(x.flatten(0, -2), self.weight.t(), out_dtype=torch.float32)
-            if self.comm.tp_rank == 0 and self.bias is not None:
-                partial += self.bias
-            return self.comm.tp_all_reduce(partial).to(x.dtype).unflatten(0, x.shape[:-1])
-        # Rank 0 adds the bias inside its GEMM (no extra kernel), so the sum holds it once.
-        return self.comm.tp_all_reduce(F.linear(x, self.weight, self.bias if self.comm.tp_rank == 0 else None))
+        # Rank 0 adds the bias inside its GEMM (no extra kernel; on one rank the exact nn.Linear math), so
+        # the sum holds it once. The partial products are summed in the engine's dtype: summing them in
+        # float32 instead was measured 10% slower and no closer to one GPU (docs/benchmarks.md).
+        bias = self.bias if self.comm.tp_rank == 0 else None
+        return self.comm.tp_all_reduce(F.linear(x, self.weight, bias))
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}
