@@ -59,15 +59,16 @@ class Job:
 
 class JobRunner:
     def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, timeout: float,
-                 on_replaced: Callable[[], None]):
+                 metrics, on_replaced: Callable[[], None]):
         """timeout: the longest a job may wait for all ranks, and a collective for its peers, before the ranks
-        are taken as lost; on_replaced: called (in the runner thread) when this load is broken and a new load
-        has replaced it."""
+        are taken as lost; metrics: backend.metrics.RankMetrics, whose job() context counts and times each job;
+        on_replaced: called (in the runner thread) when this load is broken and a new load has replaced it."""
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
         self.join_timeout = join_timeout
         self.timeout = timeout
+        self.metrics = metrics
         self._on_replaced = on_replaced
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and requests share
         self._pending: dict[str, Job] = {}
@@ -191,7 +192,8 @@ class JobRunner:
                         # Triton unloads every instance of the model: this rank's finalize follows.
                         self._stopping.set()
                     return message["reason"]
-                self._execute(message)
+                with self.metrics.job():
+                    self._execute(message)
         except (EOFError, ConnectionError):
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
         except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason reaches every request

@@ -15,6 +15,7 @@ from torch.utils.dlpack import to_dlpack
 
 from mdtriton.backend.freeze_watchdog import FreezeWatchdog
 from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
+from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
 from mdtriton.backend.rendezvous import Rendezvous, rendezvous_dir
 from mdtriton.engine.comm import Communicator
@@ -74,13 +75,15 @@ class RankModel:
             raise EngineError(f"{engine_dir}: engine has {manifest.plan.world_size} ranks ({manifest.plan}) but the "
                               f"model config starts {self.placement.world_size} instances; they must match")
         comm = Communicator(manifest.plan, self.placement.rank, self.placement.device)
+        self.metrics = RankMetrics(args["model_name"], args["model_version"], comm.rank, comm.device)
+        comm.collective_timer = self.metrics.time_collective
         self.engine = TorchEngine.load(engine_dir, comm)
         log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
                  self.placement.device, self.engine.load_seconds)
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 comm.rank, manifest.plan.world_size)
         self.runner = JobRunner(self.engine, rendezvous, join_timeout, timeout=self.request_timeout,
-                                on_replaced=self._on_replaced)
+                                metrics=self.metrics, on_replaced=self._on_replaced)
         self.runner.start()
         self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
         if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
@@ -88,6 +91,7 @@ class RankModel:
 
     def execute(self, requests: list) -> list:
         self.freeze_watchdog.check()
+        self.metrics.received(len(requests))
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = []
         for request in requests:

@@ -2,47 +2,72 @@
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import json
 from pathlib import Path
 
-from mdtriton.build_tools.engine_builder import build_engine, load_weights, random_shard, shard_from_full
-from mdtriton.build_tools.model_config import model_config
-from mdtriton.build_tools.repository import ENGINE_DIR, check_compatible, install_version, new_version_dir
+from mdtriton.build_tools.checkpoint import Checkpoint
+from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
+from mdtriton.build_tools.model_config import model_config, version_policy
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
+                                              new_version_dir)
 from mdtriton.engine.architectures import architecture
 from mdtriton.engine.manifest import EngineLimits, Manifest
+from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
+
+
+class BuildInterrupted(Exception):
+    """The build was stopped; what it finished is kept for the next run of the same build."""
 
 
 def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float = 30.0, progress: bool = True,
-                        limits: EngineLimits = EngineLimits()) -> Path:
+                        request_timeout_s: float = 30.0, progress: bool = True, random_device: str = "cpu",
+                        policy: str | None = None, limits: EngineLimits = EngineLimits()) -> Path:
     """Write repository/name/version/ and return its path.
 
-    The version is assembled in a hidden folder (Triton ignores names that are not numbers) and
-    renamed into place at the end, so a failed or interrupted build never leaves a half version.
+    policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
+    current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
+    hand (e.g. EXECUTION_ENV_PATH) are kept.
+
+    Weights: a checkpoint at weights_path (its config.json, if any, fills the config under `config`), or
+    random from seed, generated on random_device. The version is assembled in a hidden folder named after
+    the build's inputs (Triton ignores names that are not numbers) and renamed into place at the end, so a
+    failed build never leaves a half version, and the same build run again resumes from that folder.
     """
     arch = architecture(architecture_name)
-    config = {**arch.default_config(), **(config or {})}
+    checkpoint = Checkpoint(weights_path) if weights_path else None
+    known = arch.default_config()
+    from_checkpoint = {k: v for k, v in checkpoint.config().items() if k in known} if checkpoint else {}
+    config = {**known, **from_checkpoint, **(config or {})}
     arch.check_plan(config, plan)
-    version_dir = new_version_dir(Path(repository), name, version)
+    new_version_dir(Path(repository), name, version)  # refuse an existing version before any work
     inputs, outputs = arch.signature(config, data_type)
     probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs)
     triton_config = model_config(name, probe, device, gpus, request_timeout_s)
-    check_compatible(version_dir.parent, triton_config)
-    if weights_path:
-        full_weights = load_weights(weights_path)
-        shard_of_rank = lambda rank: shard_from_full(architecture_name, config, plan, rank, full_weights)  # noqa: E731
-    else:
-        shard_of_rank = lambda rank: random_shard(architecture_name, config, plan, rank, seed)  # noqa: E731
-    staging = version_dir.parent / f".building-{version_dir.name}"
-    shutil.rmtree(staging, ignore_errors=True)
+    model_dir = Path(repository) / name
+    check_compatible(model_dir, triton_config)
+    if policy is not None:
+        triton_config.version_policy.CopyFrom(version_policy(policy))
+    keep_model_settings(model_dir, triton_config)
+    if device == "gpu":
+        check_gpus_fit(probe, list(triton_config.instance_group[0].gpus))
+    shapes = full_shapes(architecture_name, config)
+    if checkpoint:
+        checkpoint.check(shapes)
+    source = checkpoint or RandomWeights(shapes, seed, random_device)
+    inputs_key = json.dumps({"architecture": architecture_name, "config": config, "plan": plan.to_dict(),
+                             "data_type": data_type, "weights": source.fingerprint()}, sort_keys=True)
+    staging = model_dir / f".building-{hashlib.sha256(inputs_key.encode()).hexdigest()[:12]}"
     try:
-        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, shard_of_rank, progress, limits)
-        install_version(staging, triton_config)
-        staging.rename(version_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, source, progress,
+                     limits)
+    except KeyboardInterrupt:
+        raise BuildInterrupted(f"build interrupted; its finished rank files are kept in {staging}: run the same "
+                               "command again to resume") from None
+    install_version(staging, triton_config)
+    version_dir = new_version_dir(Path(repository), name, version)
+    staging.rename(version_dir)
     return version_dir

@@ -15,14 +15,17 @@ from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "build", help="build an engine into MODEL_REPOSITORY/NAME/VERSION",
-        description="Build a multi-rank engine (random weights from a seed, or a safetensors file) and write it, "
-                    "with model.py and config.pbtxt, as the next version of a model in a Triton model repository.")
+        description="Build a multi-rank engine (random weights from a seed, or a safetensors checkpoint) and write "
+                    "it, with model.py and config.pbtxt, as the next version of a model in a Triton model repository. "
+                    "An interrupted build resumes when the same command is run again.")
     parser.add_argument("repository", type=Path, help="model repository directory (created if missing)")
     parser.add_argument("--name", required=True, help="model name")
     parser.add_argument("--version", type=int, help="version number (default: the next free one)")
     parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--preset", help="a named config of the architecture: flux: tiny (default), flux.1-dev, flux-80b; "
+                                         "tiny_transformer: small (default)")
     parser.add_argument("--config", default="{}",
-                        help="architecture config as JSON, overriding the defaults, or @FILE to read it from a file")
+                        help="architecture config as JSON, overriding the preset, or @FILE to read it from a file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
@@ -32,7 +35,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gpus", help="comma-separated GPU ids for the ranks, in rank order (default 0..N-1)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed for random weights (default 0)")
-    weights.add_argument("--weights", type=Path, help="full weights in one safetensors file (names as the architecture's)")
+    weights.add_argument("--weights", type=Path,
+                         help="a safetensors checkpoint: one file, a sharded checkpoint's *.safetensors.index.json, or "
+                              "a directory with either (diffusers' layout: its config.json fills the config); "
+                              "weight names as the architecture's (diffusers' for flux)")
+    parser.add_argument("--random-device", default="cpu", choices=("cpu", "cuda"),
+                        help="where random weights are generated (cuda: much faster for big models; the same seed "
+                             "gives other weights than on cpu)")
     parser.add_argument("--request-timeout", type=float, default=30.0,
                         help="seconds a request may wait for all ranks before it fails, and the longest a collective "
                              "may wait for a stopped or stuck rank (default 30)")
@@ -41,6 +50,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="longest sequence a request may carry, in tokens (FLUX: text + image; "
                              f"default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--version-policy", metavar="POLICY",
+                        help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
+                             "(default: keep the model's policy; Triton's latest:1 for a new model)")
     parser.set_defaults(run=run)
 
 
@@ -50,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
         config = json.loads(config_text)
     except json.JSONDecodeError as error:
         raise SystemExit(f"error: --config is not valid JSON: {error}") from None
+    if args.preset:
+        presets = ARCHITECTURES[args.architecture].presets()
+        if args.preset not in presets:
+            raise SystemExit(f"error: {args.architecture} has no preset {args.preset!r}; its presets: {', '.join(presets)}")
+        config = {**presets[args.preset], **config}
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
                                       args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
+                                      random_device=args.random_device, policy=args.version_policy,
                                       limits=EngineLimits(args.max_batch_size, args.max_tokens))
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

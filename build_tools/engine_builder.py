@@ -1,22 +1,32 @@
-"""Build an engine directory: one safetensors weight file per rank and the manifest that describes them."""
+"""Build an engine directory: one safetensors weight file per rank and the manifest that describes them.
+
+Weights come from a source one weight (or one rank's slices of it) at a time: seeded random weights,
+or a checkpoint (build_tools.checkpoint). So a rank's file is the most the build holds in memory.
+A build is resumable: each finished rank file is recorded with its checksum, and a build run again
+into the same directory keeps the files that still match their checksums.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-from mdtriton.engine.architectures import architecture
+from mdtriton.build_tools.checkpoint import Split
+from mdtriton.engine.architectures import architecture, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
-from mdtriton.engine.layers import parallel_specs, shard_state_dict, take_shard
+from mdtriton.engine.layers import parallel_specs, take_shard
 from mdtriton.engine.manifest import EngineLimits, Manifest, WeightFile, file_sha256
 from mdtriton.engine.plan import ParallelPlan
+
+PROGRESS_FILE = "build-progress.json"
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -34,66 +44,107 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: str | to
     return 1.0 + 0.02 * values if name.endswith("weight") else 0.02 * values
 
 
-def _meta_module(architecture_name: str, config: dict, plan: ParallelPlan, rank: int) -> torch.nn.Module:
-    with torch.device("meta"):
-        return architecture(architecture_name)(config, Communicator(plan, rank, torch.device("meta")))
+def full_shapes(architecture_name: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the whole (one-rank) model."""
+    return {name: tuple(t.shape) for name, t in meta_module(architecture_name, config, ParallelPlan(), 0).state_dict().items()}
+
+
+class RandomWeights:
+    """Seeded random weights; a rank's slices are cut from the full weight, generated on `device`.
+
+    CPU and CUDA generators differ: the same seed gives other weights on another kind of device.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int, device: str = "cpu"):
+        self.shapes = shapes
+        self.seed = seed
+        self.device = device
+
+    def read(self, name: str, split: Split | None = None) -> torch.Tensor:
+        full = random_tensor(name, self.shapes[name], self.seed, self.device)
+        return take_shard(full, *split) if split else full
+
+    def fingerprint(self) -> dict:
+        return {"random_seed": self.seed, "device": torch.device(self.device).type}
 
 
 def random_weights(architecture_name: str, config: dict, seed: int) -> dict[str, torch.Tensor]:
     """The full model's random weights (float32, CPU): the reference every plan's shards are cut from."""
-    module = _meta_module(architecture_name, config, ParallelPlan(), 0)
-    return {name: random_tensor(name, tuple(t.shape), seed) for name, t in module.state_dict().items()}
+    source = RandomWeights(full_shapes(architecture_name, config), seed)
+    return {name: source.read(name) for name in source.shapes}
+
+
+def rank_weights(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, source,
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank's weights, one at a time, read from source (RandomWeights or a Checkpoint) and cast to dtype."""
+    module = meta_module(architecture_name, config, plan, rank)
+    specs = parallel_specs(module)
+    for name, local in module.state_dict().items():
+        tensor = source.read(name, specs.get(name)).to(dtype)
+        if tuple(tensor.shape) != tuple(local.shape):
+            raise ValueError(f"weight {name!r} of rank {rank} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(local.shape)}")
+        yield name, tensor
 
 
 def random_shard(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, seed: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Rank's shard of random_weights, made one weight at a time (never the whole model in memory).
-
-    Generated on `device`; CPU and CUDA generators differ, so compare shards made on the same kind of device.
-    """
-    full_shapes = {name: tuple(t.shape) for name, t in _meta_module(architecture_name, config, ParallelPlan(), 0).state_dict().items()}
-    module = _meta_module(architecture_name, config, plan, rank)
-    specs = parallel_specs(module)
-    shard = {}
-    for name in module.state_dict():
-        full = random_tensor(name, full_shapes[name], seed, device)
-        shard[name] = (take_shard(full, *specs[name]) if name in specs else full).to(dtype)
-    return shard
+    """Rank's shard of the seeded random weights, generated on device (never the whole model in memory)."""
+    source = RandomWeights(full_shapes(architecture_name, config), seed, str(device))
+    return dict(rank_weights(architecture_name, config, plan, rank, source, dtype))
 
 
-def shard_from_full(architecture_name: str, config: dict, plan: ParallelPlan, rank: int,
-                    full_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rank's shard cut out of full weights (e.g. a checkpoint loaded with load_weights)."""
-    return shard_state_dict(_meta_module(architecture_name, config, plan, rank), full_weights)
+def _finished_files(engine_dir: Path) -> dict[str, WeightFile]:
+    """Rank files an earlier, interrupted build finished, if they still match their recorded checksums."""
+    path = engine_dir / PROGRESS_FILE
+    if not path.is_file():
+        return {}
+    finished = {}
+    for entry in (WeightFile(**item) for item in json.loads(path.read_text())):
+        file = engine_dir / entry.file
+        if file.is_file() and file.stat().st_size == entry.bytes and file_sha256(file) == entry.sha256:
+            finished[entry.file] = entry
+    return finished
 
 
 def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
-                 shard_of_rank: Callable[[int], dict[str, torch.Tensor]], progress: bool = True,
-                 limits: EngineLimits = EngineLimits()) -> Manifest:
-    """Write each rank's shard (one at a time), then the manifest last.
+                 source, progress: bool = True, limits: EngineLimits = EngineLimits()) -> Manifest:
+    """Write each rank's weight file from source, then the manifest (with the request limits) last.
 
-    The manifest is written only after every weight file, so an interrupted build never looks complete.
+    The manifest is written only after every weight file, so an interrupted build never looks complete;
+    run again into the same engine_dir, it keeps the rank files already finished and verified.
     """
     arch = architecture(architecture_name)
     arch.check_plan(config, plan)
     engine_dir = Path(engine_dir)
-    engine_dir.mkdir(parents=True, exist_ok=False)
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    finished = _finished_files(engine_dir)
     dtype = TORCH_DTYPES[data_type]
+    weights_per_rank = len(meta_module(architecture_name, config, plan, 0).state_dict())
     files = []
-    for rank in tqdm(range(plan.world_size), desc="writing rank shards", unit="rank", disable=not progress):
-        shard = {name: t.to(dtype).contiguous() for name, t in shard_of_rank(rank).items()}
-        path = engine_dir / f"rank{rank}.safetensors"
-        save_file(shard, path, metadata={"rank": str(rank), "plan": str(plan)})
-        files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
+    with tqdm(total=plan.world_size * weights_per_rank, desc="building engine", unit="weight",
+              disable=not progress) as bar:
+        for rank in range(plan.world_size):
+            path = engine_dir / f"rank{rank}.safetensors"
+            if path.name in finished:
+                files.append(finished[path.name])
+                bar.update(weights_per_rank)
+                continue
+            bar.set_postfix_str(f"rank {rank}")
+            shard = {}
+            for name, tensor in rank_weights(architecture_name, config, plan, rank, source, dtype):
+                shard[name] = tensor.contiguous().cpu()
+                bar.update(1)
+            # One metadata key: safetensors writes several in a random order, which would change the checksum.
+            save_file(shard, path, metadata={"mdtriton": f"rank {rank} of {plan}"})
+            del shard
+            files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
+            (engine_dir / PROGRESS_FILE).write_text(json.dumps([vars(f) for f in files]))
     inputs, outputs = arch.signature(config, data_type)
     manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits)
     manifest.write(engine_dir)
+    (engine_dir / PROGRESS_FILE).unlink(missing_ok=True)
     return manifest
-
-
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Full weights from one safetensors file, as float32."""
-    return {name: t.float() for name, t in load_file(path).items()}
 
 
 def reference_module(architecture_name: str, config: dict, full_weights: dict[str, torch.Tensor], data_type: str,

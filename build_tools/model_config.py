@@ -11,11 +11,18 @@ from mdtriton.engine.manifest import Manifest
 
 # The instance group's name: Triton names CPU instances "<name>_<i>", which the backend reads as the rank.
 RANK_GROUP = "rank"
+WARMUP_NAME = "all_ranks_together"
 
 
 def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | None = None,
                  request_timeout_s: float = 300.0) -> mc.ModelConfig:
-    """One instance per rank: on GPU one per listed GPU (rank = position in the list), on CPU N instances."""
+    """One instance per rank: on GPU one per listed GPU (rank = position in the list), on CPU N instances.
+
+    max_batch_size is 0: the engines take the batch as an explicit first dimension, and FLUX's position
+    ids (img_ids, txt_ids) have no batch dimension at all, so Triton's dynamic batcher (which needs
+    max_batch_size > 0 and a batch dimension on every input) does not apply; clients batch themselves.
+    The parameters tell users what they are talking to (architecture, data type, parallel plan).
+    """
     world_size = manifest.plan.world_size
     if device == "gpu":
         gpus = list(range(world_size)) if gpus is None else list(gpus)
@@ -33,14 +40,58 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     for spec in manifest.outputs:
         config.output.append(mc.ModelOutput(name=spec.name, data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"),
                                             dims=list(spec.shape)))
+    config.model_warmup.append(warmup(manifest))
     parameters = {
         "engine_dir": "engine",
         "request_timeout_s": str(request_timeout_s),
+        "architecture": manifest.architecture,
+        "data_type": manifest.data_type,
         "parallel_plan": str(manifest.plan),
     }
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
+
+
+def warmup(manifest: Manifest) -> mc.ModelWarmup:
+    """One small all-zeros request that Triton sends to each instance while it loads the model.
+
+    Every rank runs every job, so each instance's warm-up job runs on all ranks: the model turns READY
+    only once all ranks have joined and run a job together (on GPU this also creates the NCCL
+    communicators, which otherwise the first user request would wait for). It cannot deadlock: Triton
+    initialises the Python backend's instances in parallel, and a rank runs other instances' jobs in its
+    job thread while its own warm-up waits; a rank that never joins fails the warm-up after the
+    request timeout.
+
+    Each variable dimension is cp_size (at least 1): our engines' variable dimensions are batch and
+    sequence lengths, consistent across inputs when equal, and every context-parallel rank gets real tokens.
+    """
+    size = manifest.plan.cp_size
+    sample = mc.ModelWarmup(name=WARMUP_NAME, batch_size=1)
+    for spec in manifest.inputs:
+        sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(
+            data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"), dims=[size if d == -1 else d for d in spec.shape],
+            zero_data=True))
+    return sample
+
+
+def version_policy(text: str) -> mc.ModelVersionPolicy:
+    """Triton's version_policy from 'all', 'latest:K' or 'specific:V1,V2,...'."""
+    kind, _, value = text.partition(":")
+    try:
+        if kind == "all" and not value:
+            return mc.ModelVersionPolicy(all=mc.ModelVersionPolicy.All())
+        if kind == "latest":
+            count = int(value)
+            if count >= 1:
+                return mc.ModelVersionPolicy(latest=mc.ModelVersionPolicy.Latest(num_versions=count))
+        if kind == "specific":
+            versions = sorted({int(v) for v in value.split(",")})
+            if versions and versions[0] >= 1:
+                return mc.ModelVersionPolicy(specific=mc.ModelVersionPolicy.Specific(versions=versions))
+    except ValueError:
+        pass
+    raise ValueError(f"version policy {text!r}: use 'all', 'latest:K' (K >= 1) or 'specific:V1,V2,...' (versions >= 1)")
 
 
 def write_model_config(path: Path, config: mc.ModelConfig) -> None:
@@ -49,4 +100,3 @@ def write_model_config(path: Path, config: mc.ModelConfig) -> None:
 
 def read_model_config(path: Path) -> mc.ModelConfig:
     return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
-

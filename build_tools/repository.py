@@ -44,11 +44,28 @@ def check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
     if not path.exists():
         return
     existing = read_model_config(path)
-    for field in ("instance_group", "input", "output", "max_batch_size", "backend"):
-        if getattr(existing, field) != getattr(config, field):
-            raise ValueError(
-                f"{path}: the new version's {field} differs from the model's config; all versions of a model "
-                f"share config.pbtxt (same ranks and inputs), so build it under a new model name")
+    differences = [field for field in ("instance_group", "input", "output", "max_batch_size", "backend")
+                   if getattr(existing, field) != getattr(config, field)]
+    differences += [f"parameter {key}" for key in ("architecture", "parallel_plan")
+                    if key in existing.parameters and existing.parameters[key] != config.parameters[key]]
+    if differences:
+        raise ValueError(
+            f"{path}: the new version's {differences[0]} differs from the model's config; all versions of a "
+            f"model share config.pbtxt (same architecture, plan, ranks and inputs), so build it under a new model name")
+
+
+def keep_model_settings(model_dir: Path, config: mc.ModelConfig) -> None:
+    """A new version keeps what was set on the model by an earlier build or by hand: its version_policy
+    (unless the new build sets one) and every parameter the build does not write (e.g. EXECUTION_ENV_PATH)."""
+    path = model_dir / "config.pbtxt"
+    if not path.exists():
+        return
+    existing = read_model_config(path)
+    if existing.HasField("version_policy") and not config.HasField("version_policy"):
+        config.version_policy.CopyFrom(existing.version_policy)
+    for key, value in existing.parameters.items():
+        if key not in config.parameters:
+            config.parameters[key].CopyFrom(value)
 
 
 def install_version(version_dir: Path, config: mc.ModelConfig) -> None:

@@ -1,47 +1,245 @@
-"""`mdtriton infer`: send one request to a served model and print or save its outputs."""
+"""The client commands of `mdtriton`: infer, sample, health, metadata, models, load, unload.
+
+Each talks to a running Triton server over gRPC (--url). Server errors end as one line on stderr and
+exit code 1 (mdtriton/cli.py prints the ClientError).
+"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from mdtriton.client.grpc_client import Client
+from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
+from mdtriton.client.sampler import sample_flux
+from mdtriton.client.tensors import read_tensors, write_tensors
 
 
-def read_input(text: str) -> tuple[str, np.ndarray]:
-    name, sep, path = text.partition("=")
-    if not sep:
-        raise SystemExit(f"error: --input takes NAME=FILE.npy, got {text!r}")
-    return name, np.load(path, allow_pickle=False)
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("infer", help="send one inference request over gRPC",
-                                   description="Send one request to a model and print (or save) its outputs.")
-    parser.add_argument("model", help="model name")
-    parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
-    parser.add_argument("--model-version", default="", help="model version (default: the server's choice)")
-    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input tensor (repeat)")
-    parser.add_argument("--output-dir", type=Path, help="save each output as NAME.npy here instead of printing it")
-    parser.add_argument("--timeout", type=float, help="seconds to wait for the answer")
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    inputs = dict(read_input(text) for text in args.input)
-    with Client(args.url, timeout=args.timeout) as client:
-        start = time.perf_counter()
-        outputs = client.infer(args.model, inputs, version=args.model_version)
-        latency = time.perf_counter() - start
-    for name, array in outputs.items():
-        if args.output_dir:
-            args.output_dir.mkdir(parents=True, exist_ok=True)
-            np.save(args.output_dir / f"{name}.npy", array)
-            print(f"{name}: {array.dtype} {list(array.shape)} -> {args.output_dir / f'{name}.npy'}")
+def read_inputs(texts: list[str]) -> dict[str, np.ndarray]:
+    """Inputs from NAME=FILE.npy, NAME=FILE.safetensors (its tensor NAME, or its only tensor), or
+    FILE.safetensors (every tensor, by its name)."""
+    inputs = {}
+    for text in texts:
+        name, sep, path = text.partition("=")
+        if not sep:
+            name, path = "", text
+        tensors = read_tensors(Path(path))
+        if not name:
+            if "" in tensors:
+                raise ValueError(f"--input {text}: a .npy file holds no name: give NAME={path}")
+            inputs.update(tensors)
+        elif name in tensors or len(tensors) == 1:
+            inputs[name] = tensors.get(name, next(iter(tensors.values())))
         else:
-            print(f"{name}: {array.dtype} {list(array.shape)}\n{array}")
-    print(f"latency: {latency * 1000:.1f} ms")
+            raise ValueError(f"--input {text}: {path} holds {sorted(tensors)}, not {name!r}")
+    return inputs
+
+
+def connect(args: argparse.Namespace) -> Client:
+    threshold = None if getattr(args, "no_shm", False) else SHM_THRESHOLD_BYTES
+    return Client(args.url, timeout=args.timeout, retries=args.retries, shm_threshold=threshold)
+
+
+def add_parsers(subparsers) -> None:
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
+    connection.add_argument("--timeout", type=float, help="seconds each call may take (default: no limit)")
+    connection.add_argument("--retries", type=int, default=2,
+                            help="times a call that finds the server or model UNAVAILABLE is retried, "
+                                 "after 0.5 s, 1 s, 2 s, ... (default 2)")
+    tensors = argparse.ArgumentParser(add_help=False)
+    tensors.add_argument("--model-version", default="", help="model version (default: the server's choice)")
+    tensors.add_argument("--input", action="append", default=[], metavar="[NAME=]FILE",
+                         help="input tensors: NAME=FILE.npy, NAME=FILE.safetensors, or FILE.safetensors for all "
+                              "the tensors in it by their names (repeat)")
+    tensors.add_argument("--output", type=Path, metavar="PATH",
+                         help="save the outputs: FILE.safetensors, or a directory of NAME.npy files")
+    tensors.add_argument("--no-shm", action="store_true",
+                         help="send every tensor in the gRPC messages (default: tensors of 128 KiB or more go "
+                              "through shared memory when the server is on this host)")
+
+    parser = subparsers.add_parser("infer", parents=[connection, tensors], help="send inference requests over gRPC",
+                                   description="Send a request to a model and print (or save) its outputs; "
+                                               "with --requests, send it many times and report latency and throughput.")
+    parser.add_argument("model", help="model name")
+    parser.add_argument("--requests", type=int, default=1, help="how many times to send the request (default 1)")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default 1)")
+    parser.set_defaults(run=infer)
+
+    parser = subparsers.add_parser(
+        "sample", parents=[connection, tensors], help="denoise FLUX latents with a served FLUX transformer",
+        description="Run the FLUX flow-matching (Euler) sampler: each step is one request to the served "
+                    "transformer. Inputs: encoder_hidden_states [B, T, joint_attention_dim] and pooled_projections "
+                    "[B, pooled_projection_dim], the prompt's text-encoder outputs. Prints the final packed "
+                    "latents [B, (H/16)*(W/16), in_channels] or saves them with --output.")
+    parser.add_argument("model", help="model name of a FLUX transformer")
+    parser.add_argument("--height", type=int, default=1024, help="image height in pixels, a multiple of 16 (default 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="image width in pixels, a multiple of 16 (default 1024)")
+    parser.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
+    parser.add_argument("--guidance", type=float, default=3.5, help="guidance scale, for models that take one (default 3.5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
+    parser.set_defaults(run=sample)
+
+    parser = subparsers.add_parser("health", parents=[connection], help="is the server (or a model) live and ready",
+                                   description="Print whether the server is live and ready (and a model, if named); "
+                                               "exit code 1 if not ready.")
+    parser.add_argument("model", nargs="?", help="a model to check too")
+    parser.add_argument("--model-version", default="", help="model version (default: the server's choice)")
+    parser.set_defaults(run=health)
+
+    parser = subparsers.add_parser("metadata", parents=[connection], help="a model's inputs, outputs, versions and plan",
+                                   description="Print a model's metadata (versions, inputs, outputs) and what its "
+                                               "config tells: architecture, data type, parallel plan, ranks, "
+                                               "version policy and parameters.")
+    parser.add_argument("model", help="model name")
+    parser.add_argument("--model-version", default="", help="model version (default: the server's choice)")
+    parser.set_defaults(run=metadata)
+
+    parser = subparsers.add_parser("models", parents=[connection], help="list the models in the server's repository",
+                                   description="List every model and version in the server's repository with its "
+                                               "state (READY, UNAVAILABLE, LOADING, UNLOADING) and the reason.")
+    parser.set_defaults(run=models)
+
+    parser = subparsers.add_parser(
+        "load", parents=[connection], help="load or reload a model (explicit model control mode)",
+        description="Load or reload a model from the server's repository; the server must run with "
+                    "--model-control-mode explicit. With --versions, serve exactly those versions: the others are "
+                    "unloaded and the listed ones keep serving while they reload (a version_policy override for "
+                    "this load; config.pbtxt is not changed, and a plain load goes back to it).")
+    parser.add_argument("model", help="model name")
+    parser.add_argument("--versions", help="comma-separated versions to serve, e.g. 2 or 2,3")
+    parser.set_defaults(run=load)
+
+    parser = subparsers.add_parser("unload", parents=[connection], help="unload a model (explicit model control mode)",
+                                   description="Unload every version of a model and wait until they are gone; the "
+                                               "server must run with --model-control-mode explicit.")
+    parser.add_argument("model", help="model name")
+    parser.set_defaults(run=unload)
+
+
+def show_outputs(outputs: dict[str, np.ndarray], path: Path | None) -> None:
+    if path:
+        for written in write_tensors(path, outputs):
+            print(f"saved {written}")
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype} {list(array.shape)}")
+        if not path:
+            print(array)
+
+
+def infer(args: argparse.Namespace) -> int:
+    inputs = read_inputs(args.input)
+    with connect(args) as client:
+
+        def timed(_) -> tuple[dict, float]:
+            start = time.perf_counter()
+            outputs = client.infer(args.model, inputs, version=args.model_version)
+            return outputs, time.perf_counter() - start
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(timed, range(args.requests)))
+        elapsed = time.perf_counter() - start
+    show_outputs(results[-1][0], args.output)
+    latencies = sorted(latency * 1000 for _, latency in results)
+    if args.requests == 1:
+        print(f"latency: {latencies[0]:.1f} ms")
+    else:
+        print(f"{args.requests} requests, concurrency {args.concurrency}: {args.requests / elapsed:.1f} requests/s; "
+              f"latency median {statistics.median(latencies):.1f} ms, "
+              f"p90 {latencies[int(0.9 * (len(latencies) - 1))]:.1f} ms")
+    return 0
+
+
+def sample(args: argparse.Namespace) -> int:
+    inputs = read_inputs(args.input)
+    missing = {"encoder_hidden_states", "pooled_projections"} - set(inputs)
+    if missing:
+        raise ValueError(f"sample needs --input for {sorted(missing)}")
+    with connect(args) as client:
+        start = time.perf_counter()
+        latents = sample_flux(client, args.model, inputs["encoder_hidden_states"], inputs["pooled_projections"],
+                              args.height, args.width, args.steps, args.guidance, seed=args.seed,
+                              version=args.model_version)
+        elapsed = time.perf_counter() - start
+    show_outputs({"latents": latents}, args.output)
+    print(f"{args.steps} steps in {elapsed:.2f} s ({elapsed / args.steps * 1000:.1f} ms per step)")
+    return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        state = client.health()
+        version = client.server_metadata().get("version", "?")
+        print(f"server {args.url}: {'live' if state['live'] else 'NOT live'}, "
+              f"{'ready' if state['ready'] else 'NOT ready'} (Triton {version})")
+        ready = state["ready"]
+        if args.model:
+            model_ready = client.model_ready(args.model, args.model_version)
+            label = args.model + (f" version {args.model_version}" if args.model_version else "")
+            print(f"model {label}: {'ready' if model_ready else 'NOT ready'}")
+            ready = ready and model_ready
+    return 0 if ready else 1
+
+
+def describe_policy(policy: dict) -> str:
+    if "all" in policy:
+        return "all versions"
+    if "specific" in policy:
+        return "versions " + ", ".join(str(v) for v in policy["specific"].get("versions", []))
+    return f"latest {policy.get('latest', {}).get('num_versions', 1)}"
+
+
+def metadata(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        info = client.metadata(args.model, args.model_version)
+        config = client.model_config(args.model, args.model_version)
+    parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+    print(f"model {info['name']} ({info.get('platform', config.get('backend'))}), "
+          f"versions served: {', '.join(info.get('versions', []))}; version policy: "
+          f"{describe_policy(config.get('version_policy', {}))}")
+    print(f"  architecture {parameters.pop('architecture', '?')}, {parameters.pop('data_type', '?')}, "
+          f"parallel plan: {parameters.pop('parallel_plan', '?')}")
+    for group in config.get("instance_group", []):
+        gpus = f" on GPUs {group['gpus']}" if group.get("gpus") else ""
+        print(f"  ranks: instance group {group.get('name')!r}, {group.get('kind')}, count {group.get('count', 1)}{gpus}")
+    for kind in ("inputs", "outputs"):
+        print(f"  {kind}:")
+        for spec in info.get(kind, []):
+            print(f"    {spec['name']:<24} {spec['datatype']:<5} [{', '.join(spec['shape'])}]")
+    if config.get("model_warmup"):
+        print(f"  warm-up: {', '.join(w['name'] for w in config['model_warmup'])}")
+    print("  parameters: " + " ".join(f"{key}={value}" for key, value in sorted(parameters.items())))
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        index = client.repository_index()
+    rows = [(entry["name"], entry.get("version", "-"), entry.get("state", "-"), entry.get("reason", ""))
+            for entry in index]
+    widths = [max(len(row[i]) for row in rows + [("MODEL", "VERSION", "STATE", "")]) for i in range(3)]
+    for row in [("MODEL", "VERSION", "STATE", "REASON")] + rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+    return 0
+
+
+def load(args: argparse.Namespace) -> int:
+    versions = [int(v) for v in args.versions.split(",")] if args.versions else None
+    with connect(args) as client:
+        client.load(args.model, versions)
+        served = sorted(int(e["version"]) for e in client.repository_index()
+                        if e["name"] == args.model and e.get("state") == "READY" and e.get("version"))
+    print(f"loaded {args.model}; versions ready: {', '.join(map(str, served)) or 'none'}")
+    return 0
+
+
+def unload(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.unload(args.model)
+    print(f"unloaded {args.model}")
     return 0

@@ -2,8 +2,10 @@
 
 Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are random, made on each
 GPU shard by shard from one seed (the same full model for every plan), bf16. Timing: warm-up runs,
-then CUDA-event times of whole forwards between barriers; the median is reported. At --check-tokens
-every plan's output is compared with the 1-GPU output.
+then CUDA-event times of whole forwards between barriers; the median is reported. One more forward
+runs under the PyTorch profiler to find the share of GPU time spent in NCCL kernels. At --check-tokens
+every plan's output is compared with the 1-GPU output. A second table times one block's attention
+alone (the method's communication included) against cuDNN's attention on one GPU.
 """
 
 from __future__ import annotations
@@ -21,20 +23,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from torch.nn.attention import SDPBackend
 
 from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.engine.attention import attention_for
+from mdtriton.engine.attention import local
+from mdtriton.engine.attention.local import KERNEL_PRIORITY, sdpa
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
+from mdtriton.engine.cuda_graphs import CudaGraphForward
+from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.server import free_port
 
 METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
+# The 1-GPU model with flash attention instead of cuDNN's: how far a change of kernel alone moves the output.
+FLASH_ROW = "1 GPU, flash attention"
+FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
     """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
     if world_size == 1:
-        return {"1 GPU": ParallelPlan()}
+        return {"1 GPU": ParallelPlan(), FLASH_ROW: ParallelPlan()}
     plans = {}
     for method in methods:
         if method == "tp":
@@ -67,10 +77,9 @@ def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch
             for name, t in inputs.items()}
 
 
-def time_forward(module, inputs, warmup: int, iterations: int) -> tuple[list[float], torch.Tensor]:
-    """Milliseconds of each timed forward (CUDA events on GPU; ranks lined up by a barrier first)."""
+def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[float], object]:
+    """Milliseconds of each timed call (CUDA events on GPU; ranks lined up by a barrier first), and the last result."""
     times = []
-    cuda = inputs["hidden_states"].is_cuda
     for i in range(warmup + iterations):
         if dist.is_initialized():
             dist.barrier()
@@ -79,7 +88,7 @@ def time_forward(module, inputs, warmup: int, iterations: int) -> tuple[list[flo
             start.record()
         else:
             began = time.perf_counter()
-        output = module(**inputs)["sample"]
+        result = call()
         if cuda:
             end.record()
             torch.cuda.synchronize()
@@ -88,13 +97,81 @@ def time_forward(module, inputs, warmup: int, iterations: int) -> tuple[list[flo
             elapsed = (time.perf_counter() - began) * 1000
         if i >= warmup:
             times.append(elapsed)
-    return times, output
+    return times, result
 
 
-def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    """(||a - b|| / ||b||, max |a - b| / max |b|)."""
-    diff = actual.float() - expected.float()
-    return (diff.norm() / expected.float().norm()).item(), (diff.abs().max() / expected.float().abs().max()).item()
+def communication_share(call) -> float:
+    """Share of one call's GPU kernel time spent in NCCL kernels (which may overlap compute)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.is_initialized():
+        dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    return nccl / total if total else 0.0
+
+
+def attention_inputs(config: dict, plan: ParallelPlan, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One block's q, k, v [1, heads per TP rank, tokens per CP rank, head_dim] for a joint sequence of tokens."""
+    generator = torch.Generator(device).manual_seed(1)
+    local_len = -(-tokens // plan.cp_size)
+    shape = (1, config["num_attention_heads"] // plan.tp_size, local_len, config["attention_head_dim"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype) for _ in range(3))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - b|| / ||b||: bf16 rounds each element to 2-3 digits, so the norm, not single elements, measures a plan."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def sample_file(world_size: int, method: str, image_tokens: int) -> str:
+    return f"sample-{world_size}-{method}-{image_tokens}.safetensors"
+
+
+def save_sample(sample: torch.Tensor, path: Path) -> None:
+    save_file({"sample": sample.cpu().contiguous()}, path)
+
+
+def load_sample(path: Path) -> torch.Tensor:
+    return load_file(path)["sample"]
+
+
+def float32_samples(config: dict, device: torch.device, args: argparse.Namespace, work_dir: str) -> None:
+    """The 1-GPU model with the same bf16 weights but float32 activations, at the check lengths: the bf16
+    engine's own rounding error shows against it, one GPU's included."""
+    with torch.device("meta"):
+        module = Flux(config, Communicator.single(device))
+    weights = random_shard("flux", config, ParallelPlan(), 0, seed=0, device=device, dtype=torch.bfloat16)
+    module.load_state_dict({name: tensor.float() for name, tensor in weights.items()}, assign=True)
+    del weights
+    for image_tokens in args.check_tokens:
+        inputs = {name: t.float() for name, t in flux_inputs(config, args.text_tokens, image_tokens, device).items()}
+        with torch.inference_mode():
+            sample = module.eval()(**inputs)["sample"]
+        save_sample(sample, Path(work_dir) / sample_file(1, "float32", image_tokens))
+    del module
+
+
+def add_errors(rows: list[dict], work_dir: str) -> None:
+    """Each checked row's relative error (norm) against the 1-GPU bf16 output and the float32 output."""
+    for row in rows:
+        path = Path(work_dir) / sample_file(row["gpus"], row["method"], row["image_tokens"])
+        if not path.exists():
+            continue
+        sample = load_sample(path)
+        for reference, key in (("1 GPU", "error_vs_1gpu"), ("float32", "error_vs_float32")):
+            reference_path = Path(work_dir) / sample_file(1, reference, row["image_tokens"])
+            if reference_path.exists():
+                row[key] = relative_error(sample, load_sample(reference_path))
+
+
+def bench_config(args: argparse.Namespace) -> dict:
+    return {**Flux.presets()[args.preset], **json.loads(args.config)}
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
@@ -107,62 +184,93 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
-    config = FLUX_DEV_CONFIG if args.config == "dev" else {**Flux.default_config(), **json.loads(args.config)}
-    rows = []
+    config = bench_config(args)
+    cuda = device.type == "cuda"
+    rows, attention_rows = [], []
     for method, plan in plans_for(world_size, args.methods).items():
         comm = Communicator(plan, rank, device)
         comm.join_groups()
         with torch.device("meta"):
             module = Flux(config, comm)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if cuda else torch.float32
         module.load_state_dict(random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype), assign=True)
         module.eval()
+        local.KERNEL_PRIORITY = FLASH_FIRST if method == FLASH_ROW else KERNEL_PRIORITY
+        forward = CudaGraphForward(module, max_graphs=1) if args.cuda_graphs else lambda inputs: module(**inputs)
         for image_tokens in args.image_tokens:
             inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
             with torch.inference_mode():
-                times, output = time_forward(module, inputs, args.warmup, args.iterations)
+                times, output = time_calls(lambda: forward(inputs)["sample"], cuda, args.warmup, args.iterations)
+                share = communication_share(lambda: forward(inputs)) if cuda and world_size > 1 else 0.0
             row = {"gpus": world_size, "method": method, "plan": str(plan), "image_tokens": image_tokens,
-                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times), "min_ms": min(times)}
-            reference = Path(work_dir) / f"reference-{image_tokens}.safetensors"
+                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times), "min_ms": min(times),
+                   "communication_share": share}
             if image_tokens in args.check_tokens and rank == 0:
-                if world_size == 1:
-                    save_file({"sample": output.cpu().contiguous()}, reference)
-                elif reference.exists():
-                    row["rel_error"], row["max_rel_error"] = relative_errors(output.cpu(), load_file(reference)["sample"])
+                save_sample(output, Path(work_dir) / sample_file(world_size, method, image_tokens))
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-        del module
-        if device.type == "cuda":
+
+            tokens = image_tokens + args.text_tokens
+            q, k, v = attention_inputs(config, plan, tokens, device)
+            attention = attention_for(plan)
+            with torch.inference_mode():
+                times, _ = time_calls(lambda: attention(q, k, v, comm, tokens), cuda, args.warmup, 5 * args.iterations)
+            attention_rows.append({"gpus": world_size, "method": method, "image_tokens": image_tokens,
+                                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
+        del module, forward
+        local.KERNEL_PRIORITY = KERNEL_PRIORITY
+        if cuda:
             torch.cuda.empty_cache()
+    if world_size == 1:
+        float32_samples(config, device, args, work_dir)
+        # cuDNN's attention alone over the whole sequence: the rate the engine's attention is held against.
+        for image_tokens in args.image_tokens:
+            tokens = image_tokens + args.text_tokens
+            q, k, v = attention_inputs(config, ParallelPlan(), tokens, device)
+            with torch.inference_mode():
+                times, _ = time_calls(lambda: sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
+            attention_rows.append({"gpus": 1, "method": "cuDNN SDPA", "image_tokens": image_tokens,
+                                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
     if rank == 0:
         with open(Path(work_dir) / f"rows-{world_size}.json", "w") as handle:
-            json.dump(rows, handle)
+            json.dump({"forward": rows, "attention": attention_rows}, handle)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def attention_tflops(row: dict, config: dict) -> float:
-    """Whole-model attention FLOPs (4 S^2 heads dim per block) per GPU per second, over the forward's time."""
-    tokens = row["image_tokens"] + row["text_tokens"]
+def attention_flops(tokens: int, config: dict) -> float:
+    """FLOPs of one block's attention over tokens: 4 S^2 heads head_dim."""
+    return 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"]
+
+
+def forward_table(rows: list[dict], config: dict) -> str:
+    single = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "1 GPU"}
     blocks = config["num_layers"] + config["num_single_layers"]
-    flops = 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"] * blocks
-    return flops / row["gpus"] / (row["median_ms"] / 1000) / 1e12
-
-
-def print_table(rows: list[dict], config: dict) -> str:
-    single = {r["image_tokens"]: r["median_ms"] for r in rows if r["gpus"] == 1}
-    lines = ["| image+text tokens | GPUs | method | plan | median ms | speedup | efficiency | attention-equivalent TFLOP/s per GPU | rel. error vs 1 GPU (norm / max elem.) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| image+text tokens | GPUs | method | plan | median ms | speedup | efficiency | "
+             "attention-equivalent TFLOP/s per GPU | NCCL share of GPU time | rel. error vs 1 GPU bf16 / vs float32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"])):
         speedup = single.get(r["image_tokens"], float("nan")) / r["median_ms"]
-        error = f"{r['rel_error']:.1e} / {r['max_rel_error']:.1e}" if "rel_error" in r else ""
+        tflops = attention_flops(r["image_tokens"] + r["text_tokens"], config) * blocks / r["gpus"] / r["median_ms"] / 1e9
+        error = " / ".join(f"{r[key]:.1e}" if key in r else "-" for key in ("error_vs_1gpu", "error_vs_float32"))
+        error = "" if error == "- / -" else error
         lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | {r['plan']} | "
-                     f"{r['median_ms']:.1f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | "
-                     f"{attention_tflops(r, config):.0f} | {error} |")
-    table = "\n".join(lines)
-    print(table)
-    return table
+                     f"{r['median_ms']:.1f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | {tflops:.0f} | "
+                     f"{100 * r['communication_share']:.0f}% | {error} |")
+    return "\n".join(lines)
+
+
+def attention_table(rows: list[dict], config: dict) -> str:
+    cudnn = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
+    lines = ["| image+text tokens | GPUs | method | median ms (one block) | TFLOP/s per GPU | % of 1-GPU cuDNN rate |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"])):
+        tflops = attention_flops(r["image_tokens"] + r["text_tokens"], config) / r["gpus"] / r["median_ms"] / 1e9
+        base = attention_flops(r["image_tokens"] + r["text_tokens"], config) / cudnn[r["image_tokens"]] / 1e9
+        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | "
+                     f"{r['median_ms']:.2f} | {tflops:.0f} | {100 * tflops / base:.0f}% |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -174,7 +282,7 @@ def plot(rows: list[dict], path: Path) -> None:
     lengths = sorted({r["image_tokens"] for r in rows})
     figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for axis, length in zip(axes[0], lengths):
-        single = next((r["median_ms"] for r in rows if r["gpus"] == 1 and r["image_tokens"] == length), None)
+        single = next((r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["image_tokens"] == length), None)
         for method in sorted({r["method"] for r in rows if r["gpus"] > 1}):
             points = sorted((r["gpus"], single / r["median_ms"]) for r in rows
                             if r["method"] == method and r["image_tokens"] == length and single)
@@ -194,11 +302,15 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
     parser.add_argument("--image-tokens", default="4096,16384,65536", help="image sequence lengths")
     parser.add_argument("--text-tokens", type=int, default=512)
-    parser.add_argument("--config", default="dev", help="'dev' (FLUX.1-dev size) or JSON overriding the tiny config")
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()),
+                        help="FLUX size (default flux.1-dev)")
+    parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--check-tokens", default="4096", help="lengths at which outputs are compared with 1 GPU")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay each forward as a captured CUDA graph (the first call of a shape captures it)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (default when there is a GPU) or cpu: gloo ranks, float32, for checking the tool")
     parser.set_defaults(run=run)
@@ -209,19 +321,26 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and max(counts) > torch.cuda.device_count():
         raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
                          "for a functional run on CPU ranks)")
+    if args.cuda_graphs and args.device != "cuda":
+        raise ValueError("--cuda-graphs needs --device cuda")
     args.methods = args.methods.split(",")
     args.image_tokens = [int(n) for n in args.image_tokens.split(",")]
     args.check_tokens = [int(n) for n in args.check_tokens.split(",")]
+    config = bench_config(args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, attention_rows = [], []
     with tempfile.TemporaryDirectory() as work_dir:
         for world_size in sorted(set(counts) | {1}):
             mp.spawn(_rank_main, args=(world_size, free_port(), args, work_dir), nprocs=world_size)
-            rows += json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
-    config = FLUX_DEV_CONFIG if args.config == "dev" else {**Flux.default_config(), **json.loads(args.config)}
-    table = print_table(rows, config)
-    (args.output_dir / "results.json").write_text(json.dumps(rows, indent=1))
-    (args.output_dir / "results.md").write_text(table + "\n")
+            results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
+            rows += results["forward"]
+            attention_rows += results["attention"]
+        add_errors(rows, work_dir)
+    tables = (f"One forward of the whole transformer:\n\n{forward_table(rows, config)}\n\n"
+              f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, config)}\n")
+    print(tables)
+    (args.output_dir / "results.json").write_text(json.dumps({"forward": rows, "attention": attention_rows}, indent=1))
+    (args.output_dir / "results.md").write_text(tables)
     plot(rows, args.output_dir / "speedup.png")
     print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
     return 0

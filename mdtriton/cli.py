@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 from mdtriton import __version__
+from mdtriton.build_tools.build import BuildInterrupted
+from mdtriton.build_tools.checkpoint import CheckpointError
 from mdtriton.client.grpc_client import ClientError
 from mdtriton.engine.manifest import EngineError
 from mdtriton.server import ServerError
 
 # Errors that are the user's to fix: shown as one line, exit code 1 (anything else keeps its traceback).
-USER_ERRORS = (ClientError, EngineError, ServerError, ValueError, OSError)
+USER_ERRORS = (BuildInterrupted, CheckpointError, ClientError, EngineError, ServerError, ValueError, OSError)
 
 
 def add_serve_parser(subparsers) -> None:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     build_cli.add_parser(subparsers)
     add_serve_parser(subparsers)
-    client_cli.add_parser(subparsers)
+    client_cli.add_parsers(subparsers)
     demo.add_parser(subparsers)
     bench.add_parser(subparsers)
     args = parser.parse_args(argv)

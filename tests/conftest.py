@@ -66,3 +66,15 @@ def server_factory(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def served_models(tmp_path_factory):
+    """One server for the client, CLI, metrics and perf_analyzer tests: "tiny" v1 + v2 and "flux" (tests/served_models.py)."""
+    from tests.served_models import build_served_models
+
+    repository = tmp_path_factory.mktemp("served_models")
+    build_served_models(repository)
+    server = start_server(repository, repository.parent / "served_models.log")
+    yield server
+    server.stop()

@@ -22,7 +22,7 @@ def mdtriton(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     result = mdtriton("--help")
     assert result.returncode == 0
-    for command in ("build", "serve", "infer", "demo"):
+    for command in ("build", "serve", "infer", "sample", "health", "metadata", "models", "load", "unload", "demo"):
         assert command in result.stdout
 
 
@@ -55,7 +55,7 @@ def test_build_serve_infer_and_stop_cleanly(tmp_path):
         assert len(stub_processes_of(server_pid)) == 2  # one stub per rank
         np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((1, 4, 64), dtype=np.float32))
         result = mdtriton("infer", "tiny", "--url", address, "--input", f"hidden_states={tmp_path / 'x.npy'}",
-                          "--output-dir", str(tmp_path / "out"))
+                          "--output", str(tmp_path / "out"))
         assert result.returncode == 0, result.stderr
         assert np.load(tmp_path / "out" / "output.npy").shape == (1, 4, 64)
         assert "latency:" in result.stdout

@@ -2,17 +2,21 @@
 
 An architecture is an nn.Module class built as `cls(config, comm)` for one rank, whose forward takes
 the inputs by name and returns a dict of full (unsplit) outputs on every rank, with static methods
-`default_config()`, `check_plan(config, plan)` (raise ValueError saying what to change),
-`signature(config, data_type)` -> (input TensorSpecs, output TensorSpecs), and
+`default_config()`, `presets()` (named configs), `check_plan(config, plan)` (raise ValueError saying
+what to change), `signature(config, data_type)` -> (input TensorSpecs, output TensorSpecs), and
 `check_request(config, inputs)` -> (batch size, tokens): raise ValueError, saying what to send instead,
 if the inputs (already of the signature's types and ranks) do not fit together.
 """
 
 from __future__ import annotations
 
+import torch
+
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.models.tiny_transformer import TinyTransformer
+from mdtriton.engine.plan import ParallelPlan
 
 ARCHITECTURES = {
     "tiny_transformer": TinyTransformer,
@@ -26,3 +30,9 @@ def architecture(name: str):
         return ARCHITECTURES[name]
     except KeyError:
         raise EngineError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def meta_module(name: str, config: dict, plan: ParallelPlan, rank: int) -> torch.nn.Module:
+    """Rank's module of architecture name, without memory: for weight names, shapes and splits."""
+    with torch.device("meta"):
+        return architecture(name)(config, Communicator(plan, rank, torch.device("meta")))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,6 +46,12 @@ class Communicator:
         self._tp_group = None
         self._cp_group = None
         self._cp_ranks = plan.cp_group_ranks()[self.tp_rank] if plan.cp_size > 1 else [rank]
+        # Optional hook: a callable returning a context manager wrapped around every collective (the
+        # backend's metrics time them with it).
+        self.collective_timer = None
+
+    def _timed(self):
+        return self.collective_timer() if self.collective_timer is not None else nullcontext()
 
     def connect(self, store_path: Path, timeout: float) -> None:
         """Form the world of this generation (every rank calls this together) and its tp/cp groups.
@@ -83,10 +89,12 @@ class Communicator:
         self._tp_group = self._cp_group = None
 
     @contextmanager
-    def _collective(self, what: str):
-        """Report a failed collective as CommunicationError, naming this rank and the operation."""
+    def _collective(self, what: str, timed: bool = True):
+        """Time a collective (the collective_timer hook) and report its failure as CommunicationError, naming
+        this rank and the operation."""
         try:
-            yield
+            with self._timed() if timed else nullcontext():
+                yield
         except RuntimeError as error:  # gloo and NCCL (DistBackendError) report lost peers and timeouts as this
             raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
@@ -165,11 +173,14 @@ class Communicator:
         ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
         with self._collective("context-parallel ring shift"):
-            return received, dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv(ops)
+        return received, works
 
     def wait(self, works: list) -> None:
-        """Wait for works returned by a collective of this communicator (e.g. cp_ring_shift)."""
-        with self._collective("waiting for a context-parallel transfer"):
+        """Wait for works returned by a collective of this communicator (e.g. cp_ring_shift).
+
+        Not timed as communication: ring attention overlaps these transfers with its compute."""
+        with self._collective("waiting for a context-parallel transfer", timed=False):
             for work in works:
                 work.wait()
 

@@ -18,6 +18,7 @@ from mdtriton.engine.architectures import architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.memory import check_fits
 
 
 class Engine(ABC):
@@ -41,7 +42,8 @@ class TorchEngine(Engine):
 
     @classmethod
     def load(cls, engine_dir: Path, comm: Communicator) -> "TorchEngine":
-        """Read the manifest, check it against the communicator, and load this rank's weights only."""
+        """Read the manifest, check it against the communicator and the device's free memory, and load this
+        rank's weights only (safetensors maps the file and copies it straight to the device)."""
         start = time.perf_counter()
         engine_dir = Path(engine_dir)
         manifest = Manifest.read(engine_dir)
@@ -49,6 +51,8 @@ class TorchEngine(Engine):
             raise EngineError(f"{engine_dir}: engine was built for {manifest.plan}, but is being loaded on {comm.plan}")
         arch = architecture(manifest.architecture)
         path = manifest.weight_file(engine_dir, comm.rank)
+        if comm.device.type == "cuda":
+            check_fits(manifest, comm.device.index, torch.cuda.mem_get_info(comm.device)[0], "free")
         with torch.device("meta"):
             module = arch(manifest.config, comm)
         try:

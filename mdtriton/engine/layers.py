@@ -26,11 +26,19 @@ def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[in
     return segments
 
 
+def shard_ranges(segments: list[int], tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the split dimension that this rank holds: its part of every segment."""
+    ranges, offset = [], 0
+    for size in segments:
+        part = size // tp_size
+        ranges.append((offset + tp_rank * part, offset + (tp_rank + 1) * part))
+        offset += size
+    return ranges
+
+
 def take_shard(full: torch.Tensor, dim: int, segments: list[int], tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of every segment of `full` along dim, concatenated."""
-    parts = []
-    for segment in full.split(segments, dim=dim):
-        parts.append(segment.chunk(tp_size, dim=dim)[tp_rank])
+    parts = [full.narrow(dim, start, stop - start) for start, stop in shard_ranges(segments, tp_rank, tp_size)]
     return torch.cat(parts, dim=dim).contiguous()
 
 
@@ -69,7 +77,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Rank 0 adds the bias inside its GEMM (no extra kernel; on one rank the exact nn.Linear math), so
-        # the sum holds it once.
+        # the sum holds it once. The partial products are summed in the engine's dtype: summing them in
+        # float32 instead was measured 10% slower and no closer to one GPU (docs/benchmarks.md).
         bias = self.bias if self.comm.tp_rank == 0 else None
         return self.comm.tp_all_reduce(F.linear(x, self.weight, bias))
 

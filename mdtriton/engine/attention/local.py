@@ -1,29 +1,44 @@
-"""Attention over keys held on this rank: the plain case and the building block of the CP methods."""
+"""Attention over keys held on this rank: the plain case and the building blocks of the CP methods."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.engine.comm import Communicator
 
-# Flash attention returns the log-sum-exp the ring method needs; it takes these dtypes on CUDA.
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Fastest first: on Hopper, cuDNN's attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate
+# of flash attention (docs/benchmarks.md); the others are fallbacks for what cuDNN does not take.
+KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+# The kernels that return the log-sum-exp the ring method needs take these dtypes on CUDA.
+LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """scaled_dot_product_attention [B, H, S, D], with the kernels tried in KERNEL_PRIORITY order."""
+    with sdpa_kernel(KERNEL_PRIORITY, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Attention when this rank holds the whole sequence (cp_size 1); keys from valid_len on are dropped."""
-    return F.scaled_dot_product_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    return sdpa(q, k[:, :, :valid_len], v[:, :, :valid_len])
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32).
 
-    On CUDA in fp16/bf16 this is one flash-attention kernel; elsewhere it is computed explicitly in float32.
+    On CUDA in fp16/bf16 this is one cuDNN kernel (flash attention where cuDNN refuses the shape);
+    elsewhere it is computed explicitly in float32.
     """
-    if q.device.type == "cuda" and q.dtype in FLASH_DTYPES:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
-        return out, lse
+    if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+        except RuntimeError:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+        return out, lse.reshape(out.shape[:-1])
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     lse = scores.logsumexp(dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse

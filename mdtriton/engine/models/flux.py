@@ -36,6 +36,10 @@ FLUX_DEV_CONFIG = {
 }
 CONFIG_KEYS = tuple(FLUX_DEV_CONFIG)
 
+# The FLUX architecture scaled to 80.1 B parameters (160 GB in bf16, more than one H200 holds): hidden 8192
+# (64 heads of 128), 18 double and 36 single blocks. For serving a model that does not fit one GPU.
+FLUX_80B_CONFIG = {**FLUX_DEV_CONFIG, "num_attention_heads": 64, "num_layers": 18, "num_single_layers": 36}
+
 # A FLUX of ~0.5 M parameters for tests: the same structure at tiny sizes.
 TINY_CONFIG = {
     "patch_size": 1,
@@ -154,6 +158,11 @@ class Flux(nn.Module):
     @staticmethod
     def default_config() -> dict:
         return copy.deepcopy(TINY_CONFIG)
+
+    @staticmethod
+    def presets() -> dict[str, dict]:
+        return {"tiny": copy.deepcopy(TINY_CONFIG), "flux.1-dev": copy.deepcopy(FLUX_DEV_CONFIG),
+                "flux-80b": copy.deepcopy(FLUX_80B_CONFIG)}
 
     @staticmethod
     def check_plan(config: dict, plan: ParallelPlan) -> None:

@@ -64,6 +64,10 @@ class TinyTransformer(nn.Module):
         return dict(DEFAULT_CONFIG)
 
     @staticmethod
+    def presets() -> dict[str, dict]:
+        return {"small": dict(DEFAULT_CONFIG)}
+
+    @staticmethod
     def check_plan(config: dict, plan: ParallelPlan) -> None:
         if plan.cp_size > 1:
             raise ValueError("tiny_transformer supports tensor parallelism only (cp_size 1); use the flux architecture for context parallelism")

@@ -1,0 +1,116 @@
+"""A functional check of benchmarks/xdit_flux.py on CPU (gloo ranks, float32, the tiny FLUX preset), for machines
+without a GPU. Not a benchmark: it checks that every implementation's harness runs and computes the same thing.
+
+xfuser and yunchang are GPU-only in places, so each rank process patches them first (`patch`, below):
+- xfuser decides at import that there is no accelerator; we claim a CUDA version, make its set_device a
+  no-op and give it yunchang's process groups (which it only wires up when torch.cuda.is_available());
+- neither has a CPU attention kernel that returns a log-sum-exp (ring attention needs it): xfuser's
+  SDPA_EFFICIENT backend and yunchang's torch_flash/torch_efficient kernels are replaced by the same
+  computation done explicitly in float32. yunchang's torch_cudnn/torch_math kernels keep their real
+  behaviour (a log-sum-exp of zeros), so a ring with them shows a large error, as on GPU.
+
+    PYTHONPATH=$PWD:SITE python benchmarks/xdit_cpu_check.py      # SITE: where xfuser, yunchang, distvae are
+
+Exits non-zero if a row is missing, an implementation failed, or an output differs from the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _math_attention(q, k, v):
+    """[B, H, S, D] attention and its log-sum-exp [B, H, S], in float32."""
+    import torch
+
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = scores.logsumexp(dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
+def patch() -> None:
+    """Make xfuser and yunchang run on CPU ranks (see the module docstring)."""
+    import torch
+
+    torch.version.cuda = torch.version.cuda or "13.0"  # xfuser's envs raise at import without an accelerator
+
+    from benchmarks.xdit_flux import stub_requests
+
+    stub_requests()
+    import yunchang.globals
+    import yunchang.kernels
+
+    try:
+        import xfuser.envs
+    except ImportError:  # checking the fallback without xfuser
+        xfuser = None
+    if xfuser is not None:
+        from xfuser.core.distributed import parallel_state
+        from xfuser.core.distributed.attention_backend import ATTENTION_FUNCTION_REGISTRY, AttentionBackendType
+        from xfuser.model_executor.layers import usp
+
+        parallel_state.set_device = lambda *args, **kwargs: None
+        xfuser.envs.PACKAGES_CHECKER.packages_info["has_long_ctx_attn"] = True
+        for name, module in list(sys.modules.items()):  # the modules that copied the answer at import
+            if name.startswith("xfuser") and hasattr(module, "HAS_LONG_CTX_ATTN"):
+                module.HAS_LONG_CTX_ATTN = True
+        usp.PROCESS_GROUP = yunchang.globals.PROCESS_GROUP
+
+        def xfuser_attention(query, key, value, dropout_p, is_causal, attention_kwargs=None):
+            return _math_attention(query, key, value)
+
+        ATTENTION_FUNCTION_REGISTRY[AttentionBackendType.SDPA_EFFICIENT] = xfuser_attention
+
+    def yunchang_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1),
+                           softcap=None, alibi_slopes=None, return_softmax=False, op_type="flash"):
+        out, lse = _math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if op_type in ("cudnn", "math"):  # what yunchang 0.6 returns for these kernels
+            lse = torch.zeros_like(lse)
+        return out.transpose(1, 2), lse.to(q.dtype)
+
+    yunchang.kernels.pytorch_attn_forward = yunchang_attention
+
+
+def main() -> int:
+    from benchmarks import xdit_flux
+
+    failures = []
+    with tempfile.TemporaryDirectory() as output_dir:
+        argv = ["--device", "cpu", "--preset", "tiny", "--gpus", "1,2,4", "--image-tokens", "64,144",
+                "--text-tokens", "8", "--check-tokens", "64,144", "--impls", "xdit,mdtriton,yunchang+diffusers",
+                "--yunchang-attn", "auto", "--xdit-attention-backend", "SDPA_EFFICIENT", "--warmup", "0",
+                "--iterations", "1", "--attention-iterations", "1", "--output-dir", output_dir,
+                "--setup", "benchmarks.xdit_cpu_check:patch", "--time-limit", "600"]
+        xdit_flux.main(argv)
+        results = json.loads((Path(output_dir) / "results.json").read_text())
+    rows = results["rows"]
+    failures += [f"{r['impl']} {r['gpus']} {r['config']}: {r['message']}" for r in rows if r["part"] == "error"]
+    failures += results["problems"]
+    expected = {("forward", impl, gpus, config) for impl in ("xdit", "yunchang+diffusers")
+                for gpus, config in ((1, "1 GPU"), (2, "ulysses2"), (2, "ring2"), (4, "ulysses4"),
+                                     (4, "usp u2r2"), (4, "ring4"))}
+    expected |= {("attention", impl, gpus, config) for impl, gpus, config in expected_keys(expected)}
+    found = {(r["part"], r["impl"], r["gpus"], r["config"]) for r in rows if r["part"] != "error"}
+    failures += [f"missing row {key}" for key in sorted(expected - found)]
+    for r in rows:
+        error = r.get("error_vs_mdtriton_1gpu", r.get("rel_error"))
+        if r["part"] != "error" and (error is None or not error < 1e-4):
+            failures.append(f"{r['part']} {r['impl']} {r['gpus']} {r['config']}: error {error}")
+    print("\n".join(["CPU check:", *failures] if failures else ["CPU check: every row ran and matched"]))
+    return 1 if failures else 0
+
+
+def expected_keys(forward_keys):
+    for _, impl, gpus, config in forward_keys:
+        yield ("xdit" if impl == "xdit" else "yunchang"), gpus, config
+
+
+if __name__ == "__main__":
+    sys.exit(main())

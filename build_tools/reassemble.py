@@ -1,0 +1,86 @@
+"""An engine's whole-model weights re-assembled from its rank files, and a one-device reference that streams
+them in block by block: a second path to check a multi-GPU engine against, also for models that do not fit
+one device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mdtriton.engine.architectures import meta_module
+from mdtriton.engine.layers import parallel_specs
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.plan import ParallelPlan
+
+
+def assemble(parts: list[torch.Tensor], dim: int, segments: list[int], tp_size: int) -> torch.Tensor:
+    """The inverse of layers.take_shard: the tensor-parallel ranks' parts (in rank order) back into one weight."""
+    pieces, offset = [], 0
+    for size in segments:
+        part = size // tp_size
+        pieces += [p.narrow(dim, offset, part) for p in parts]
+        offset += part
+    return torch.cat(pieces, dim=dim)
+
+
+class EngineWeights:
+    """Full weights read from an engine's rank files (the tensor-parallel ranks of context-parallel rank 0)."""
+
+    def __init__(self, engine_dir: Path):
+        self.manifest = Manifest.read(engine_dir)
+        plan = self.manifest.plan
+        # Ranks 0 .. tp_size - 1 form context-parallel rank 0's tensor-parallel group (tensor parallelism innermost).
+        self.files = [self.manifest.weight_file(engine_dir, rank) for rank in range(plan.tp_size)]
+        self.specs = parallel_specs(meta_module(self.manifest.architecture, self.manifest.config, plan, 0))
+
+    def read(self, name: str) -> torch.Tensor:
+        files = self.files if name in self.specs else self.files[:1]
+        parts = []
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                parts.append(handle.get_tensor(name))
+        if name not in self.specs:
+            return parts[0]
+        dim, segments, _, tp_size = self.specs[name]
+        return assemble(parts, dim, segments, tp_size)
+
+
+def streamed_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The module's children, with each list of blocks taken block by block, and their name prefixes."""
+    units = []
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList):
+            units += [(f"{name}.{index}", block) for index, block in enumerate(child)]
+        else:
+            units.append((name, child))
+    return units
+
+
+def streamed_reference(engine_dir: Path, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """The engine's model on one device and one rank, holding one block's weights at a time.
+
+    Before each block runs, its weights are re-assembled from the rank files and put on the device in dtype;
+    after, they are dropped. So the whole model never needs to fit the device or the host.
+    """
+    weights = EngineWeights(engine_dir)
+    manifest = weights.manifest
+    module = meta_module(manifest.architecture, manifest.config, ParallelPlan(), 0).eval()
+
+    def loader(prefix: str):
+        def load(unit: nn.Module, _inputs) -> None:
+            state = {name: weights.read(f"{prefix}.{name}").to(device=device, dtype=dtype)
+                     for name in unit.state_dict()}
+            unit.load_state_dict(state, assign=True)
+        return load
+
+    def unload(unit: nn.Module, _inputs, _output) -> None:
+        unit.to("meta")
+
+    for prefix, unit in streamed_units(module):
+        unit.register_forward_pre_hook(loader(prefix))
+        unit.register_forward_hook(unload)
+    return module

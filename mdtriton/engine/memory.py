@@ -1,0 +1,63 @@
+"""Will an engine fit its GPUs? An estimate from the manifest alone (architecture, config, plan, data type),
+made before anything is allocated, with the tensor-parallel size that would fit when it does not."""
+
+from __future__ import annotations
+
+import torch
+
+from mdtriton.engine.architectures import architecture, meta_module
+from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.plan import ParallelPlan
+
+GIB = 1 << 30
+# Beside its weights a rank needs activations, kernel workspaces, NCCL buffers and the CUDA context.
+WORKING_MEMORY_BYTES = 4 * GIB
+LARGEST_TP_SIZE = 64
+
+
+def rank_weight_bytes(architecture_name: str, config: dict, plan: ParallelPlan, data_type: str) -> int:
+    """Bytes of the weights each rank of plan holds (replicated weights in full, split ones in part)."""
+    element = torch.empty((), dtype=TORCH_DTYPES[data_type]).element_size()
+    return element * sum(t.numel() for t in meta_module(architecture_name, config, plan, 0).state_dict().values())
+
+
+def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
+    """The smallest tensor-parallel size (same context parallelism) whose ranks fit in memory_bytes, if any."""
+    arch = architecture(manifest.architecture)
+    for tp_size in range(1, LARGEST_TP_SIZE + 1):
+        plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method)
+        try:
+            arch.check_plan(manifest.config, plan)
+        except ValueError:
+            continue
+        if rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type) + WORKING_MEMORY_BYTES <= memory_bytes:
+            return tp_size
+    return None
+
+
+def check_fits(manifest: Manifest, gpu: int, memory_bytes: int, memory_kind: str) -> None:
+    """Raise EngineError, naming the memory needed and the tensor-parallel size that would fit, unless a rank of
+    manifest fits in memory_bytes of GPU gpu (memory_kind says which memory that is: 'free', 'in all')."""
+    weights = rank_weight_bytes(manifest.architecture, manifest.config, manifest.plan, manifest.data_type)
+    if weights + WORKING_MEMORY_BYTES <= memory_bytes:
+        return
+    tp_size = fitting_tp_size(manifest, memory_bytes)
+    if tp_size is None:
+        advice = f"no tensor-parallel size up to {LARGEST_TP_SIZE} fits"
+    else:
+        plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method)
+        per_gpu = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type)
+        advice = f"build it with --tp {tp_size} ({per_gpu / GIB:.1f} GiB of weights per GPU) or more"
+    raise EngineError(f"the engine ({manifest.architecture}, {manifest.plan}, {manifest.data_type}) needs "
+                      f"{weights / GIB:.1f} GiB of weights per GPU plus {WORKING_MEMORY_BYTES / GIB:.0f} GiB of "
+                      f"working memory, but GPU {gpu} has {memory_bytes / GIB:.1f} GiB {memory_kind}; {advice}")
+
+
+def check_gpus_fit(manifest: Manifest, gpus: list[int]) -> None:
+    """At build time, on a host with the GPUs: refuse an engine whose ranks exceed a GPU's whole memory."""
+    if not torch.cuda.is_available():
+        return
+    for gpu in gpus:
+        if gpu < torch.cuda.device_count():
+            check_fits(manifest, gpu, torch.cuda.get_device_properties(gpu).total_memory, "in all")
