@@ -70,6 +70,8 @@ def main() -> int:
                 output_bytes = args.image_tokens * config["in_channels"] * (2 if data_type == "BF16" else 4)
                 command = [perf_analyzer, "-m", "flux", "-u", server.grpc_address, "-i", "grpc",
                            "--concurrency-range", args.concurrency, "--shared-memory", transport,
+                           # perf_analyzer's default random bytes hold NaNs, which the model refuses.
+                           "--input-data", "zero",
                            "--output-shared-memory-size", str(output_bytes),
                            "--measurement-mode", "count_windows", "--measurement-request-count", "20",
                            "--stability-percentage", args.stability_percentage]

@@ -25,7 +25,7 @@ def perf_analyzer() -> str:
 def test_perf_analyzer_measures_the_served_model(served_models, tmp_path):
     report = tmp_path / "report.csv"
     command = [perf_analyzer(), "-m", "tiny", "-x", "2", "-u", served_models.grpc_address, "-i", "grpc",
-               "--shape", "hidden_states:1,16,64", "--concurrency-range", "2",
+               "--shape", "hidden_states:1,16,64", "--input-data", "zero", "--concurrency-range", "2",
                "--measurement-mode", "count_windows", "--measurement-request-count", "10",
                "--stability-percentage", "100", "-f", str(report)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=150)
