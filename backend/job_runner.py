@@ -30,7 +30,7 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub
 from mdtriton.backend.process_state import describe_ranks
-from mdtriton.backend.rendezvous import Generation, RankExited, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
 
@@ -58,14 +58,16 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, rendezvous: Rendezvous, join_timeout: float, timeout: float,
+    def __init__(self, engine: Engine, rendezvous: Rendezvous, entered: int, join_timeout: float, timeout: float,
                  metrics, on_replaced: Callable[[], None]):
-        """timeout: the longest a job may wait for all ranks, and a collective for its peers, before the ranks
-        are taken as lost; metrics: backend.metrics.RankMetrics, whose job() context counts and times each job;
+        """entered: the generation this rank entered as it started loading (Rendezvous.enter); timeout: the
+        longest a job may wait for all ranks, and a collective for its peers, before the ranks are taken as
+        lost; metrics: backend.metrics.RankMetrics, whose job() context counts and times each job;
         on_replaced: called (in the runner thread) when this load is broken and a new load has replaced it."""
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
+        self._entered = entered
         self.join_timeout = join_timeout
         self.timeout = timeout
         self.metrics = metrics
@@ -76,6 +78,7 @@ class JobRunner:
         self._generation: Generation | None = None
         self._problem: str | None = None  # why no job can run now; None while serving or forming the first time
         self._ready = threading.Event()
+        self._first_formation_over = threading.Event()  # the ranks met, or this rank gave up
         self._stopping = threading.Event()
         self._hub: JobHub | None = None
         self._jobs_run = 0  # by this rank, in every generation (only the runner thread counts)
@@ -85,8 +88,9 @@ class JobRunner:
         self._thread.start()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until every rank has joined; False if that did not happen within timeout."""
-        return self._ready.wait(timeout)
+        """Wait until every rank has joined; False if that did not happen (or cannot) within timeout."""
+        self._first_formation_over.wait(timeout)
+        return self._ready.is_set()
 
     def submit(self, inputs: dict[str, torch.Tensor]) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable by the deadline.
@@ -94,8 +98,7 @@ class JobRunner:
         Fails at once (RanksUnavailable) while the ranks are apart; only before the first generation has
         formed does it wait, up to the timeout, for the other ranks to join.
         """
-        if self._problem is None and not self._ready.is_set():
-            self._ready.wait(self.timeout)
+        self._first_formation_over.wait(self.timeout)
         job = Job(inputs, deadline=time.monotonic() + self.timeout)
         with self._lock:
             if not self._ready.is_set():
@@ -146,7 +149,7 @@ class JobRunner:
         while not self._stopping.is_set():
             try:
                 if generation is None:
-                    first = generation = self.rendezvous.join(self.join_timeout, self._stopping)
+                    first = generation = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
                 else:
                     generation = self.rendezvous.reform(generation, self._stopping)
             except RankExited as error:
@@ -156,6 +159,9 @@ class JobRunner:
                 # replaces it, holding its memory: leave once the new load's ranks meet.
                 if self.rendezvous.wait_for_newer_load(first.number, self._stopping):
                     self._on_replaced()
+                return
+            except RankFailedToLoad as error:
+                self._give_up(f"{error}; this model version is not served")
                 return
             except RendezvousTimeout as error:
                 if not self._stopping.is_set():
@@ -180,6 +186,7 @@ class JobRunner:
             with self._lock:
                 self._link, self._generation, self._problem = link, generation, None
                 self._ready.set()
+            self._first_formation_over.set()
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
             while True:
                 if not link.poll(WATCH_INTERVAL_S):
@@ -277,4 +284,5 @@ class JobRunner:
     def _give_up(self, problem: str) -> None:
         with self._lock:
             self._problem = problem
+        self._first_formation_over.set()
         log.error("rank %d: %s", self.comm.rank, problem)

@@ -27,9 +27,9 @@ log = logging.getLogger("mdtriton.backend")
 
 # How long initialize() waits for the other ranks before letting Triton go on: long enough for ranks loaded
 # in parallel to meet, so a loaded model answers at once; short, because Triton may load the instances one
-# after another (the others can only join after this one returns), and because a load in which another
-# rank fails waits this long before Triton reports the failure. Requests that come before the ranks have
-# met wait for them (up to request_timeout_s).
+# after another (the others can only join after this one returns). A rank that cannot load tells the others
+# (Rendezvous.fail), which then stop waiting at once. Requests that come before the ranks have met wait for
+# them (up to request_timeout_s).
 INITIALIZE_JOIN_WAIT_S = 5.0
 DEFAULT_REQUEST_TIMEOUT_S = "30"
 # How long past a job's deadline a request waits for the runner's own verdict on it.
@@ -69,6 +69,25 @@ class RankModel:
         join_timeout = float(parameters.get("join_timeout_s", "600"))
         if self.placement.device.type == "cuda":
             torch.cuda.set_device(self.placement.device)
+        rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
+                                self.placement.rank, self.placement.world_size)
+        entered = rendezvous.enter()
+        try:
+            self._load(args, parameters)
+        except Exception as error:
+            # Tell the other ranks now, so they give up at once instead of waiting for this one.
+            rendezvous.fail(entered, f"{type(error).__name__}: {error}")
+            raise
+        self.runner = JobRunner(self.engine, rendezvous, entered, join_timeout, timeout=self.request_timeout,
+                                metrics=self.metrics, on_replaced=self._on_replaced)
+        self.runner.start()
+        self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
+        if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
+            log.warning("rank %d: the other ranks have not joined yet; carrying on in the background",
+                        self.placement.rank)
+
+    def _load(self, args: dict, parameters: dict[str, str]) -> None:
+        """Read the manifest, check it against the instances, and load this rank's shard of the engine."""
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
         self.manifest = manifest = Manifest.read(engine_dir)
         if manifest.plan.world_size != self.placement.world_size:
@@ -80,14 +99,6 @@ class RankModel:
         self.engine = TorchEngine.load(engine_dir, comm)
         log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
                  self.placement.device, self.engine.load_seconds)
-        rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
-                                comm.rank, manifest.plan.world_size)
-        self.runner = JobRunner(self.engine, rendezvous, join_timeout, timeout=self.request_timeout,
-                                metrics=self.metrics, on_replaced=self._on_replaced)
-        self.runner.start()
-        self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
-        if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
-            log.warning("rank %d: the other ranks have not joined yet; carrying on in the background", comm.rank)
 
     def execute(self, requests: list) -> list:
         self.freeze_watchdog.check()

@@ -36,12 +36,18 @@ from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
 MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# How long a rank that could not load waits for the other ranks of its load to come and see it.
+FAILURE_NOTICE_S = 3.0
 # The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
 AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
 
 
 class RendezvousTimeout(Exception):
     """Not every rank joined in time (or this rank was asked to stop while waiting)."""
+
+
+class RankFailedToLoad(Exception):
+    """A rank of this load could not load its engine, so this generation will never form."""
 
 
 class RankExited(Exception):
@@ -141,10 +147,16 @@ class Rendezvous:
                 del state["generations"][number]
                 shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
 
-    def _enter(self) -> int:
+    def enter(self) -> int:
+        """Take this rank's slot in the open fresh generation (opening one if needed); return its number.
+
+        Called as a rank starts loading, so a rank that fails to load finds the others already there.
+        """
         with self._locked_state() as state:
             self._remove_dead_generations(state)
             current = state["generations"].get(str(state["current"]))
+            if current is not None and "failed" in current and not _alive(current["failed"]["pid"]):
+                current = None  # the failure of a load that is over
             if current is not None and not current["closed"]:
                 # No group has formed in an open generation yet, so a slot held by a dead process is free.
                 current["members"] = {r: p for r, p in current["members"].items() if _alive(p)}
@@ -167,22 +179,31 @@ class Rendezvous:
         return Generation(number, self.directory / f"gen{number}", generation["token"],
                           {int(rank): pid for rank, pid in generation["members"].items()})
 
-    def join(self, timeout: float, stop: threading.Event) -> Generation:
-        """Join the open generation (or open one) and wait until all ranks are in it."""
+    def join(self, timeout: float, stop: threading.Event, number: int | None = None) -> Generation:
+        """Wait until all ranks are in generation `number` (entered before; None: enter now).
+
+        Raises RankFailedToLoad as soon as a rank of this load reports that it could not load.
+        """
         remove_areas_of_dead_servers(self.directory.parent)
         deadline = time.monotonic() + timeout
-        number = self._enter()
+        number = self.enter() if number is None else number
         while True:
+            failure = None
             with self._locked_state() as state:
                 generation = state["generations"].get(str(number))
-                if generation is not None and generation["closed"]:
+                if generation is not None and "failed" in generation:
+                    failure = generation["failed"]["message"]
+                elif generation is not None and generation["closed"]:
                     return self._generation(number, generation)
-                if state["current"] != number:
+                elif state["current"] != number:
                     # Superseded before it closed (a member died and was restarted): join the newer one.
                     self._leave_locked(state, number)
                     number = None
+            if failure is not None:
+                self.leave(number)
+                raise RankFailedToLoad(failure)
             if number is None:
-                number = self._enter()
+                number = self.enter()
                 continue
             if stop.is_set():
                 self.leave(number)
@@ -193,6 +214,26 @@ class Rendezvous:
                 self.leave(number)
                 raise RendezvousTimeout(f"ranks {missing} did not join within {timeout:.0f} s")
             time.sleep(0.05)
+
+    def fail(self, number: int, message: str) -> None:
+        """Tell the ranks of generation `number` that this rank could not load (message says why), and leave.
+
+        The others see it in join() and give up at once instead of waiting for this rank. If none has come
+        yet, the news is kept for a moment for those still starting, then removed with the generation.
+        """
+        with self._locked_state() as state:
+            generation = state["generations"].get(str(number))
+            if generation is None:
+                return
+            generation["failed"] = {"pid": self.pid, "message": f"rank {self.rank} could not load: {message}"}
+            generation["members"].pop(str(self.rank), None)
+        deadline = time.monotonic() + FAILURE_NOTICE_S
+        while time.monotonic() < deadline:
+            generation = self._peek_state()["generations"].get(str(number))
+            if generation is None or generation["members"]:
+                return  # the others will see it, and the last of them removes the generation
+            time.sleep(0.05)
+        self.leave(number)
 
     def reform(self, previous: Generation, stop: threading.Event) -> Generation:
         """Meet the other members of `previous` (the same processes) in its successor, once all are back.
@@ -229,14 +270,17 @@ class Rendezvous:
         True when it has, False once `stop` is set. Only reads state.json (written by atomic rename), so it
         creates nothing in an area the last member may have removed.
         """
-        path = self.directory / "state.json"
         while not stop.wait(0.2):
-            try:
-                if json.loads(path.read_text())["current"] > number:
-                    return True
-            except FileNotFoundError:
-                pass
+            if self._peek_state()["current"] > number:
+                return True
         return False
+
+    def _peek_state(self) -> dict:
+        """The state as last written (by atomic rename), read without the lock; creates nothing if the area is gone."""
+        try:
+            return json.loads((self.directory / "state.json").read_text())
+        except FileNotFoundError:
+            return {"current": 0, "last": 0, "generations": {}}
 
     def _leave_locked(self, state: dict, number: int) -> None:
         generation = state["generations"].get(str(number))

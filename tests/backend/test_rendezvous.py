@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mdtriton.backend.rendezvous import Generation, RankExited, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
 
 
 def join_all(directory, world_size, delays=None):
@@ -116,3 +116,30 @@ def test_a_newer_load_is_seen_and_areas_of_dead_servers_are_removed(tmp_path):
     live.mkdir()
     join_all(tmp_path / f"{os.getpid()}-other-0123abcd-v2", 1)
     assert not stale.exists() and live.exists()
+
+
+def test_a_rank_that_cannot_load_stops_the_others_waiting(tmp_path):
+    stop = threading.Event()
+    waiting = Rendezvous(tmp_path, 0, 2)
+    number = waiting.enter()
+    failing = Rendezvous(tmp_path, 1, 2)
+    failing.fail(failing.enter(), "EngineError: rank1.safetensors is missing")
+    started = time.monotonic()
+    with pytest.raises(RankFailedToLoad, match="rank 1 could not load: EngineError: rank1.safetensors is missing"):
+        waiting.join(10, stop, number)
+    assert time.monotonic() - started < 1
+    assert not tmp_path.exists()
+
+
+def test_a_failure_waits_briefly_for_ranks_still_starting_then_leaves_nothing(tmp_path):
+    with ThreadPoolExecutor(1) as pool:
+        failed = pool.submit(Rendezvous(tmp_path, 1, 2).fail, Rendezvous(tmp_path, 1, 2).enter(), "bad weights")
+        time.sleep(0.5)
+        late = Rendezvous(tmp_path, 0, 2)  # a rank of the same load that started later
+        with pytest.raises(RankFailedToLoad, match="bad weights"):
+            late.join(10, threading.Event())
+        failed.result(10)
+    assert not tmp_path.exists()
+    alone = time.monotonic()
+    Rendezvous(tmp_path, 0, 2).fail(Rendezvous(tmp_path, 0, 2).enter(), "bad weights")
+    assert 2 < time.monotonic() - alone < 5 and not tmp_path.exists()
