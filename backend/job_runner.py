@@ -92,6 +92,12 @@ class JobRunner:
         self._first_formation_over.wait(timeout)
         return self._ready.is_set()
 
+    @property
+    def gave_up(self) -> str | None:
+        """Why this rank stopped trying to form its first generation (e.g. another rank could not load), if it did."""
+        with self._lock:
+            return self._problem if self._first_formation_over.is_set() and not self._ready.is_set() else None
+
     def submit(self, inputs: dict[str, torch.Tensor]) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable by the deadline.
 

@@ -83,6 +83,11 @@ class RankModel:
         self.runner.start()
         self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
         if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
+            if self.runner.gave_up:
+                # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance
+                # of a model while another instance of it failed to initialize.
+                self.finalize()
+                raise EngineError(self.runner.gave_up)
             log.warning("rank %d: the other ranks have not joined yet; carrying on in the background",
                         self.placement.rank)
 
