@@ -122,7 +122,14 @@ class JobRunner:
             deadline = time.monotonic() + 1.0
             while self._ready.is_set() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            raise RanksUnavailable(self._problem or f"lost the connection to rank 0's job hub: {error}") from None
+            if self._problem:
+                raise RanksUnavailable(self._problem) from None
+            # The runner may still be blocked in a collective with the lost rank (NCCL waits out its timeout):
+            # say which rank is gone, if one is.
+            generation = self._generation
+            lost = describe_ranks(generation.members, exclude=self.comm.rank) if generation else ""
+            raise RanksUnavailable(f"{lost}. {RELOAD_ADVICE}" if "exited" in lost else
+                                   f"lost the connection to rank 0's job hub: {error}") from None
         return job
 
     def ranks_not_running(self) -> str:
@@ -162,7 +169,7 @@ class JobRunner:
                 self._give_up(f"{error}. {RELOAD_ADVICE}")
                 # Triton 2.51 never finalizes the other instances of a model one of whose stubs died after a
                 # request reached it (its unload hangs), so this process would outlive the reload that
-                # replaces it, holding its memory: leave once the new load's ranks meet.
+                # replaces it, holding its memory: give the memory back once the new load's ranks meet.
                 if self.rendezvous.wait_for_newer_load(first.number, self._stopping):
                     self._on_replaced()
                 return

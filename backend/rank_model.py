@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -153,9 +154,14 @@ class RankModel:
         os._exit(1)
 
     def _on_replaced(self) -> None:
-        log.warning("rank %d: a new load of this model has replaced this broken one; this process exits",
-                    self.placement.rank)
-        os._exit(0)
+        # Exiting would be cleaner, but tritonserver 2.51 was seen to abort (boost::interprocess::lock_exception)
+        # when this stub, which it never finalizes, exits: so give back the weights and stay, idle.
+        log.warning("rank %d: a new load of this model has replaced this broken one; this rank gives back its "
+                    "weights and stays idle until the server stops", self.placement.rank)
+        self.engine = self.runner.engine = None
+        gc.collect()
+        if self.placement.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def finalize(self) -> None:
         self.freeze_watchdog.stop()

@@ -271,7 +271,11 @@ class Rendezvous:
         creates nothing in an area the last member may have removed.
         """
         while not stop.wait(0.2):
-            if self._peek_state()["current"] > number:
+            state = self._peek_state()
+            # A newer load numbers its generation after ours, or, if the area was emptied and begun anew, meets in
+            # a closed generation that this process is not a member of.
+            if state["current"] > number or any(generation["closed"] and self.pid not in generation["members"].values()
+                                                for generation in state["generations"].values()):
                 return True
         return False
 

@@ -17,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.test_rank_faults import reload_recovers
-from tests.backend.triton_processes import wait_for_stubs
+from tests.backend.test_rank_faults import reload_recovers, xfail_if_triton_aborted
+from tests.backend.triton_processes import rank_pids, wait_for_stubs
 
 pytestmark = pytest.mark.gpu
 MODEL = "tiny"
@@ -53,17 +53,18 @@ def test_gpu_killed_rank_fails_requests_within_the_timeout_and_a_reload_recovers
     clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
     time.sleep(3)
     killed_at = time.monotonic()
-    victim = stubs["tiny/1/rank_1"]
+    victim = rank_pids(rendezvous_root)[1]  # on GPU both instances are named rank_0: rank 1 is GPU 1's
     os.kill(victim, signal.SIGKILL)
     time.sleep(TIMEOUT_S + 4)
     outcomes = clients.stop()
+    xfail_if_triton_aborted(server)
     assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
     around = [o for o in outcomes if o.end >= killed_at]
     slow = [o for o in around if o.end - max(o.start, killed_at) >= TIMEOUT_S + 3]
     assert not slow, f"requests not answered within the timeout: {slow}"
     for outcome in around:  # ours (naming the dead stub's pid once known) or Triton's for the dead instance
         assert outcome.status in (None, "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL"), outcome
-        assert outcome.status != "StatusCode.INTERNAL" or "Stub process 'rank_1' is not healthy" in outcome.message
+        assert outcome.status != "StatusCode.INTERNAL" or "is not healthy" in outcome.message
     later = [o.message for o in outcomes if o.start > killed_at + TIMEOUT_S + 2 and o.status == "StatusCode.UNAVAILABLE"]
     assert later and all(f"(pid {victim}) has exited" in m for m in later), later[:1]
     reload_recovers(server, reference, stubs, rendezvous_root)
@@ -83,6 +84,10 @@ def test_gpu_reload_cycles_give_the_memory_back(two_gpus, tmp_path, rendezvous_r
         assert wait_for_stubs(server.process.pid, 0) == {}
         freed = free_gpu_memory()
         print(f"cycle {cycle}: free GPU memory {[f / 2**20 for f in freed]} MiB (before: {[f / 2**20 for f in free_before]})")
+        # The server keeps what its first GPU model load set up (its CUDA contexts and memory pools): from
+        # then on, every unload must give back all that the load took.
+        if cycle == 0:
+            free_before = freed
         assert all(before - after < 256 * 2**20 for before, after in zip(free_before, freed)), f"cycle {cycle}"
 
 

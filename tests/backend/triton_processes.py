@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
-    """The live Python backend stubs started by the server: "MODEL/VERSION/INSTANCE" (e.g. "tiny/1/rank_1") -> pid."""
+    """The live Python backend stubs started by the server: "MODEL/VERSION/INSTANCE" (e.g. "tiny/1/rank_1") -> pid
+    ("MODEL/VERSION/INSTANCE@PID" for a second instance of the same name, as Triton names GPU instances)."""
     stubs = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -23,7 +25,9 @@ def stub_processes(server_pid: int) -> dict[str, int]:
         if parent == server_pid and state != "Z" and arguments and arguments[0].endswith("triton_python_backend_stub"):
             # Arguments: stub, .../MODEL/VERSION/model.py, shm region, sizes, parent pid, ..., instance name, runtime.
             model_file = Path(arguments[1])
-            stubs[f"{model_file.parent.parent.name}/{model_file.parent.name}/{arguments[-2]}"] = int(entry.name)
+            name = f"{model_file.parent.parent.name}/{model_file.parent.name}/{arguments[-2]}"
+            # KIND_GPU instances of a group share their name, one per GPU: tell them apart by pid.
+            stubs[name if name not in stubs else f"{name}@{entry.name}"] = int(entry.name)
     return stubs
 
 
@@ -56,3 +60,11 @@ def files_under(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*"))
+
+
+def rank_pids(rendezvous_root: Path) -> dict[int, int]:
+    """rank -> pid of the newest generation's members in the rendezvous areas under rendezvous_root."""
+    states = [json.loads(path.read_text()) for path in rendezvous_root.rglob("state.json")]
+    newest = max((generation for state in states for generation in state["generations"].values()),
+                 key=lambda generation: len(generation["members"]))
+    return {int(rank): pid for rank, pid in newest["members"].items()}
