@@ -14,8 +14,8 @@ RANK_GROUP = "rank"
 WARMUP_NAME = "all_ranks_together"
 
 
-def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | None = None,
-                 request_timeout_s: float = 300.0) -> mc.ModelConfig:
+def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | None,
+                 request_timeout_s: float) -> mc.ModelConfig:
     """One instance per rank: on GPU one per listed GPU (rank = position in the list), on CPU N instances.
 
     max_batch_size is 0: the engines take the batch as an explicit first dimension, and FLUX's position

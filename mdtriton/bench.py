@@ -218,7 +218,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, _ = time_calls(lambda: attention(q, k, v, comm, tokens), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": world_size, "method": method, "image_tokens": image_tokens,
                                    "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
-        del module, forward
+        module = forward = None  # free this plan's weights before the next plan's are made
         local.KERNEL_PRIORITY = KERNEL_PRIORITY
         if cuda:
             torch.cuda.empty_cache()
