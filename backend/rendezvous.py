@@ -36,8 +36,11 @@ from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
 MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-# How long a rank that could not load waits for the other ranks of its load to come and see it.
-FAILURE_NOTICE_S = 3.0
+# The longest a rank that could not load waits for the other ranks of its load to come and see it. Triton
+# 2.51 starts a model's instances in parallel, so they come within seconds (later on a loaded machine); a
+# rank that missed the news would load, carry on alone, and leave Triton with one instance loaded and one
+# failed. Only a server that starts instances one after another waits this long to report the failure.
+FAILURE_NOTICE_S = 20.0
 # The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
 AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
 
@@ -164,14 +167,15 @@ class Rendezvous:
                 state["current"] = self._open(state, after=None)
                 current = state["generations"][str(state["current"])]
             current["members"][str(self.rank)] = self.pid
+            current["entered"] = sorted({*current["entered"], self.rank})
             current["closed"] = len(current["members"]) == self.world_size
             return state["current"]
 
     def _open(self, state: dict, after: int | None) -> int:
         """Add a new, empty generation (the successor of `after`, or a fresh one) and return its number."""
         state["last"] += 1
-        state["generations"][str(state["last"])] = {"members": {}, "closed": False, "token": secrets.token_hex(16),
-                                                    "after": after}
+        state["generations"][str(state["last"])] = {"members": {}, "entered": [], "closed": False,
+                                                    "token": secrets.token_hex(16), "after": after}
         (self.directory / f"gen{state['last']}").mkdir(exist_ok=True)
         return state["last"]
 
@@ -218,20 +222,20 @@ class Rendezvous:
     def fail(self, number: int, message: str) -> None:
         """Tell the ranks of generation `number` that this rank could not load (message says why), and leave.
 
-        The others see it in join() and give up at once instead of waiting for this rank. If none has come
-        yet, the news is kept for a moment for those still starting, then removed with the generation.
+        The others see it in join() and give up at once instead of waiting for this rank. This rank stays in
+        the generation (so it is kept, and still open to ranks starting late) until every other rank has
+        entered it, or FAILURE_NOTICE_S has passed; those that entered see the news before they leave it.
         """
         with self._locked_state() as state:
             generation = state["generations"].get(str(number))
             if generation is None:
                 return
             generation["failed"] = {"pid": self.pid, "message": f"rank {self.rank} could not load: {message}"}
-            generation["members"].pop(str(self.rank), None)
         deadline = time.monotonic() + FAILURE_NOTICE_S
         while time.monotonic() < deadline:
             generation = self._peek_state()["generations"].get(str(number))
-            if generation is None or generation["members"]:
-                return  # the others will see it, and the last of them removes the generation
+            if generation is None or len(generation["entered"]) == self.world_size:
+                break
             time.sleep(0.05)
         self.leave(number)
 

@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that started servers shows the end of their logs (CI keeps nothing else of them)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and "server_factory" in item.fixturenames:
+        for log_file in sorted(item.funcargs["tmp_path"].glob("server*.log")):
+            report.sections.append((f"end of {log_file.name}", log_file.read_text()[-6000:]))
+
+
 def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
     """Start a server on free ports; on failure, show the end of its log in the error."""
     try:
