@@ -1,9 +1,10 @@
 """How the ranks of one loaded model version find each other, without ever meeting another load's ranks.
 
 The rendezvous area is a directory per (Triton server process, model, version) holding `state.json`,
-guarded by a file lock. The ranks meet in numbered *generations*: a generation is open until all
-world_size ranks have joined, then closed for good. A rank opens a new generation when the current one
-is closed or already has a member of its rank, so:
+guarded by a file lock. The ranks meet in numbered *generations*: a rank enters the open generation as
+it starts loading, and once all world_size ranks have entered, it is closed for good; its members form
+their group once every one of them has loaded (or give up at once when one reports that it cannot load).
+A rank opens a new generation when the current one is closed or already has a member of its rank, so:
 - ranks initialised in parallel or one after another meet in the same open generation (a slot
   held by a process that died before the generation closed is given to the next comer);
 - a reload (new instances while the old ones still serve) finds the old generation closed and opens
@@ -174,7 +175,7 @@ class Rendezvous:
     def _open(self, state: dict, after: int | None) -> int:
         """Add a new, empty generation (the successor of `after`, or a fresh one) and return its number."""
         state["last"] += 1
-        state["generations"][str(state["last"])] = {"members": {}, "entered": [], "closed": False,
+        state["generations"][str(state["last"])] = {"members": {}, "entered": [], "loaded": {}, "closed": False,
                                                     "token": secrets.token_hex(16), "after": after}
         (self.directory / f"gen{state['last']}").mkdir(exist_ok=True)
         return state["last"]
@@ -184,7 +185,8 @@ class Rendezvous:
                           {int(rank): pid for rank, pid in generation["members"].items()})
 
     def join(self, timeout: float, stop: threading.Event, number: int | None = None) -> Generation:
-        """Wait until all ranks are in generation `number` (entered before; None: enter now).
+        """Say this rank has loaded, and wait until every rank of generation `number` (entered before; None:
+        enter now) has entered it and loaded.
 
         Raises RankFailedToLoad as soon as a rank of this load reports that it could not load.
         """
@@ -198,8 +200,12 @@ class Rendezvous:
                 if generation is not None and "failed" in generation:
                     failure = generation["failed"]["message"]
                 elif generation is not None and generation["closed"]:
-                    return self._generation(number, generation)
-                elif state["current"] != number:
+                    generation["loaded"][str(self.rank)] = self.pid
+                    if generation["loaded"] == generation["members"]:
+                        return self._generation(number, generation)
+                elif generation is not None and state["current"] == number:
+                    generation["loaded"][str(self.rank)] = self.pid
+                else:
                     # Superseded before it closed (a member died and was restarted): join the newer one.
                     self._leave_locked(state, number)
                     number = None
@@ -213,10 +219,13 @@ class Rendezvous:
                 self.leave(number)
                 raise RendezvousTimeout("stopped while waiting for the other ranks")
             if time.monotonic() > deadline:
-                with self._locked_state() as state:
-                    missing = sorted(set(range(self.world_size)) - {int(r) for r in state["generations"][str(number)]["members"]})
+                generation = self._peek_state()["generations"][str(number)]
+                absent = sorted(set(range(self.world_size)) - {int(r) for r in generation["members"]})
+                loading = sorted(int(r) for r, pid in generation["members"].items() if generation["loaded"].get(r) != pid)
                 self.leave(number)
-                raise RendezvousTimeout(f"ranks {missing} did not join within {timeout:.0f} s")
+                late = [f"ranks {absent} did not join"] if absent else []
+                late += [f"ranks {loading} did not finish loading"] if loading else []
+                raise RendezvousTimeout(f"{' and '.join(late)} within {timeout:.0f} s")
             time.sleep(0.05)
 
     def fail(self, number: int, message: str) -> None:

@@ -8,6 +8,7 @@ free ports on 127.0.0.1 and wait until the server is ready.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import site
 import socket
@@ -33,10 +34,33 @@ def triton_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
 
 
+# Ports handed out by free_port in this process, never handed out twice.
+_PORTS_GIVEN: set[int] = set()
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections (and bind to port 0)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free now on host, outside the ephemeral range: between this call and the server's bind, an outgoing
+    connection (a client's, say) could take a free ephemeral port, and the server would fail to start."""
+    ephemeral = ephemeral_ports()
+    candidates = [port for port in range(10000, 65536) if port not in ephemeral and port not in _PORTS_GIVEN]
+    for port in random.sample(candidates, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise ServerError(f"no free port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 def make_backend_dir(target: Path) -> Path:

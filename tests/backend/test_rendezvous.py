@@ -53,13 +53,31 @@ def test_reload_gets_a_new_generation_and_leaving_cleans_up(tmp_path):
 
 
 def test_missing_rank_times_out_with_its_number(tmp_path):
-    with pytest.raises(RendezvousTimeout, match=r"ranks \[1\] did not join"):
+    with pytest.raises(RendezvousTimeout, match=r"ranks \[1\] did not join within 0 s"):
         Rendezvous(tmp_path, 0, 2).join(0.5, threading.Event())
+    assert not tmp_path.exists()
+    Rendezvous(tmp_path, 1, 3).enter()  # entered, still loading
+    with pytest.raises(RendezvousTimeout, match=r"ranks \[2\] did not join and ranks \[1\] did not finish loading"):
+        Rendezvous(tmp_path, 0, 3).join(0.5, threading.Event())
+
+
+def test_a_rank_that_has_loaded_waits_for_every_rank_to_load_and_sees_a_late_failure(tmp_path):
+    """All ranks enter as they start loading; a fast one must not form the group before a slow one has loaded,
+    and gives up at once if the slow one then fails."""
+    slow, fast = Rendezvous(tmp_path, 0, 2), Rendezvous(tmp_path, 1, 2)
+    slow_number, fast_number = slow.enter(), fast.enter()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(fast.join, 10, threading.Event(), fast_number)
+        time.sleep(0.5)
+        assert not joined.done(), "joined before rank 0 had loaded"
+        slow.fail(slow_number, "EngineError: rank0.safetensors: not a readable safetensors file")
+        with pytest.raises(RankFailedToLoad, match="rank 0 could not load: EngineError: rank0.safetensors"):
+            joined.result(1)
     assert not tmp_path.exists()
 
 
 def _enter_and_die(directory):
-    Rendezvous(directory, 0, 2)._enter()
+    Rendezvous(directory, 0, 2).enter()
 
 
 def test_slot_of_a_process_that_died_while_waiting_is_reused(tmp_path):
