@@ -72,7 +72,7 @@ def test_a_rank_that_has_loaded_waits_for_every_rank_to_load_and_sees_a_late_fai
         assert not joined.done(), "joined before rank 0 had loaded"
         slow.fail(slow_number, "EngineError: rank0.safetensors: not a readable safetensors file")
         with pytest.raises(RankFailedToLoad, match="rank 0 could not load: EngineError: rank0.safetensors"):
-            joined.result(1)
+            joined.result(5)
     assert not tmp_path.exists()
 
 
@@ -151,7 +151,7 @@ def test_a_rank_that_cannot_load_stops_the_others_waiting(tmp_path):
 
 
 def test_a_failure_waits_for_every_rank_still_starting_then_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(rendezvous, "FAILURE_NOTICE_S", 2.0)
+    monkeypatch.setattr(rendezvous, "FAILURE_NOTICE_S", 10.0)
     with ThreadPoolExecutor(1) as pool:
         failed = pool.submit(Rendezvous(tmp_path, 1, 3).fail, Rendezvous(tmp_path, 1, 3).enter(), "bad weights")
         for rank in (0, 2):  # ranks of the same load that started later, one after the other has seen it and left
@@ -160,8 +160,9 @@ def test_a_failure_waits_for_every_rank_still_starting_then_leaves_nothing(tmp_p
                 Rendezvous(tmp_path, rank, 3).join(10, threading.Event())
         started = time.monotonic()
         failed.result(10)
-        assert time.monotonic() - started < 0.5, "the failed rank waited on after every rank had seen its failure"
+        assert time.monotonic() - started < 3, "the failed rank waited on after every rank had seen its failure"
     assert not tmp_path.exists()
+    monkeypatch.setattr(rendezvous, "FAILURE_NOTICE_S", 1.0)
     alone = time.monotonic()
     Rendezvous(tmp_path, 0, 2).fail(Rendezvous(tmp_path, 0, 2).enter(), "bad weights")
-    assert 2 < time.monotonic() - alone < 3 and not tmp_path.exists()
+    assert 1 < time.monotonic() - alone < 3 and not tmp_path.exists()
