@@ -70,6 +70,10 @@ class RankModel:
         join_timeout = float(parameters.get("join_timeout_s", "600"))
         if self.placement.device.type == "cuda":
             torch.cuda.set_device(self.placement.device)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # The ranks share this machine's cores; torch's default (a thread per core in every rank) would
+            # oversubscribe them world_size times (3.6x slower with 2 ranks on 2 cores).
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.placement.world_size))
         rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
                                 self.placement.rank, self.placement.world_size)
         entered = rendezvous.enter()
