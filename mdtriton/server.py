@@ -160,16 +160,20 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float) -> None:
+        """Wait until the server says it is ready and its metrics endpoint (started after the others) answers."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_address}/v2/health/ready"
+        waiting_for = [f"http://{self.http_address}/v2/health/ready", self.metrics_url]
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready"
                                   + (f"; see {self.log_file}" if self.log_file else ""))
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                with urllib.request.urlopen(waiting_for[0], timeout=2) as response:
                     if response.status == 200:
-                        return
+                        waiting_for.pop(0)
+                        if not waiting_for:
+                            return
+                        continue
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
