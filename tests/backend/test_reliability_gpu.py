@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.test_rank_faults import reload_recovers, xfail_if_triton_aborted
+from tests.backend.test_rank_faults import reload_recovers, slower_than, xfail_if_triton_aborted
 from tests.backend.triton_processes import rank_pids, wait_for_stubs
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def test_gpu_killed_rank_fails_requests_within_the_timeout_and_a_reload_recovers
     xfail_if_triton_aborted(server)
     assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
     around = [o for o in outcomes if o.end >= killed_at]
-    slow = [o for o in around if o.end - max(o.start, killed_at) >= TIMEOUT_S + 3]
+    slow = slower_than(outcomes, killed_at, TIMEOUT_S + 3)
     assert not slow, f"requests not answered within the timeout: {slow}"
     for outcome in around:  # ours (naming the dead stub's pid once known) or Triton's for the dead instance
         assert outcome.status in (None, "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL"), outcome
