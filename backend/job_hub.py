@@ -15,10 +15,13 @@ generation is over for all of them.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
+
+from mdtriton.backend.private_directory import PRIVATE_FILE_MODE
 
 
 def send(connection: Connection, message: dict) -> None:
@@ -37,6 +40,7 @@ class JobHub:
         self.token = token
         self.world_size = world_size
         self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
+        os.chmod(address, PRIVATE_FILE_MODE)  # its directory is private already; the socket too, for good measure
         self._stopping = threading.Event()
         self._wake_reader, self._wake_writer = Pipe(duplex=False)
         self._thread = threading.Thread(target=self._serve, name="mdtriton-job-hub", daemon=True)

@@ -14,7 +14,9 @@ A rank opens a new generation when the current one is closed or already has a me
   if a member has exited instead, the successor can never close, and `reform` says which rank is gone
   (Triton does not restart a dead stub: the model must be reloaded, and a reload's ranks meet in a fresh
   generation of their own).
-Joining never blocks Triton: callers wait for the generation to close in a thread.
+Joining never blocks Triton: callers wait for the generation to close in a thread. The areas' root is private
+to the server's user, and so are the files in it (backend/private_directory.py): state.json holds the job hub's
+authentication key.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mdtriton.backend.private_directory import (PRIVATE_DIRECTORY_MODE, make_private_directory, open_private_file,
+                                               write_private_file)
 from mdtriton.backend.process_state import ProcessState, process_state
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
@@ -44,6 +48,8 @@ MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 FAILURE_NOTICE_S = 20.0
 # The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
 AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
+# The file in a generation's directory through which its ranks form their process group (torch's FileStore).
+STORE_FILE = "store"
 
 
 class RendezvousTimeout(Exception):
@@ -72,16 +78,21 @@ class Generation:
 
     @property
     def store_path(self) -> Path:
-        return self.directory / "store"
+        return self.directory / STORE_FILE
 
     @property
     def hub_address(self) -> str:
         return str(self.directory / "hub.sock")
 
 
+def rendezvous_root() -> Path:
+    """The directory holding every rendezvous area of this host's servers (private to their user: see _lock)."""
+    return Path(os.environ.get(ROOT_ENV) or Path(tempfile.gettempdir()) / "mdtriton-rendezvous")
+
+
 def rendezvous_dir(model_name: str, model_version: str) -> Path:
     """The area shared by the ranks of this model version in this server (the stubs' parent process)."""
-    root = Path(os.environ.get(ROOT_ENV) or Path(tempfile.gettempdir()) / "mdtriton-rendezvous")
+    root = rendezvous_root()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)[:40]
     digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
     # Unix socket paths are limited to ~107 bytes, so keep this short.
@@ -121,16 +132,17 @@ class Rendezvous:
             path = self.directory / "state.json"
             state = json.loads(path.read_text()) if path.exists() else {"current": 0, "last": 0, "generations": {}}
             yield state
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(path)
+            write_private_file(path, json.dumps(state))  # it holds the hub's key
 
     @contextmanager
     def _lock(self):
-        """An exclusive lock on the area; retried if the last member removed the area meanwhile."""
+        """An exclusive lock on the area; retried if the last member removed the area meanwhile.
+
+        The area's parent, the rendezvous root, must be private to this user (backend/private_directory.py)."""
         while True:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with open(self.directory / "lock", "a+") as lock:
+            make_private_directory(self.directory.parent, ROOT_ENV)
+            self.directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, exist_ok=True)
+            with os.fdopen(open_private_file(self.directory / "lock", os.O_RDWR | os.O_APPEND), "a+") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     same_file = os.stat(self.directory / "lock").st_ino == os.fstat(lock.fileno()).st_ino
@@ -177,7 +189,10 @@ class Rendezvous:
         state["last"] += 1
         state["generations"][str(state["last"])] = {"members": {}, "entered": [], "loaded": {}, "closed": False,
                                                     "token": secrets.token_hex(16), "after": after}
-        (self.directory / f"gen{state['last']}").mkdir(exist_ok=True)
+        directory = self.directory / f"gen{state['last']}"
+        directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, exist_ok=True)
+        # Created here, 0600, so that torch's FileStore (which would create it with the default mode) opens it as is.
+        os.close(open_private_file(directory / STORE_FILE, os.O_WRONLY))
         return state["last"]
 
     def _generation(self, number: int, generation: dict) -> Generation:
