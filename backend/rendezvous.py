@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -35,9 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mdtriton.backend.private_directory import (PRIVATE_DIRECTORY_MODE, make_private_directory, open_private_file,
-                                               write_private_file)
+from mdtriton.backend.private_directory import PRIVATE_DIRECTORY_MODE, make_private_directory, open_private_file
 from mdtriton.backend.process_state import ProcessState, process_state
+from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, GenerationRecord, LoadFailure
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
 MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -126,13 +125,17 @@ class Rendezvous:
         self.world_size = world_size
         self.pid = os.getpid()
 
+    @property
+    def _state_path(self) -> Path:
+        return self.directory / STATE_FILE
+
     @contextmanager
     def _locked_state(self):
+        """The area's state, under its lock, written back when the block ends."""
         with self._lock():
-            path = self.directory / "state.json"
-            state = json.loads(path.read_text()) if path.exists() else {"current": 0, "last": 0, "generations": {}}
+            state = AreaState.read(self._state_path)
             yield state
-            write_private_file(path, json.dumps(state))  # it holds the hub's key
+            state.write(self._state_path)
 
     @contextmanager
     def _lock(self):
@@ -152,16 +155,19 @@ class Rendezvous:
                     yield
                     return
 
-    def _remove_dead_generations(self, state: dict) -> None:
+    def _forget(self, state: AreaState, number: int) -> None:
+        del state.generations[number]
+        shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+
+    def _remove_dead_generations(self, state: AreaState) -> None:
         """Forget generations whose members have all exited (killed ranks never leave by themselves).
 
         The open fresh generation stays: the next comer takes over the slots of its dead members.
         """
-        for number, generation in list(state["generations"].items()):
-            open_fresh = int(number) == state["current"] and not generation["closed"]
-            if not open_fresh and not any(_alive(p) for p in generation["members"].values()):
-                del state["generations"][number]
-                shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+        for number, generation in list(state.generations.items()):
+            open_fresh = number == state.current and not generation.closed
+            if not open_fresh and not any(_alive(pid) for pid in generation.members.values()):
+                self._forget(state, number)
 
     def enter(self) -> int:
         """Take this rank's slot in the open fresh generation (opening one if needed); return its number.
@@ -170,34 +176,32 @@ class Rendezvous:
         """
         with self._locked_state() as state:
             self._remove_dead_generations(state)
-            current = state["generations"].get(str(state["current"]))
-            if current is not None and "failed" in current and not _alive(current["failed"]["pid"]):
+            current = state.generations.get(state.current)
+            if current is not None and current.failed is not None and not _alive(current.failed.pid):
                 current = None  # the failure of a load that is over
-            if current is not None and not current["closed"]:
+            if current is not None and not current.closed:
                 # No group has formed in an open generation yet, so a slot held by a dead process is free.
-                current["members"] = {r: p for r, p in current["members"].items() if _alive(p)}
-            if current is None or current["closed"] or str(self.rank) in current["members"]:
-                state["current"] = self._open(state, after=None)
-                current = state["generations"][str(state["current"])]
-            current["members"][str(self.rank)] = self.pid
-            current["entered"] = sorted({*current["entered"], self.rank})
-            current["closed"] = len(current["members"]) == self.world_size
-            return state["current"]
+                current.members = {rank: pid for rank, pid in current.members.items() if _alive(pid)}
+            if current is None or current.closed or self.rank in current.members:
+                state.current = self._open(state, after=None)
+                current = state.generations[state.current]
+            current.members[self.rank] = self.pid
+            current.entered.add(self.rank)
+            current.closed = len(current.members) == self.world_size
+            return state.current
 
-    def _open(self, state: dict, after: int | None) -> int:
+    def _open(self, state: AreaState, after: int | None) -> int:
         """Add a new, empty generation (the successor of `after`, or a fresh one) and return its number."""
-        state["last"] += 1
-        state["generations"][str(state["last"])] = {"members": {}, "entered": [], "loaded": {}, "closed": False,
-                                                    "token": secrets.token_hex(16), "after": after}
-        directory = self.directory / f"gen{state['last']}"
+        state.last += 1
+        state.generations[state.last] = GenerationRecord(token=secrets.token_hex(16), after=after)
+        directory = self.directory / f"gen{state.last}"
         directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, exist_ok=True)
         # Created here, 0600, so that torch's FileStore (which would create it with the default mode) opens it as is.
         os.close(open_private_file(directory / STORE_FILE, os.O_WRONLY))
-        return state["last"]
+        return state.last
 
-    def _generation(self, number: int, generation: dict) -> Generation:
-        return Generation(number, self.directory / f"gen{number}", generation["token"],
-                          {int(rank): pid for rank, pid in generation["members"].items()})
+    def _generation(self, number: int, generation: GenerationRecord) -> Generation:
+        return Generation(number, self.directory / f"gen{number}", generation.token, dict(generation.members))
 
     def join(self, timeout: float, stop: threading.Event, number: int | None = None) -> Generation:
         """Say this rank has loaded, and wait until every rank of generation `number` (entered before; None:
@@ -211,15 +215,13 @@ class Rendezvous:
         while True:
             failure = None
             with self._locked_state() as state:
-                generation = state["generations"].get(str(number))
-                if generation is not None and "failed" in generation:
-                    failure = generation["failed"]["message"]
-                elif generation is not None and generation["closed"]:
-                    generation["loaded"][str(self.rank)] = self.pid
-                    if generation["loaded"] == generation["members"]:
+                generation = state.generations.get(number)
+                if generation is not None and generation.failed is not None:
+                    failure = generation.failed.message
+                elif generation is not None and (generation.closed or state.current == number):
+                    generation.loaded[self.rank] = self.pid
+                    if generation.all_loaded():
                         return self._generation(number, generation)
-                elif generation is not None and state["current"] == number:
-                    generation["loaded"][str(self.rank)] = self.pid
                 else:
                     # Superseded before it closed (a member died and was restarted): join the newer one.
                     self._leave_locked(state, number)
@@ -234,9 +236,9 @@ class Rendezvous:
                 self.leave(number)
                 raise RendezvousTimeout("stopped while waiting for the other ranks")
             if time.monotonic() > deadline:
-                generation = self._peek_state()["generations"][str(number)]
-                absent = sorted(set(range(self.world_size)) - {int(r) for r in generation["members"]})
-                loading = sorted(int(r) for r, pid in generation["members"].items() if generation["loaded"].get(r) != pid)
+                generation = self._peek_state().generations[number]
+                absent = sorted(set(range(self.world_size)) - set(generation.members))
+                loading = sorted(rank for rank, pid in generation.members.items() if generation.loaded.get(rank) != pid)
                 self.leave(number)
                 late = [f"ranks {absent} did not join"] if absent else []
                 late += [f"ranks {loading} did not finish loading"] if loading else []
@@ -251,14 +253,14 @@ class Rendezvous:
         entered it, or FAILURE_NOTICE_S has passed; those that entered see the news before they leave it.
         """
         with self._locked_state() as state:
-            generation = state["generations"].get(str(number))
+            generation = state.generations.get(number)
             if generation is None:
                 return
-            generation["failed"] = {"pid": self.pid, "message": f"rank {self.rank} could not load: {message}"}
+            generation.failed = LoadFailure(self.pid, f"rank {self.rank} could not load: {message}")
         deadline = time.monotonic() + FAILURE_NOTICE_S
         while time.monotonic() < deadline:
-            generation = self._peek_state()["generations"].get(str(number))
-            if generation is None or len(generation["entered"]) == self.world_size:
+            generation = self._peek_state().generations.get(number)
+            if generation is None or len(generation.entered) == self.world_size:
                 break
             time.sleep(0.05)
         self.leave(number)
@@ -270,19 +272,18 @@ class Rendezvous:
         RankExited as soon as one of them has exited, RendezvousTimeout if `stop` is set.
         """
         with self._locked_state() as state:
-            number = next((int(n) for n, g in state["generations"].items() if g["after"] == previous.number), None)
+            number = state.successor_of(previous.number)
             if number is None:
                 number = self._open(state, after=previous.number)
-            generation = state["generations"][str(number)]
-            generation["members"][str(self.rank)] = self.pid
-            generation["closed"] = len(generation["members"]) == self.world_size
+            generation = state.generations[number]
+            generation.members[self.rank] = self.pid
+            generation.closed = len(generation.members) == self.world_size
         while True:
             with self._locked_state() as state:
-                generation = state["generations"][str(number)]
-                if generation["closed"]:
+                generation = state.generations[number]
+                if generation.closed:
                     return self._generation(number, generation)
-                missing = {rank: pid for rank, pid in previous.members.items()
-                           if str(rank) not in generation["members"]}
+                missing = {rank: pid for rank, pid in previous.members.items() if rank not in generation.members}
             exited = [(rank, pid) for rank, pid in missing.items() if not _alive(pid)]
             if exited:
                 self.leave(number)
@@ -302,36 +303,31 @@ class Rendezvous:
             state = self._peek_state()
             # A newer load numbers its generation after ours, or, if the area was emptied and begun anew, meets in
             # a closed generation that this process is not a member of.
-            if state["current"] > number or any(generation["closed"] and self.pid not in generation["members"].values()
-                                                for generation in state["generations"].values()):
+            if state.current > number or any(generation.closed and self.pid not in generation.members.values()
+                                             for generation in state.generations.values()):
                 return True
         return False
 
-    def _peek_state(self) -> dict:
+    def _peek_state(self) -> AreaState:
         """The state as last written (by atomic rename), read without the lock; creates nothing if the area is gone."""
-        try:
-            return json.loads((self.directory / "state.json").read_text())
-        except FileNotFoundError:
-            return {"current": 0, "last": 0, "generations": {}}
+        return AreaState.read(self._state_path)
 
-    def _leave_locked(self, state: dict, number: int) -> None:
-        generation = state["generations"].get(str(number))
+    def _leave_locked(self, state: AreaState, number: int) -> None:
+        generation = state.generations.get(number)
         if generation is None:
             return
-        if generation["members"].get(str(self.rank)) == self.pid:
-            del generation["members"][str(self.rank)]
-        if not generation["members"]:
-            del state["generations"][str(number)]
-            shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+        if generation.members.get(self.rank) == self.pid:
+            del generation.members[self.rank]
+        if not generation.members:
+            self._forget(state, number)
 
     def leave(self, number: int) -> None:
         """Leave a generation; the last member to leave removes its files (and the area, if nothing is left)."""
         with self._locked_state() as state:
             self._leave_locked(state, number)
             self._remove_dead_generations(state)
-            empty = not state["generations"]
+            empty = not state.generations
         if empty:
             with self._lock():
-                state_path = self.directory / "state.json"
-                if state_path.exists() and not json.loads(state_path.read_text())["generations"]:
+                if self._state_path.exists() and not AreaState.read(self._state_path).generations:
                     shutil.rmtree(self.directory, ignore_errors=True)

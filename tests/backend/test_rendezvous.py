@@ -14,6 +14,7 @@ import pytest
 
 from mdtriton.backend import rendezvous
 from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, GenerationRecord, LoadFailure
 
 
 def join_all(directory, world_size, delays=None):
@@ -166,3 +167,14 @@ def test_a_failure_waits_for_every_rank_still_starting_then_leaves_nothing(tmp_p
     alone = time.monotonic()
     Rendezvous(tmp_path, 0, 2).fail(Rendezvous(tmp_path, 0, 2).enter(), "bad weights")
     assert 1 < time.monotonic() - alone < 3 and not tmp_path.exists()
+
+
+def test_area_state_keeps_its_typed_records_through_its_file(tmp_path):
+    state = AreaState(current=3, last=4, generations={
+        3: GenerationRecord(token="a1", after=None, members={0: 11, 1: 12}, entered={0, 1}, loaded={1: 12},
+                            failed=LoadFailure(11, "rank 0 could not load: bad weights")),
+        4: GenerationRecord(token="b2", after=3, members={1: 12}, closed=True)})
+    state.write(tmp_path / STATE_FILE)
+    assert AreaState.read(tmp_path / STATE_FILE) == state
+    assert state.successor_of(3) == 4 and state.successor_of(4) is None
+    assert AreaState.read(tmp_path / "absent.json") == AreaState()

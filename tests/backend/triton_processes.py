@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
+
+from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
@@ -64,7 +65,7 @@ def files_under(directory: Path) -> list[str]:
 
 def rank_pids(rendezvous_root: Path) -> dict[int, int]:
     """rank -> pid of the newest generation's members in the rendezvous areas under rendezvous_root."""
-    states = [json.loads(path.read_text()) for path in rendezvous_root.rglob("state.json")]
-    newest = max((generation for state in states for generation in state["generations"].values()),
-                 key=lambda generation: len(generation["members"]))
-    return {int(rank): pid for rank, pid in newest["members"].items()}
+    states = [AreaState.read(path) for path in rendezvous_root.rglob(STATE_FILE)]
+    newest = max((generation for state in states for generation in state.generations.values()),
+                 key=lambda generation: len(generation.members))
+    return dict(newest.members)
