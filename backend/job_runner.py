@@ -93,6 +93,11 @@ class JobRunner:
         return self._ready.is_set()
 
     @property
+    def serving(self) -> bool:
+        """Whether every rank is together in a generation now, so jobs can run (not while forming or re-forming)."""
+        return self._ready.is_set()
+
+    @property
     def gave_up(self) -> str | None:
         """Why this rank stopped trying to form its first generation (e.g. another rank could not load), if it did."""
         with self._lock:

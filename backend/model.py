@@ -12,6 +12,12 @@ class TritonPythonModel:
     def initialize(self, args):
         self.rank_model = RankModel(args)
 
+    def is_ready(self):
+        """Whether this instance can serve now: false while the ranks have not formed, are re-forming after a
+        failure, or have lost a rank for good. Triton asks from 2.67 on (server readiness follows from 2.68);
+        Triton 2.51, our embedded server, never calls it (docs/deploy.md)."""
+        return self.rank_model.is_ready()
+
     def execute(self, requests):
         return self.rank_model.execute(requests)
 

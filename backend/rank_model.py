@@ -110,6 +110,10 @@ class RankModel:
         log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
                  self.placement.device, self.engine.load_seconds)
 
+    def is_ready(self) -> bool:
+        """Whether this rank is serving with all the others now (TritonPythonModel.is_ready)."""
+        return self.runner.serving
+
     def execute(self, requests: list) -> list:
         self.freeze_watchdog.check()
         self.metrics.received(len(requests))

@@ -46,6 +46,11 @@ class Reference:
         return output.shape == expected.shape and float(np.abs(output - expected).max()) < 1e-4
 
 
+def large_input() -> np.ndarray:
+    """An input whose job needs far more than 16 MiB of new memory on each rank (to make one run out of memory)."""
+    return np.random.default_rng(0).standard_normal((8, 2048, CONFIG["hidden_size"]), dtype=np.float32)
+
+
 def send(client: grpcclient.InferenceServerClient, model: str, array: np.ndarray, version: str = "",
          timeout: float = 120.0) -> tuple[Outcome, np.ndarray | None]:
     """One request; its outcome and output (None on an error), never an exception."""

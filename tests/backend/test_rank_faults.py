@@ -6,18 +6,16 @@ process is alive, by a reload when one has exited)."""
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import time
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
-from tests.backend.load_clients import CONFIG, Clients, Reference, ask, send
-from tests.backend.triton_processes import files_under, stub_processes, wait_for_stubs
+from tests.backend.load_clients import CONFIG, Clients, Reference, ask, large_input, send
+from tests.backend.triton_processes import files_under, memory_capped, stub_processes, wait_for_stubs
 
 MODEL = "tiny"
 SEED = 5
@@ -164,28 +162,17 @@ def test_stopped_rank_fails_requests_within_the_timeout_until_killed_and_reloade
     reload_recovers(server, reference, stubs, rendezvous_root)
 
 
-def data_size(pid: int) -> int:
-    """The process's private writable memory (VmData), which RLIMIT_DATA bounds."""
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
-
-
 @pytest.mark.timeout(240)
 def test_rank_failing_a_job_alone_makes_the_ranks_reform_by_themselves(tmp_path, rendezvous_root, server_factory):
     """Rank 1 runs out of memory (RLIMIT_DATA) in a large request; rank 0 is left in a collective that can never
     complete. Both end the generation and, all processes being alive, form the next one without any reload."""
     server, stubs = serve(tmp_path, server_factory, request_timeout_s=20)
     reference = Reference(SEED)
-    large = np.random.default_rng(0).standard_normal((8, 2048, CONFIG["hidden_size"]), dtype=np.float32)
+    large = large_input()
     client = grpcclient.InferenceServerClient(server.grpc_address)
     assert ask(client, MODEL, reference, 0).right
-    victim = stubs["tiny/1/rank_1"]
-    limit = resource.prlimit(victim, resource.RLIMIT_DATA)
-    resource.prlimit(victim, resource.RLIMIT_DATA, (data_size(victim) + 16 * 2**20, limit[1]))
-    try:
+    with memory_capped(stubs["tiny/1/rank_1"], 16 * 2**20):
         failed, _ = send(client, MODEL, large)
-    finally:
-        resource.prlimit(victim, resource.RLIMIT_DATA, limit)
     assert failed.status == "StatusCode.UNAVAILABLE" and "lost each other" in failed.message, failed
     deadline = time.monotonic() + 30
     outcome = ask(client, MODEL, reference, 1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState
@@ -54,6 +56,24 @@ def rss_bytes(pids) -> int:
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def data_size(pid: int) -> int:
+    """The process's private writable memory (VmData), which RLIMIT_DATA bounds."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+
+
+@contextmanager
+def memory_capped(pid: int, headroom: int):
+    """Let process pid allocate only `headroom` more bytes (RLIMIT_DATA) inside the block: its next large
+    allocation fails as an out-of-memory would."""
+    limit = resource.prlimit(pid, resource.RLIMIT_DATA)
+    resource.prlimit(pid, resource.RLIMIT_DATA, (data_size(pid) + headroom, limit[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_DATA, limit)
 
 
 def files_under(directory: Path) -> list[str]:
