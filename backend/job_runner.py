@@ -45,6 +45,8 @@ class RanksUnavailable(Exception):
     """The ranks are not (or no longer) together, so no job can run now."""
 
 
+# The rank whose outputs answer every request, whichever rank received it (JobRunner._answer_of_rank_0).
+ANSWERING_RANK = 0
 # How often an idle runner checks the deadlines of its waiting jobs.
 WATCH_INTERVAL_S = 0.2
 
@@ -235,12 +237,14 @@ class JobRunner:
             job = self._pending[message["job"]] if origin == self.comm.rank else None
         inputs = {}
         for name, data_type, shape in message["inputs"]:
+            # A fresh tensor on every rank, the origin's included: the request's own memory (Triton's shared memory)
+            # has another alignment, and CPU kernels round differently on differently aligned data (~1e-6 in
+            # float32), so the origin would compute other bits than its peers.
+            tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
             if job is not None:
-                tensor = job.inputs[name].to(self.comm.device).contiguous()
-            else:
-                tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
+                tensor.copy_(job.inputs[name])
             inputs[name] = self.comm.broadcast(tensor, src=origin)
-        outputs = self.engine.forward(inputs)
+        outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
         if self.comm.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self._jobs_run += 1
@@ -248,6 +252,18 @@ class JobRunner:
             with self._lock:
                 del self._pending[job.id]
             job.result.set_result(outputs)
+
+    def _answer_of_rank_0(self, origin: int, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's outputs, on every rank: the answer must not depend on which instance received the request.
+
+        Every rank computes the full outputs from the same inputs, in the same fresh buffers, so they should agree;
+        but nothing in the engine promises that every rank's last bits agree (a kernel may pick another algorithm
+        on another rank's data layout or device). So rank 0's outputs are the answer: when another rank received
+        the request, rank 0 broadcasts them (every rank knows the origin, so all take part or none do)."""
+        if origin == ANSWERING_RANK:
+            return outputs
+        with torch.inference_mode():  # the engine's outputs are inference tensors; the broadcast writes into them
+            return {name: self.comm.broadcast(value.contiguous(), src=ANSWERING_RANK) for name, value in outputs.items()}
 
     def _end_generation(self, generation: Generation, reason: str) -> None:
         """Fail every pending job with the reason, tell the others (via the hub), and free the communicator."""
