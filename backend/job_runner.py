@@ -1,19 +1,16 @@
-"""Every rank runs every job, in one order: the data plane of the backend.
+"""Every rank runs every job, in one order: the data plane of a rank's worker process (backend/rank_worker.py).
 
-A JobRunner lives in each rank's stub process. Its thread forms a *generation* of the ranks: it joins
-the rendezvous, forms the process group (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and
-runs the jobs the hub orders: the rank that received the request broadcasts its inputs, every rank runs
-the engine, and the receiving rank hands the outputs back to its waiting request.
+A JobRunner serves one *generation* of the ranks: its thread joins the rendezvous, forms the process group
+(NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and runs the jobs the hub orders: the rank that
+received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
+receiving rank's waiting request.
 
-A generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket
-close), a collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn
-within the timeout (the hub's rank stopped or stuck), or a job raises on this rank (its peers may be
-waiting in a collective that will never complete, so the job order cannot be trusted any more). Every
-job still pending then fails at once, saying why, and the runner goes on:
-- every member process is still alive: the same processes form the successor generation and serve
-  again (automatic recovery); requests fail fast while they re-form;
-- a member has exited: Triton does not restart the stub of a Python backend instance, so the model
-  cannot serve until it is reloaded; every request fails fast saying so.
+The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close), a
+collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn within the timeout (the
+hub's rank stopped or stuck), or a job raises on this rank (its peers may be waiting in a collective that will
+never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying
+why, and the runner ends: its worker exits, and the stub starts a new worker, which meets the other ranks' new
+workers in a new generation (backend/worker_keeper.py).
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,16 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub
+from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.process_state import describe_ranks
-from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
 
 log = logging.getLogger("mdtriton.backend")
-
-RELOAD_ADVICE = ("Triton does not restart the stub process of a Python backend instance, so this model cannot "
-                 "serve until it is reloaded: unload and load it through the model control API (server started "
-                 "with --model-control-mode=explicit), or restart the server")
 
 
 class RanksUnavailable(Exception):
@@ -55,94 +48,68 @@ WATCH_INTERVAL_S = 0.2
 class Job:
     inputs: dict[str, torch.Tensor]
     deadline: float  # time.monotonic() by which all ranks must have run it
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str  # the stub's id of the request
     result: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class GenerationEnd:
+    """How this runner's generation ended (or why it never formed)."""
+
+    reason: str
+    given_up: bool = False  # it never formed and never will: another rank could not load, or joining timed out
+    unloading: bool = False  # the model is being unloaded
 
 
 class JobRunner:
     def __init__(self, engine: Engine, rendezvous: Rendezvous, entered: int, join_timeout: float, timeout: float,
-                 metrics, on_replaced: Callable[[], None]):
+                 timer: JobTimer, on_serving: Callable[[Generation], None], on_started: Callable[[str], None]):
         """entered: the generation this rank entered as it started loading (Rendezvous.enter); timeout: the
         longest a job may wait for all ranks, and a collective for its peers, before the ranks are taken as
-        lost; metrics: backend.metrics.RankMetrics, whose job() context counts and times each job;
-        on_replaced: called (in the runner thread) when this load is broken and a new load has replaced it."""
+        lost; timer: wraps each job (backend/job_timer.py); on_serving(generation): called once the ranks have
+        met; on_started(job id): called as a job this rank submitted starts running (both in the runner thread)."""
         self.engine = engine
         self.comm = engine.comm
         self.rendezvous = rendezvous
         self._entered = entered
         self.join_timeout = join_timeout
         self.timeout = timeout
-        self.metrics = metrics
-        self._on_replaced = on_replaced
-        self._lock = threading.Lock()  # guards the fields below, which the runner thread and requests share
+        self.timer = timer
+        self._on_serving = on_serving
+        self._on_started = on_started
+        self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, Job] = {}
         self._link: HubLink | None = None
-        self._generation: Generation | None = None
-        self._problem: str | None = None  # why no job can run now; None while serving or forming the first time
-        self._ready = threading.Event()
-        self._first_formation_over = threading.Event()  # the ranks met, or this rank gave up
+        self._end: GenerationEnd | None = None
+        self._ended = threading.Event()
         self._stopping = threading.Event()
+        self._generation: Generation | None = None
         self._hub: JobHub | None = None
-        self._jobs_run = 0  # by this rank, in every generation (only the runner thread counts)
         self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Wait until every rank has joined; False if that did not happen (or cannot) within timeout."""
-        self._first_formation_over.wait(timeout)
-        return self._ready.is_set()
+    def wait_ended(self) -> GenerationEnd:
+        """Block until this runner's generation has ended (or could not form); say how."""
+        self._ended.wait()
+        return self._end
 
-    @property
-    def serving(self) -> bool:
-        """Whether every rank is together in a generation now, so jobs can run (not while forming or re-forming)."""
-        return self._ready.is_set()
-
-    @property
-    def gave_up(self) -> str | None:
-        """Why this rank stopped trying to form its first generation (e.g. another rank could not load), if it did."""
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str) -> Job:
+        """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable if the generation
+        ends first. Raises RanksUnavailable if the generation is not serving."""
+        job = Job(inputs, deadline=time.monotonic() + self.timeout, id=job_id)
         with self._lock:
-            return self._problem if self._first_formation_over.is_set() and not self._ready.is_set() else None
-
-    def submit(self, inputs: dict[str, torch.Tensor]) -> Job:
-        """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable by the deadline.
-
-        Fails at once (RanksUnavailable) while the ranks are apart; only before the first generation has
-        formed does it wait, up to the timeout, for the other ranks to join.
-        """
-        self._first_formation_over.wait(self.timeout)
-        job = Job(inputs, deadline=time.monotonic() + self.timeout)
-        with self._lock:
-            if not self._ready.is_set():
-                raise RanksUnavailable(self._problem or f"not all {self.comm.plan.world_size} ranks have joined within "
-                                       f"{self.timeout:.0f} s; check the server log of the other instances")
+            if self._link is None:
+                raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
             link = self._link
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in inputs.items()]
         try:
             link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
-        except OSError as error:
-            with self._lock:
-                self._pending.pop(job.id, None)
-            # The hub has gone, so this generation is ending: give the runner a moment to say why.
-            deadline = time.monotonic() + 1.0
-            while self._ready.is_set() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self._problem:
-                raise RanksUnavailable(self._problem) from None
-            # The runner may still be blocked in a collective with the lost rank (NCCL waits out its timeout):
-            # say which rank is gone, if one is.
-            generation = self._generation
-            lost = describe_ranks(generation.members, exclude=self.comm.rank) if generation else ""
-            raise RanksUnavailable(f"{lost}. {RELOAD_ADVICE}" if "exited" in lost else
-                                   f"lost the connection to rank 0's job hub: {error}") from None
+        except OSError:
+            pass  # the hub has gone, so this generation is ending: the job fails with it
         return job
-
-    def ranks_not_running(self) -> str:
-        """The ranks of the current (or last) generation that are stopped or gone, as one phrase ("" if none)."""
-        generation = self._generation
-        return describe_ranks(generation.members, exclude=self.comm.rank) if generation else ""
 
     def stop(self, timeout: float = 10.0) -> None:
         """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us."""
@@ -160,40 +127,29 @@ class JobRunner:
         generation = self._generation
         if self._thread.is_alive() and generation is not None:
             self.rendezvous.leave(generation.number)
+        self._finish(GenerationEnd("the model is being unloaded", unloading=True))
 
     def _run(self) -> None:
         if self.comm.device.type == "cuda":
             torch.cuda.set_device(self.comm.device)
-        first = generation = None
-        failures_in_a_row = 0
-        while not self._stopping.is_set():
-            try:
-                if generation is None:
-                    first = generation = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
-                else:
-                    generation = self.rendezvous.reform(generation, self._stopping)
-            except RankExited as error:
-                self._give_up(f"{error}. {RELOAD_ADVICE}")
-                # Triton 2.51 never finalizes the other instances of a model one of whose stubs died after a
-                # request reached it (its unload hangs), so this process would outlive the reload that
-                # replaces it, holding its memory: give the memory back once the new load's ranks meet.
-                if self.rendezvous.wait_for_newer_load(first.number, self._stopping):
-                    self._on_replaced()
-                return
-            except RankFailedToLoad as error:
-                self._give_up(f"{error}; this model version is not served")
-                return
-            except RendezvousTimeout as error:
-                if not self._stopping.is_set():
-                    self._give_up(f"rank {self.comm.rank} could not join the other ranks: {error}")
-                return
-            jobs_before = self._jobs_run
-            reason = self._serve(generation)
-            self._end_generation(generation, reason)
-            # A generation that ends before running a single job, again and again, is a lasting fault (not a
-            # lost rank): back off rather than spin.
-            failures_in_a_row = failures_in_a_row + 1 if self._jobs_run == jobs_before else 0
-            self._stopping.wait(min(0.1 * 2 ** failures_in_a_row, 5.0) if failures_in_a_row > 1 else 0)
+        try:
+            generation = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
+        except RankFailedToLoad as error:
+            self._finish(GenerationEnd(f"{error}; this model version is not served", given_up=True))
+            return
+        except RendezvousTimeout as error:
+            self._finish(GenerationEnd(f"rank {self.comm.rank} could not join the other ranks: {error}",
+                                       given_up=not self._stopping.is_set(), unloading=self._stopping.is_set()))
+            return
+        self._generation = generation
+        reason = self._serve(generation)
+        self._finish(self._end_generation(generation, reason))
+
+    def _finish(self, end: GenerationEnd) -> None:
+        with self._lock:
+            if self._end is None:
+                self._end = end
+        self._ended.set()
 
     def _serve(self, generation: Generation) -> str:
         """Form the process group of this generation and run its jobs until it ends; return why it ended."""
@@ -204,10 +160,9 @@ class JobRunner:
                 self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
             link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
             with self._lock:
-                self._link, self._generation, self._problem = link, generation, None
-                self._ready.set()
-            self._first_formation_over.set()
+                self._link = link
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
+            self._on_serving(generation)
             while True:
                 if not link.poll(WATCH_INTERVAL_S):
                     if self._overdue():
@@ -216,14 +171,14 @@ class JobRunner:
                 message = link.receive()
                 if message["type"] == "stop":
                     if message["unloading"]:
-                        # Triton unloads every instance of the model: this rank's finalize follows.
+                        # Triton unloads every instance of the model: this rank's own stop follows.
                         self._stopping.set()
                     return message["reason"]
-                with self.metrics.job():
+                with self.timer.job():
                     self._execute(message)
         except (EOFError, ConnectionError):
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
-        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason reaches every request
+        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
             return f"rank {rank}: {error}"
 
     def _execute(self, message: dict) -> None:
@@ -235,11 +190,13 @@ class JobRunner:
         origin = message["origin"]
         with self._lock:
             job = self._pending[message["job"]] if origin == self.comm.rank else None
+        if job is not None:
+            self._on_started(job.id)
         inputs = {}
         for name, data_type, shape in message["inputs"]:
-            # A fresh tensor on every rank, the origin's included: the request's own memory (Triton's shared memory)
-            # has another alignment, and CPU kernels round differently on differently aligned data (~1e-6 in
-            # float32), so the origin would compute other bits than its peers.
+            # A fresh tensor on every rank, the origin's included: the request's own memory has another alignment,
+            # and CPU kernels round differently on differently aligned data (~1e-6 in float32), so the origin would
+            # compute other bits than its peers.
             tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
             if job is not None:
                 tensor.copy_(job.inputs[name])
@@ -247,7 +204,6 @@ class JobRunner:
         outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
         if self.comm.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        self._jobs_run += 1
         if job is not None:
             with self._lock:
                 del self._pending[job.id]
@@ -265,17 +221,11 @@ class JobRunner:
         with torch.inference_mode():  # the engine's outputs are inference tensors; the broadcast writes into them
             return {name: self.comm.broadcast(value.contiguous(), src=ANSWERING_RANK) for name, value in outputs.items()}
 
-    def _end_generation(self, generation: Generation, reason: str) -> None:
-        """Fail every pending job with the reason, tell the others (via the hub), and free the communicator."""
+    def _end_generation(self, generation: Generation, reason: str) -> GenerationEnd:
+        """Fail every pending job with the reason, tell the others (via the hub), free the communicator and leave."""
         lost = self._lost_ranks(generation)
         what = f"{reason}; {lost}" if lost else reason
         with self._lock:
-            self._ready.clear()
-            if self._stopping.is_set():
-                self._problem = "the model is being unloaded"
-            else:
-                self._problem = (f"the ranks are re-forming after a failure ({what}); requests fail until every "
-                                 "rank is back")
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
         if not self._stopping.is_set():
@@ -294,10 +244,11 @@ class JobRunner:
             self._hub = None
         try:
             self.comm.disconnect()
-        except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the next one is new
+        except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the worker exits next
             log.warning("rank %d: tearing down the process group of generation %d: %s",
                         self.comm.rank, generation.number, error)
         self.rendezvous.leave(generation.number)
+        return GenerationEnd(what, unloading=self._stopping.is_set())
 
     def _overdue(self) -> bool:
         """Whether a job of this rank is past its deadline (checked while no job runs, so it was never ordered)."""
@@ -314,9 +265,3 @@ class JobRunner:
                 return lost
             time.sleep(0.05)
         return ""
-
-    def _give_up(self, problem: str) -> None:
-        with self._lock:
-            self._problem = problem
-        self._first_formation_over.set()
-        log.error("rank %d: %s", self.comm.rank, problem)

@@ -1,8 +1,8 @@
-"""One Triton model instance = one rank: load this rank's engine shard, then serve requests with all ranks."""
+"""One Triton model instance = one rank: a thin stub that keeps a worker process for its rank (which loads the
+rank's engine shard and runs every request with the other ranks' workers) and hands it this instance's requests."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -15,12 +15,12 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
 from mdtriton.backend.freeze_watchdog import FreezeWatchdog
-from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
+from mdtriton.backend.job_runner import RanksUnavailable
 from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
-from mdtriton.backend.rendezvous import Rendezvous, rendezvous_dir
-from mdtriton.engine.comm import Communicator
-from mdtriton.engine.engine import TorchEngine
+from mdtriton.backend.rank_worker import WorkerSpec
+from mdtriton.backend.rendezvous import rendezvous_dir
+from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError, check_request
 
@@ -33,8 +33,10 @@ log = logging.getLogger("mdtriton.backend")
 # them (up to request_timeout_s).
 INITIALIZE_JOIN_WAIT_S = 5.0
 DEFAULT_REQUEST_TIMEOUT_S = "30"
-# How long past a job's deadline a request waits for the runner's own verdict on it.
-RUNNER_GRACE_S = 2.0
+# A rank whose worker dies more than this many times within the window is given up (config.pbtxt parameters
+# heal_limit and heal_window_s).
+DEFAULT_HEAL_LIMIT = "10"
+DEFAULT_HEAL_WINDOW_S = "600"
 
 
 class TritonLogHandler(logging.Handler):
@@ -67,52 +69,44 @@ class RankModel:
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
-        join_timeout = float(parameters.get("join_timeout_s", "600"))
-        if self.placement.device.type == "cuda":
-            torch.cuda.set_device(self.placement.device)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            # The ranks share this machine's cores; torch's default (a thread per core in every rank) would
-            # oversubscribe them world_size times (3.6x slower with 2 ranks on 2 cores).
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.placement.world_size))
-        rendezvous = Rendezvous(rendezvous_dir(args["model_name"], args["model_version"]),
-                                self.placement.rank, self.placement.world_size)
-        entered = rendezvous.enter()
-        try:
-            self._load(args, parameters)
-        except Exception as error:
-            # Tell the other ranks now, so they give up at once instead of waiting for this one.
-            rendezvous.fail(entered, f"{type(error).__name__}: {error}")
-            raise
-        self.runner = JobRunner(self.engine, rendezvous, entered, join_timeout, timeout=self.request_timeout,
-                                metrics=self.metrics, on_replaced=self._on_replaced)
-        self.runner.start()
+        engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
+        self.manifest = Manifest.read(engine_dir)
+        if self.manifest.plan.world_size != self.placement.world_size:
+            raise EngineError(f"{engine_dir}: engine has {self.manifest.plan.world_size} ranks ({self.manifest.plan}) "
+                              f"but the model config starts {self.placement.world_size} instances; they must match")
+        self.metrics = RankMetrics(args["model_name"], args["model_version"], self.placement.rank)
+        crash_on = parameters.get("test_crash_on_first_value")
+        spec = WorkerSpec(engine_dir=str(engine_dir), rank=self.placement.rank, device=str(self.placement.device),
+                          rendezvous_dir=str(rendezvous_dir(args["model_name"], args["model_version"])),
+                          request_timeout=self.request_timeout,
+                          join_timeout=float(parameters.get("join_timeout_s", "600")),
+                          threads=self._cpu_threads(), crash_on_first_value=None if crash_on is None else float(crash_on))
+        self.workers = WorkerKeeper(spec, self.placement.world_size, self.request_timeout,
+                                    heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
+                                    heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
+                                    on_job_timed=self.metrics.job_done).start()
         self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
-        if not self.runner.wait_ready(INITIALIZE_JOIN_WAIT_S):
-            if self.runner.gave_up:
+        if not self.workers.wait_serving(INITIALIZE_JOIN_WAIT_S):
+            if self.workers.given_up:
                 # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance
                 # of a model while another instance of it failed to initialize.
                 self.finalize()
-                raise EngineError(self.runner.gave_up)
+                raise EngineError(self.workers.given_up)
             log.warning("rank %d: the other ranks have not joined yet; carrying on in the background",
                         self.placement.rank)
 
-    def _load(self, args: dict, parameters: dict[str, str]) -> None:
-        """Read the manifest, check it against the instances, and load this rank's shard of the engine."""
-        engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
-        self.manifest = manifest = Manifest.read(engine_dir)
-        if manifest.plan.world_size != self.placement.world_size:
-            raise EngineError(f"{engine_dir}: engine has {manifest.plan.world_size} ranks ({manifest.plan}) but the "
-                              f"model config starts {self.placement.world_size} instances; they must match")
-        comm = Communicator(manifest.plan, self.placement.rank, self.placement.device)
-        self.metrics = RankMetrics(args["model_name"], args["model_version"], comm.rank, comm.device)
-        comm.collective_timer = self.metrics.time_collective
-        self.engine = TorchEngine.load(engine_dir, comm)
-        log.info("rank %d/%d loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size, engine_dir,
-                 self.placement.device, self.engine.load_seconds)
+    def _cpu_threads(self) -> int | None:
+        """Torch threads for a CPU rank's worker: the ranks share this machine's cores, and torch's default (a
+        thread per core in every rank) would oversubscribe them world_size times (3.6x slower with 2 ranks on 2
+        cores). None (torch's default) on GPU, or when OMP_NUM_THREADS says otherwise."""
+        if self.placement.device.type == "cuda" or "OMP_NUM_THREADS" in os.environ:
+            return None
+        return max(1, len(os.sched_getaffinity(0)) // self.placement.world_size)
 
     def is_ready(self) -> bool:
-        """Whether this rank is serving with all the others now (TritonPythonModel.is_ready)."""
-        return self.runner.serving
+        """Whether this rank is serving with all the others now (TritonPythonModel.is_ready): false while the
+        ranks start, heal, or have been given up."""
+        return self.workers.serving
 
     def execute(self, requests: list) -> list:
         self.freeze_watchdog.check()
@@ -123,7 +117,7 @@ class RankModel:
             try:
                 inputs = self._inputs(request)
                 check_request(self.manifest, inputs)
-                submitted.append(self.runner.submit(inputs))
+                submitted.append(self.workers.submit(inputs))
             except RequestError as error:
                 submitted.append(error_response(str(error), pb_utils.TritonError.INVALID_ARG))
             except RanksUnavailable as error:
@@ -142,16 +136,18 @@ class RankModel:
                 inputs[spec.name] = torch.from_dlpack(tensor.to_dlpack())
         return inputs
 
-    def _response(self, job):
+    def _response(self, request):
         try:
-            # The runner fails a job that missed its deadline, saying why; this wait is only a backstop.
-            outputs = job.result.result(timeout=max(job.deadline - time.monotonic(), 0.0) + RUNNER_GRACE_S)
+            outputs = request.answer.result(timeout=max(request.deadline - time.monotonic(), 0.0))
         except FutureTimeout:
-            stuck = self.runner.ranks_not_running()
+            self.workers.abandon(request)
+            status = self.workers.status()
             return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "
-                                  f"config.pbtxt){': ' + stuck if stuck else ''}", pb_utils.TritonError.UNAVAILABLE)
+                                  f"config.pbtxt){': ' + status if status else ''}", pb_utils.TritonError.UNAVAILABLE)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
+        except PoisonRequest as error:
+            return error_response(str(error), pb_utils.TritonError.INTERNAL)
         tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous())) for name, value in outputs.items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -161,16 +157,6 @@ class RankModel:
                   self.placement.rank, seconds)
         os._exit(1)
 
-    def _on_replaced(self) -> None:
-        # Exiting would be cleaner, but tritonserver 2.51 was seen to abort (boost::interprocess::lock_exception)
-        # when this stub, which it never finalizes, exits: so give back the weights and stay, idle.
-        log.warning("rank %d: a new load of this model has replaced this broken one; this rank gives back its "
-                    "weights and stays idle until the server stops", self.placement.rank)
-        self.engine = self.runner.engine = None
-        gc.collect()
-        if self.placement.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def finalize(self) -> None:
         self.freeze_watchdog.stop()
-        self.runner.stop()
+        self.workers.stop()

@@ -4,16 +4,16 @@ The rendezvous area is a directory per (Triton server process, model, version) h
 guarded by a file lock. The ranks meet in numbered *generations*: a rank enters the open generation as
 it starts loading, and once all world_size ranks have entered, it is closed for good; its members form
 their group once every one of them has loaded (or give up at once when one reports that it cannot load).
-A rank opens a new generation when the current one is closed or already has a member of its rank, so:
+The ranks are the worker processes of the model's instances (backend/rank_worker.py). A rank opens a new
+generation when the current one is closed or already has a member of its rank, so:
 - ranks initialised in parallel or one after another meet in the same open generation (a slot
   held by a process that died before the generation closed is given to the next comer);
 - a reload (new instances while the old ones still serve) finds the old generation closed and opens
   a new one, which the old load's ranks never read again;
-- after a failure that every rank survived (a collective timed out, a job failed on one rank), the same
-  processes meet again in the failed generation's *successor* (`reform`), which no other process may join;
-  if a member has exited instead, the successor can never close, and `reform` says which rank is gone
-  (Triton does not restart a dead stub: the model must be reloaded, and a reload's ranks meet in a fresh
-  generation of their own).
+- a generation serves until anything goes wrong in it; then every rank's worker exits and its stub starts a
+  new one (backend/worker_keeper.py): the new workers enter and meet in a fresh generation, like a load's
+  first ones. (Old workers healing at the very moment a reload's first workers enter could meet them; the
+  areas do not tell loads apart.)
 Joining never blocks Triton: callers wait for the generation to close in a thread. The areas' root is private
 to the server's user, and so are the files in it (backend/private_directory.py): state.json holds the job hub's
 authentication key.
@@ -56,16 +56,7 @@ class RendezvousTimeout(Exception):
 
 
 class RankFailedToLoad(Exception):
-    """A rank of this load could not load its engine, so this generation will never form."""
-
-
-class RankExited(Exception):
-    """A member of the failed generation has exited, so its successor can never form."""
-
-    def __init__(self, rank: int, pid: int):
-        super().__init__(f"rank {rank} (pid {pid}) has exited (killed or crashed)")
-        self.rank = rank
-        self.pid = pid
+    """A rank of this load could not load its engine (or was given up), so this generation will never form."""
 
 
 @dataclass(frozen=True)
@@ -183,17 +174,17 @@ class Rendezvous:
                 # No group has formed in an open generation yet, so a slot held by a dead process is free.
                 current.members = {rank: pid for rank, pid in current.members.items() if _alive(pid)}
             if current is None or current.closed or self.rank in current.members:
-                state.current = self._open(state, after=None)
+                state.current = self._open(state)
                 current = state.generations[state.current]
             current.members[self.rank] = self.pid
             current.entered.add(self.rank)
             current.closed = len(current.members) == self.world_size
             return state.current
 
-    def _open(self, state: AreaState, after: int | None) -> int:
-        """Add a new, empty generation (the successor of `after`, or a fresh one) and return its number."""
+    def _open(self, state: AreaState) -> int:
+        """Add a new, empty generation and return its number."""
         state.last += 1
-        state.generations[state.last] = GenerationRecord(token=secrets.token_hex(16), after=after)
+        state.generations[state.last] = GenerationRecord(token=secrets.token_hex(16))
         directory = self.directory / f"gen{state.last}"
         directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, exist_ok=True)
         # Created here, 0600, so that torch's FileStore (which would create it with the default mode) opens it as is.
@@ -246,7 +237,8 @@ class Rendezvous:
             time.sleep(0.05)
 
     def fail(self, number: int, message: str) -> None:
-        """Tell the ranks of generation `number` that this rank could not load (message says why), and leave.
+        """Tell the ranks of generation `number` that this rank cannot take part (message, which names the rank, says
+        why: it could not load, or it was given up after crashing again and again), and leave.
 
         The others see it in join() and give up at once instead of waiting for this rank. This rank stays in
         the generation (so it is kept, and still open to ranks starting late) until every other rank has
@@ -256,7 +248,7 @@ class Rendezvous:
             generation = state.generations.get(number)
             if generation is None:
                 return
-            generation.failed = LoadFailure(self.pid, f"rank {self.rank} could not load: {message}")
+            generation.failed = LoadFailure(self.pid, message)
         deadline = time.monotonic() + FAILURE_NOTICE_S
         while time.monotonic() < deadline:
             generation = self._peek_state().generations.get(number)
@@ -264,49 +256,6 @@ class Rendezvous:
                 break
             time.sleep(0.05)
         self.leave(number)
-
-    def reform(self, previous: Generation, stop: threading.Event) -> Generation:
-        """Meet the other members of `previous` (the same processes) in its successor, once all are back.
-
-        Waits as long as the missing members are alive (a stopped rank may be continued); raises
-        RankExited as soon as one of them has exited, RendezvousTimeout if `stop` is set.
-        """
-        with self._locked_state() as state:
-            number = state.successor_of(previous.number)
-            if number is None:
-                number = self._open(state, after=previous.number)
-            generation = state.generations[number]
-            generation.members[self.rank] = self.pid
-            generation.closed = len(generation.members) == self.world_size
-        while True:
-            with self._locked_state() as state:
-                generation = state.generations[number]
-                if generation.closed:
-                    return self._generation(number, generation)
-                missing = {rank: pid for rank, pid in previous.members.items() if rank not in generation.members}
-            exited = [(rank, pid) for rank, pid in missing.items() if not _alive(pid)]
-            if exited:
-                self.leave(number)
-                raise RankExited(*exited[0])
-            if stop.is_set():
-                self.leave(number)
-                raise RendezvousTimeout("stopped while waiting for the other ranks")
-            time.sleep(0.05)
-
-    def wait_for_newer_load(self, number: int, stop: threading.Event) -> bool:
-        """Wait until a load newer than the one that formed fresh generation `number` opens one of its own.
-
-        True when it has, False once `stop` is set. Only reads state.json (written by atomic rename), so it
-        creates nothing in an area the last member may have removed.
-        """
-        while not stop.wait(0.2):
-            state = self._peek_state()
-            # A newer load numbers its generation after ours, or, if the area was emptied and begun anew, meets in
-            # a closed generation that this process is not a member of.
-            if state.current > number or any(generation.closed and self.pid not in generation.members.values()
-                                             for generation in state.generations.values()):
-                return True
-        return False
 
     def _peek_state(self) -> AreaState:
         """The state as last written (by atomic rename), read without the lock; creates nothing if the area is gone."""

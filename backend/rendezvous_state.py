@@ -28,7 +28,6 @@ class GenerationRecord:
     """One generation: the ranks that meet in it, as they enter, load and form their group."""
 
     token: str  # the job hub's authentication key
-    after: int | None  # the failed generation whose processes re-form in this one; None: a load's fresh generation
     members: dict[int, int] = field(default_factory=dict)  # rank -> pid holding its slot
     entered: set[int] = field(default_factory=set)  # every rank that ever took a slot (a failed rank waits for all)
     loaded: dict[int, int] = field(default_factory=dict)  # rank -> pid of the members that have loaded
@@ -39,7 +38,7 @@ class GenerationRecord:
         return self.closed and self.loaded == self.members
 
     def to_json(self) -> dict:
-        return {"token": self.token, "after": self.after, "closed": self.closed,
+        return {"token": self.token, "closed": self.closed,
                 "members": {str(rank): pid for rank, pid in self.members.items()},
                 "entered": sorted(self.entered),
                 "loaded": {str(rank): pid for rank, pid in self.loaded.items()},
@@ -48,7 +47,7 @@ class GenerationRecord:
     @classmethod
     def from_json(cls, record: dict) -> "GenerationRecord":
         failed = record["failed"]
-        return cls(token=record["token"], after=record["after"], closed=record["closed"],
+        return cls(token=record["token"], closed=record["closed"],
                    members={int(rank): pid for rank, pid in record["members"].items()},
                    entered=set(record["entered"]),
                    loaded={int(rank): pid for rank, pid in record["loaded"].items()},
@@ -62,10 +61,6 @@ class AreaState:
     current: int = 0  # the generation a rank that starts loading enters, while it is open
     last: int = 0  # the highest generation number given so far (numbers are never reused)
     generations: dict[int, GenerationRecord] = field(default_factory=dict)
-
-    def successor_of(self, number: int) -> int | None:
-        """The generation in which the processes of failed generation `number` re-form, if one was opened."""
-        return next((n for n, generation in self.generations.items() if generation.after == number), None)
 
     @classmethod
     def read(cls, path: Path) -> "AreaState":

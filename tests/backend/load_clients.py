@@ -34,12 +34,17 @@ class Reference:
     """Inputs and the outputs the model must give for them, from the same seeded weights on one process."""
 
     def __init__(self, seed: int, count: int = 8, config: dict = CONFIG):
-        module = reference_module("tiny_transformer", config, random_weights("tiny_transformer", config, seed), "FP32")
+        self.module = reference_module("tiny_transformer", config, random_weights("tiny_transformer", config, seed),
+                                       "FP32")
         generator = torch.Generator().manual_seed(1000 + seed)
         self.inputs = [torch.randn(1 + i % 2, 3 + i % 7, config["hidden_size"], generator=generator).numpy()
                        for i in range(count)]
+        self.outputs = [self.expected(x) for x in self.inputs]
+
+    def expected(self, array: np.ndarray) -> np.ndarray:
+        """The model's output for any input."""
         with torch.inference_mode():
-            self.outputs = [module(torch.from_numpy(x))["output"].numpy() for x in self.inputs]
+            return self.module(torch.from_numpy(array))["output"].numpy()
 
     def is_right(self, index: int, output: np.ndarray) -> bool:
         expected = self.outputs[index % len(self.outputs)]

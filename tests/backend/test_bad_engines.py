@@ -18,7 +18,7 @@ from mdtriton.build_tools.model_config import read_model_config, write_model_con
 from mdtriton.engine.manifest import MANIFEST_FILE, file_sha256
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Reference, ask
-from tests.backend.triton_processes import files_under, stub_processes, wait_for_stubs
+from tests.backend.triton_processes import files_under, rank_workers, stub_processes, wait_for_stubs
 
 
 class RunsWhenUnpickled:
@@ -112,6 +112,7 @@ def test_bad_engines_fail_to_load_naming_the_file_and_leave_nothing_served(tmp_p
     assert [area for area in files_under(rendezvous_root) if "/" not in area] == [
         next(area for area in files_under(rendezvous_root) if "-good-" in area)]
     assert stub_processes(server.process.pid) == good_stubs
+    assert sorted(map(len, rank_workers(server.process.pid).values())) == [1, 1]  # no worker of a failed load is left
 
 
 def test_weights_are_never_read_with_pickle():

@@ -1,5 +1,5 @@
-"""The reliability promises on GPUs (KIND_GPU instances, NCCL): a killed rank, reload cycles that give the GPU
-memory back, and 64 concurrent clients. Run on a machine with 2+ GPUs:
+"""The reliability promises on GPUs (KIND_GPU instances, NCCL): a killed rank worker heals, reload cycles give the
+GPU memory back, and 64 concurrent clients. Run on a machine with 2+ GPUs:
 
     python -m pytest -q -s tests/backend/test_reliability_gpu.py
 """
@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.test_rank_faults import reload_recovers, slower_than, xfail_if_triton_aborted
+from tests.backend.test_rank_faults import HEALED_WITHIN_S, one_worker_per_rank, wait_for_an_answer
 from tests.backend.triton_processes import rank_pids, wait_for_stubs
 
 pytestmark = pytest.mark.gpu
@@ -45,29 +45,28 @@ def serve(tmp_path, server_factory, **kwargs):
 
 
 @pytest.mark.timeout(300)
-def test_gpu_killed_rank_fails_requests_within_the_timeout_and_a_reload_recovers(two_gpus, tmp_path, rendezvous_root,
-                                                                                 server_factory):
+def test_gpu_killed_worker_heals_and_no_answer_is_wrong(two_gpus, tmp_path, rendezvous_root, server_factory):
+    """A rank's worker killed on NCCL: its peer learns it only at the collective timeout (NCCL has no error for a
+    lost peer before), so requests in flight then may fail with the timeout; the ranks heal and serve again."""
     server = serve(tmp_path, server_factory, model_control_mode="explicit", load_models=(MODEL,))
     stubs = wait_for_stubs(server.process.pid, 2)
     reference = Reference(SEED)
     clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
     time.sleep(3)
     killed_at = time.monotonic()
-    victim = rank_pids(rendezvous_root)[1]  # on GPU both instances are named rank_0: rank 1 is GPU 1's
+    victim = rank_pids(rendezvous_root)[1]  # rank 1's worker (on GPU both instances are named rank_0)
     os.kill(victim, signal.SIGKILL)
-    time.sleep(TIMEOUT_S + 4)
+    healed = wait_for_an_answer(grpcclient.InferenceServerClient(server.grpc_address), reference, killed_at,
+                                timeout=TIMEOUT_S + HEALED_WITHIN_S)
+    time.sleep(2)
     outcomes = clients.stop()
-    xfail_if_triton_aborted(server)
+    print(f"\nkilled worker on NCCL: serving again {healed:.1f} s after the kill")
     assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
-    around = [o for o in outcomes if o.end >= killed_at]
-    slow = slower_than(outcomes, killed_at, TIMEOUT_S + 3)
-    assert not slow, f"requests not answered within the timeout: {slow}"
-    for outcome in around:  # ours (naming the dead stub's pid once known) or Triton's for the dead instance
-        assert outcome.status in (None, "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL"), outcome
-        assert outcome.status != "StatusCode.INTERNAL" or "is not healthy" in outcome.message
-    later = [o.message for o in outcomes if o.start > killed_at + TIMEOUT_S + 2 and o.status == "StatusCode.UNAVAILABLE"]
-    assert later and all(f"(pid {victim}) has exited" in m for m in later), later[:1]
-    reload_recovers(server, reference, stubs, rendezvous_root)
+    for outcome in outcomes:
+        assert outcome.status in (None, "StatusCode.UNAVAILABLE"), outcome
+        assert outcome.status is None or f"within {TIMEOUT_S} s" in outcome.message, outcome.message
+    assert server.process.poll() is None and wait_for_stubs(server.process.pid, 2) == stubs
+    assert victim not in one_worker_per_rank(server).values()
 
 
 @pytest.mark.timeout(600)

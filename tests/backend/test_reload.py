@@ -13,7 +13,8 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.triton_processes import files_under, rss_bytes, thread_count, wait_for_stubs
+from tests.backend.triton_processes import (files_under, rank_workers, rss_bytes, still_running, thread_count,
+                                            wait_for_stubs)
 
 CYCLES = int(os.environ.get("MDTRITON_RELOAD_CYCLES", "20"))
 
@@ -35,8 +36,11 @@ def test_load_unload_cycles_answer_right_and_leak_nothing(tmp_path, rendezvous_r
         seen_stubs.update(stubs.values())
         outcomes = [ask(client, "tiny", reference, cycle + i) for i in range(3)]
         assert all(o.status is None and o.right for o in outcomes), f"cycle {cycle}: {outcomes}"
+        workers = {pid for pids in rank_workers(server_pid).values() for pid in pids}
+        assert len(workers) == 2, f"cycle {cycle}: workers {rank_workers(server_pid)}"
         client.unload_model("tiny")
         assert wait_for_stubs(server_pid, 0) == {}, f"cycle {cycle}: stubs left after unload"
+        assert still_running(workers, 10) == set(), f"cycle {cycle}: workers left after unload"
         assert not client.is_model_ready("tiny")
         assert files_under(rendezvous_root) == [], f"cycle {cycle}: rendezvous files left"
         seconds.append(time.monotonic() - start)

@@ -1,5 +1,5 @@
-"""The rendezvous: ranks of one load meet in one generation, never in another load's, re-form after a failure
-among themselves only, and leave no files."""
+"""The rendezvous: ranks of one load meet in one generation, never in another load's, hear at once that a rank
+cannot take part, and leave no files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mdtriton.backend import rendezvous
-from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, GenerationRecord, LoadFailure
 
 
@@ -71,7 +71,7 @@ def test_a_rank_that_has_loaded_waits_for_every_rank_to_load_and_sees_a_late_fai
         joined = pool.submit(fast.join, 10, threading.Event(), fast_number)
         time.sleep(0.5)
         assert not joined.done(), "joined before rank 0 had loaded"
-        slow.fail(slow_number, "EngineError: rank0.safetensors: not a readable safetensors file")
+        slow.fail(slow_number, "rank 0 could not load: EngineError: rank0.safetensors: not a readable safetensors file")
         with pytest.raises(RankFailedToLoad, match="rank 0 could not load: EngineError: rank0.safetensors"):
             joined.result(5)
     assert not tmp_path.exists()
@@ -97,39 +97,7 @@ def dead_pid() -> int:
     return int(process.stdout)
 
 
-def test_survivors_reform_in_the_successor_and_a_new_load_stays_out(tmp_path):
-    failed = join_all(tmp_path, 2)[0]
-    stop = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        survivor0 = pool.submit(Rendezvous(tmp_path, 0, 2).reform, failed, stop)
-        # A new load's rank 1 arriving while the successor waits for rank 1 must not complete it.
-        with pytest.raises(RendezvousTimeout, match=r"ranks \[0\] did not join"):
-            Rendezvous(tmp_path, 1, 2).join(1, stop)
-        assert not survivor0.done()
-        survivor1 = pool.submit(Rendezvous(tmp_path, 1, 2).reform, failed, stop)
-        successors = [survivor0.result(10), survivor1.result(10)]
-    assert len({g.number for g in successors}) == 1 and successors[0].number > failed.number
-    assert successors[0].token != failed.token and successors[0].members == failed.members
-
-
-def test_reform_names_the_rank_that_exited(tmp_path):
-    pid = dead_pid()
-    failed = Generation(1, tmp_path / "gen1", "token", {0: os.getpid(), 1: pid})
-    started = time.monotonic()
-    with pytest.raises(RankExited, match=rf"rank 1 \(pid {pid}\) has exited"):
-        Rendezvous(tmp_path, 0, 2).reform(failed, threading.Event())
-    assert time.monotonic() - started < 2
-    assert not tmp_path.exists()
-
-
-def test_a_newer_load_is_seen_and_areas_of_dead_servers_are_removed(tmp_path):
-    area = tmp_path / "mine-m-0123abcd-v1"
-    first = join_all(area, 2)[0]
-    stop = threading.Event()
-    threading.Timer(0.5, stop.set).start()
-    assert not Rendezvous(area, 0, 2).wait_for_newer_load(first.number, stop)
-    join_all(area, 2)  # a reload's ranks open a fresh generation
-    assert Rendezvous(area, 0, 2).wait_for_newer_load(first.number, threading.Event())
+def test_areas_of_dead_servers_are_removed(tmp_path):
     stale = tmp_path / f"{dead_pid()}-m-0123abcd-v1"
     (stale / "gen1").mkdir(parents=True)
     live = tmp_path / f"{os.getpid()}-m-0123abcd-v1"
@@ -143,7 +111,7 @@ def test_a_rank_that_cannot_load_stops_the_others_waiting(tmp_path):
     waiting = Rendezvous(tmp_path, 0, 2)
     number = waiting.enter()
     failing = Rendezvous(tmp_path, 1, 2)
-    failing.fail(failing.enter(), "EngineError: rank1.safetensors is missing")
+    failing.fail(failing.enter(), "rank 1 could not load: EngineError: rank1.safetensors is missing")
     started = time.monotonic()
     with pytest.raises(RankFailedToLoad, match="rank 1 could not load: EngineError: rank1.safetensors is missing"):
         waiting.join(10, stop, number)
@@ -171,10 +139,9 @@ def test_a_failure_waits_for_every_rank_still_starting_then_leaves_nothing(tmp_p
 
 def test_area_state_keeps_its_typed_records_through_its_file(tmp_path):
     state = AreaState(current=3, last=4, generations={
-        3: GenerationRecord(token="a1", after=None, members={0: 11, 1: 12}, entered={0, 1}, loaded={1: 12},
+        3: GenerationRecord(token="a1", members={0: 11, 1: 12}, entered={0, 1}, loaded={1: 12},
                             failed=LoadFailure(11, "rank 0 could not load: bad weights")),
-        4: GenerationRecord(token="b2", after=3, members={1: 12}, closed=True)})
+        4: GenerationRecord(token="b2", members={1: 12}, closed=True)})
     state.write(tmp_path / STATE_FILE)
     assert AreaState.read(tmp_path / STATE_FILE) == state
-    assert state.successor_of(3) == 4 and state.successor_of(4) is None
     assert AreaState.read(tmp_path / "absent.json") == AreaState()

@@ -1,14 +1,18 @@
-"""What a running tritonserver holds, read from /proc: its stub processes (by instance name), threads, memory."""
+"""What a running tritonserver holds, read from /proc: its stub processes (by instance name), their rank workers,
+threads, memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState
+from mdtriton.backend.worker_keeper import is_rank_worker
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
@@ -32,6 +36,45 @@ def stub_processes(server_pid: int) -> dict[str, int]:
             # KIND_GPU instances of a group share their name, one per GPU: tell them apart by pid.
             stubs[name if name not in stubs else f"{name}@{entry.name}"] = int(entry.name)
     return stubs
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of pid."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def rank_workers(server_pid: int) -> dict[str, list[int]]:
+    """The rank worker processes of each live stub of the server (backend/rank_worker.py), by the stub's name (as
+    stub_processes names them): a stub holds one, none while it starts a new one."""
+    workers = {}
+    for name, stub in stub_processes(server_pid).items():
+        workers[name] = [pid for pid in children(stub) if is_rank_worker(pid)]
+    return workers
+
+
+def worker_rank(pid: int) -> int:
+    """The rank a worker serves, from its command line (python -m mdtriton.backend.rank_worker SPEC_JSON ...)."""
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return json.loads(arguments[arguments.index(b"mdtriton.backend.rank_worker") + 1])["rank"]
+
+
+def still_running(pids: set[int], timeout: float) -> set[int]:
+    """The pids still running (not exited, not zombies) after waiting up to timeout for them all to end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {pid for pid in pids if process_state(pid) is not ProcessState.EXITED}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def wait_for_stubs(server_pid: int, count: int, timeout: float = 60.0) -> dict[str, int]:
@@ -67,13 +110,16 @@ def data_size(pid: int) -> int:
 @contextmanager
 def memory_capped(pid: int, headroom: int):
     """Let process pid allocate only `headroom` more bytes (RLIMIT_DATA) inside the block: its next large
-    allocation fails as an out-of-memory would."""
+    allocation fails as an out-of-memory would (a rank worker that fails a job exits: then there is nothing to undo)."""
     limit = resource.prlimit(pid, resource.RLIMIT_DATA)
     resource.prlimit(pid, resource.RLIMIT_DATA, (data_size(pid) + headroom, limit[1]))
     try:
         yield
     finally:
-        resource.prlimit(pid, resource.RLIMIT_DATA, limit)
+        try:
+            resource.prlimit(pid, resource.RLIMIT_DATA, limit)
+        except ProcessLookupError:
+            pass
 
 
 def files_under(directory: Path) -> list[str]:

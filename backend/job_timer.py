@@ -1,0 +1,60 @@
+"""How each job's wall time splits into communication and compute, measured in the rank's worker process.
+
+The worker reports each job's split to its stub, which adds it to the rank's Prometheus counters
+(backend/metrics.py). Context-parallel ring attention overlaps its send/receive with attention compute; only
+the launch of those transfers counts as communication.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+
+class JobTimer:
+    """`time_collective` is the Communicator's hook, `job` wraps each job; on_job(communication_s, compute_s) runs
+    after each job."""
+
+    def __init__(self, device: torch.device, on_job: Callable[[float, float], None]):
+        self.device = device
+        self._on_job = on_job
+        self._in_job = False  # jobs and their collectives all run in the job runner's thread
+        self._host_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def time_collective(self):
+        """Measure one collective of a job: host time on CPU (gloo is synchronous), CUDA events on GPU.
+
+        Collectives outside jobs (forming the process groups) are not counted."""
+        if not self._in_job:
+            yield
+        elif self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self._host_seconds += time.perf_counter() - started
+
+    @contextmanager
+    def job(self):
+        """Time one job and report its split into communication and compute."""
+        started = time.perf_counter()
+        self._in_job = True
+        try:
+            yield
+        finally:
+            self._in_job = False
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the events must have happened to be read
+            wall = time.perf_counter() - started
+            communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._host_seconds, self._events = 0.0, []
+            self._on_job(communication, max(wall - communication, 0.0))

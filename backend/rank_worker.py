@@ -1,0 +1,172 @@
+"""A rank's worker: the process that owns the rank's device, engine and communicator, for one generation.
+
+Each Triton instance (a stub process) starts one worker for its rank (backend/worker_keeper.py) and passes it
+requests and answers through shared memory (backend/tensor_transfer.py), so that an engine crash, a segfault in
+a kernel, an out-of-memory kill or a CUDA error kills a worker, never a stub or the Triton server.
+
+A worker enters the rendezvous, loads its shard, forms the group with the other ranks' workers and runs jobs
+(backend/job_runner.py) until that generation ends, for whatever reason; then it tells its stub why and exits.
+Its stub starts a new one (healing), which loads again (from the page cache) and meets the others' new workers.
+
+Run by the stub as `python -m mdtriton.backend.rank_worker SPEC_JSON LINK_FD`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
+from mdtriton.backend.job_timer import JobTimer
+from mdtriton.backend.rendezvous import Generation, Rendezvous
+from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import Engine, TorchEngine
+from mdtriton.engine.manifest import Manifest
+
+log = logging.getLogger("mdtriton.backend")
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to know, from its stub."""
+
+    engine_dir: str
+    rank: int
+    device: str  # "cpu" or "cuda:N"
+    rendezvous_dir: str  # the area of this model version in this server (the stub knows the server's pid)
+    request_timeout: float  # the longest a job waits for all ranks, and a collective for its peers
+    join_timeout: float
+    threads: int | None  # torch threads on CPU; None: torch's default (OMP_NUM_THREADS is set)
+    crash_on_first_value: float | None = None  # test-only: see EngineThatCrashes
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class EngineThatCrashes(Engine):
+    """Test-only (config parameter `test_crash_on_first_value`): the engine, except that a job whose first input
+    starts with that value kills the worker as a segfault in a kernel would, on every rank."""
+
+    def __init__(self, engine: TorchEngine, value: float):
+        self.engine, self.manifest, self.comm, self.value = engine, engine.manifest, engine.comm, value
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        first = next(iter(inputs.values())).reshape(-1)
+        if first.numel() and float(first[0]) == self.value:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return self.engine.forward(inputs)
+
+
+def die_with_stub(stub_pid: int) -> None:
+    """Have the kernel kill this process when its stub exits (however it exits), so that no worker outlives it."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != stub_pid:  # the stub exited before the request above took effect
+        os._exit(1)
+
+
+class RankWorker:
+    def __init__(self, spec: WorkerSpec, link: TensorLink):
+        self.spec = spec
+        self.link = link
+        self.device = torch.device(spec.device)
+
+    def run(self) -> None:
+        """Load, serve one generation, and tell the stub how it ended."""
+        spec = self.spec
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        manifest = Manifest.read(Path(spec.engine_dir))
+        rendezvous = Rendezvous(Path(spec.rendezvous_dir), spec.rank, manifest.plan.world_size)
+        entered = rendezvous.enter()
+        try:
+            engine = self._load(manifest)
+        except Exception as error:  # noqa: BLE001 - any load failure: tell the other ranks, then the stub
+            message = f"{type(error).__name__}: {error}"
+            rendezvous.fail(entered, message)  # waits until the other ranks have seen it
+            self.link.send({"type": "given_up", "reason": f"rank {spec.rank} could not load: {message}"})
+            return
+        self.link.send({"type": "loaded"})
+        timer = JobTimer(self.device, self._report_job_time)
+        engine.comm.collective_timer = timer.time_collective
+        runner = JobRunner(engine, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
+                           on_serving=self._report_serving, on_started=self._report_started)
+        runner.start()
+        threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
+        end = runner.wait_ended()
+        self.link.send({"type": "given_up" if end.given_up else "ended", "reason": end.reason,
+                        "unloading": end.unloading})
+
+    def _load(self, manifest: Manifest) -> Engine:
+        comm = Communicator(manifest.plan, self.spec.rank, self.device)
+        engine = TorchEngine.load(Path(self.spec.engine_dir), comm)
+        log.info("rank %d/%d (worker pid %d) loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size,
+                 os.getpid(), self.spec.engine_dir, self.device, engine.load_seconds)
+        if self.spec.crash_on_first_value is not None:
+            return EngineThatCrashes(engine, self.spec.crash_on_first_value)
+        return engine
+
+    def _take_jobs(self, runner: JobRunner) -> None:
+        """Submit the stub's jobs to the runner; stop the runner when the stub says so, or is gone."""
+        while True:
+            try:
+                message = self.link.receive()
+            except (EOFError, OSError):
+                message = {"type": "stop"}
+            if message["type"] == "stop":
+                runner.stop()
+                return
+            try:
+                job = runner.submit(message["tensors"], message["id"])
+            except RanksUnavailable:
+                continue  # the generation is ending: the stub sends the job again to the next worker
+            job.result.add_done_callback(partial(self._answer, message["id"]))
+
+    def _answer(self, job_id: str, result) -> None:
+        # A job that failed failed with its generation: the stub hands it to the next worker, so no answer here.
+        if result.exception() is None:
+            self.link.send({"type": "done", "id": job_id}, result.result())
+
+    def _report_serving(self, generation: Generation) -> None:
+        self.link.send({"type": "serving", "generation": generation.number,
+                        "members": {str(rank): pid for rank, pid in generation.members.items()}})
+
+    def _report_started(self, job_id: str) -> None:
+        self.link.send({"type": "started", "id": job_id})
+
+    def _report_job_time(self, communication: float, compute: float) -> None:
+        self.link.send({"type": "job_timed", "communication": communication, "compute": compute})
+
+
+def main(argv: list[str]) -> None:
+    spec = WorkerSpec(**json.loads(argv[1]))
+    link = TensorLink(Connection(int(argv[2])))
+    die_with_stub(int(argv[3]))
+    logging.basicConfig(level=logging.INFO, format=f"mdtriton rank {spec.rank} worker: %(message)s")
+    try:
+        RankWorker(spec, link).run()
+    finally:
+        link.close()
+    # Skip interpreter teardown: torch.distributed's and gloo's destructors may block on peers that are gone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

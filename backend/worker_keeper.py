@@ -1,0 +1,350 @@
+"""Keeps this rank's worker process running, and every request of this instance answered across its restarts.
+
+Lives in the Triton stub, which stays thin: the worker (backend/rank_worker.py) owns the device, the engine and
+the communicator, so whatever kills a worker never kills the stub or the server. A worker serves one generation
+of the ranks. When it ends (its generation failed, or the worker died, or it gave no answer in time), the
+keeper *heals*: it gives the other workers of that generation 2 s to end by themselves and kills those that did
+not (a stopped or stuck one), then starts a new worker, which loads again and meets the other ranks' new workers.
+
+Requests are never lost to a healing: a job is a pure function of its inputs, so requests in flight and those
+that arrive meanwhile wait (up to the request timeout) and run on the new workers. A request that was running at
+two failures in a row is the likely cause: it fails, saying so, and is not run again (a poison request). A rank
+whose worker keeps dying is given up after `heal_limit` deaths within `heal_window_s`: its requests, and through
+the rendezvous every other rank's, then fail at once, naming the rank and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from mdtriton.backend.job_runner import RanksUnavailable
+from mdtriton.backend.process_state import ProcessState, process_state
+from mdtriton.backend.rank_worker import WorkerSpec
+from mdtriton.backend.rendezvous import Rendezvous
+from mdtriton.backend.tensor_transfer import TensorLink
+
+log = logging.getLogger("mdtriton.backend")
+
+# How long the other workers of a failed generation get to end by themselves before they are killed.
+PEER_EXIT_GRACE_S = 2.0
+WATCH_INTERVAL_S = 0.2
+RELOAD_ADVICE = ("reload the model once the cause is fixed (unload and load it through the model control API, "
+                 "server started with --model-control-mode=explicit), or restart the server; the server log has "
+                 "each failure")
+
+
+class PoisonRequest(Exception):
+    """This request was running at two failures of the ranks in a row, so it is not run again."""
+
+
+@dataclass
+class Request:
+    """One request of this instance, kept until it is answered, so that it can be run again after a healing."""
+
+    inputs: dict[str, torch.Tensor]
+    deadline: float  # time.monotonic() after which its caller gives up
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    answer: Future = field(default_factory=Future)
+    sent_at: float | None = None  # when it was handed to the current worker
+    running: bool = False  # the ranks are running it (the worker said so)
+    failures: int = 0  # failures of the ranks while it was running
+    abandoned: bool = False  # its caller stopped waiting; kept until the worker is done with it
+
+
+def python_executable() -> str:
+    """The Python interpreter of this environment (inside a Triton stub, sys.executable is not always one)."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return str(Path(sys.base_exec_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+def is_rank_worker(pid: int) -> bool:
+    try:
+        return b"mdtriton.backend.rank_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+class WorkerKeeper:
+    def __init__(self, spec: WorkerSpec, world_size: int, timeout: float, heal_limit: int, heal_window_s: float,
+                 on_job_timed):
+        """timeout: the longest a request waits for its answer; on_job_timed(communication_s, compute_s): called
+        for every job the worker ran (backend/metrics.py)."""
+        self.spec = spec
+        self.rank = spec.rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.heal_limit = heal_limit
+        self.heal_window_s = heal_window_s
+        self._on_job_timed = on_job_timed
+        self._lock = threading.Lock()  # guards the fields below, shared by the keeper thread and Triton's
+        self._requests: dict[str, Request] = {}
+        self._link: TensorLink | None = None  # to the current worker, once its ranks have met
+        self._worker_link: TensorLink | None = None  # to the current worker, from its start
+        self._problem: str | None = "the ranks are starting"  # why requests wait or fail now; None while serving
+        self._given_up: str | None = None
+        self._worker: subprocess.Popen | None = None
+        self._first_load_over = threading.Event()  # the first worker loaded, or this rank gave up
+        self._first_start_over = threading.Event()  # the ranks met, or this rank gave up
+        self._stopping = threading.Event()
+        self._deaths: deque[float] = deque()  # when this rank's workers died, within the window
+        self._healing_since: float | None = None
+        self._thread = threading.Thread(target=self._keep, name="mdtriton-worker-keeper", daemon=True)
+
+    def start(self) -> "WorkerKeeper":
+        self._thread.start()
+        return self
+
+    def wait_serving(self, timeout: float) -> bool:
+        """Wait until this rank's first worker has loaded (however long that takes: a load that fails must fail
+        Triton's load of this instance), then until the ranks have met; False if they had not (or cannot) within
+        timeout."""
+        self._first_load_over.wait()
+        self._first_start_over.wait(timeout)
+        return self.serving
+
+    @property
+    def serving(self) -> bool:
+        return self._link is not None
+
+    @property
+    def given_up(self) -> str | None:
+        return self._given_up
+
+    def status(self) -> str:
+        """Why requests wait or fail now ("" while serving)."""
+        return self._problem or ""
+
+    def submit(self, inputs: dict[str, torch.Tensor]) -> Request:
+        """Queue a request; it runs as soon as the ranks serve. Raises RanksUnavailable if they never will again."""
+        request = Request(inputs, deadline=time.monotonic() + self.timeout)
+        with self._lock:
+            if self._given_up or self._stopping.is_set():
+                raise RanksUnavailable(self._problem)
+            self._requests[request.id] = request
+            if self._link is not None:
+                self._send(request)
+        return request
+
+    def abandon(self, request: Request) -> None:
+        """Forget a request whose caller stopped waiting (its deadline passed); one the worker holds is forgotten
+        once the worker is done with it (until then, it tells whether the worker is stuck)."""
+        with self._lock:
+            if request.sent_at is None:
+                self._requests.pop(request.id, None)
+            request.abandoned = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the worker (the model is unloading): it leaves its generation, so the others end without waiting."""
+        with self._lock:  # the keeper thread starts no worker after this (see _start_worker)
+            self._stopping.set()
+            link, worker = self._worker_link, self._worker
+        if link is not None:
+            try:
+                link.send({"type": "stop"})
+            except OSError:
+                pass
+        if worker is not None:
+            try:
+                worker.wait(timeout)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        self._thread.join(timeout)
+
+    # --- the keeper thread -----------------------------------------------------------------------------------
+
+    def _send(self, request: Request) -> None:
+        """Hand a request to the current worker (under the lock); a send to a worker that just died is retried by
+        the next healing."""
+        try:
+            self._link.send({"type": "job", "id": request.id}, request.inputs)
+            request.sent_at = time.monotonic()
+        except OSError:
+            pass
+
+    def _keep(self) -> None:
+        while True:
+            started = self._start_worker()
+            if started is None:
+                self._fail_all("the model is being unloaded")
+                break
+            worker, link = started
+            ending, members = self._serve(worker, link)
+            link.close()
+            try:
+                worker.wait(PEER_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+            with self._lock:
+                self._link = self._worker_link = self._worker = None
+            if self._healing_since is None:
+                self._healing_since = time.monotonic()
+            if self._stopping.is_set() or (ending is not None and ending.get("unloading")):
+                self._fail_all("the model is being unloaded")
+                break
+            if ending is not None and ending["type"] == "given_up":
+                log.error("rank %d: %s", self.rank, ending["reason"])
+                self._fail_all(ending["reason"])
+                break
+            why = ending["reason"] if ending is not None else (
+                f"rank {self.rank}'s worker (pid {worker.pid}) died: {how_it_ended(worker.returncode)}")
+            self._end_peers(members)
+            self._fail_or_requeue(why)
+            if ending is None and self._died_too_often():
+                self._fail_all(f"rank {self.rank}'s worker died {len(self._deaths)} times within "
+                              f"{self.heal_window_s:.0f} s (last: {how_it_ended(worker.returncode)}), so it is not "
+                              f"restarted again: {RELOAD_ADVICE}")
+                log.error("rank %d: %s", self.rank, self._given_up)
+                self._tell_other_ranks()
+                break
+            log.error("rank %d: healing: %s", self.rank, why)
+            with self._lock:
+                self._problem = f"the ranks are healing after a failure ({why}); requests wait for them"
+        self._first_load_over.set()
+        self._first_start_over.set()
+
+    def _start_worker(self) -> tuple[subprocess.Popen, TensorLink] | None:
+        """Start a worker and return it with its link; None once stop() has begun (so that stop() either sees the
+        worker, and stops it, or no worker starts)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._worker = subprocess.Popen(
+                    [python_executable(), "-m", "mdtriton.backend.rank_worker", self.spec.to_json(),
+                     str(theirs.fileno()), str(os.getpid())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            self._worker_link = TensorLink(Connection(ours.detach()))
+            return self._worker, self._worker_link
+
+    def _serve(self, worker: subprocess.Popen, link: TensorLink) -> tuple[dict | None, dict[int, int]]:
+        """Relay between the worker and the requests until the worker ends; its last word (None if it died without
+        one) and the members of its generation (rank -> pid)."""
+        members: dict[int, int] = {}
+        while True:
+            if not link.poll(WATCH_INTERVAL_S):
+                if self._overdue():
+                    log.error("rank %d: worker (pid %d) gave no answer within %.0f s (%s): killing it", self.rank,
+                              worker.pid, self.timeout, process_state(worker.pid).value)
+                    worker.kill()
+                continue
+            try:
+                message = link.receive()
+            except (EOFError, OSError):
+                return None, members
+            kind = message["type"]
+            if kind == "loaded":
+                self._first_load_over.set()
+            elif kind == "serving":
+                members = {int(rank): pid for rank, pid in message["members"].items()}
+                self._now_serving(link)
+            elif kind == "started":
+                with self._lock:
+                    if message["id"] in self._requests:
+                        self._requests[message["id"]].running = True
+            elif kind == "done":
+                with self._lock:
+                    request = self._requests.pop(message["id"], None)
+                if request is not None and not request.abandoned:
+                    request.answer.set_result(message["tensors"])
+            elif kind == "job_timed":
+                self._on_job_timed(message["communication"], message["compute"])
+            else:  # "ended" or "given_up": the worker exits next
+                return message, members
+
+    def _now_serving(self, link: TensorLink) -> None:
+        with self._lock:
+            self._link, self._problem = link, None
+            for request in self._requests.values():
+                if request.sent_at is None:
+                    self._send(request)
+        if self._healing_since is not None:
+            log.warning("rank %d: healed in %.2f s: the ranks serve again", self.rank,
+                        time.monotonic() - self._healing_since)
+            self._healing_since = None
+        self._first_start_over.set()
+
+    def _overdue(self) -> bool:
+        """Whether the worker has held a request for longer than the timeout (it is stopped or stuck, and its peers
+        may never notice: they only do when they wait for it in a collective)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(request.sent_at is not None and now - request.sent_at > self.timeout
+                       for request in self._requests.values())
+
+    def _end_peers(self, members: dict[int, int]) -> None:
+        """Give the other workers of the ended generation a moment to end by themselves; kill those still there."""
+        deadline = time.monotonic() + PEER_EXIT_GRACE_S
+        for rank, pid in members.items():
+            if rank == self.rank:
+                continue
+            while process_state(pid) is ProcessState.RUNNING and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if process_state(pid) is not ProcessState.EXITED and is_rank_worker(pid):
+                log.error("rank %d: killing rank %d's worker (pid %d, %s) of the failed generation", self.rank, rank,
+                          pid, process_state(pid).value)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _fail_or_requeue(self, why: str) -> None:
+        """After a failure: a request that was running at a second failure in a row fails; the others wait for the
+        next worker."""
+        with self._lock:
+            for request in list(self._requests.values()):
+                if request.running:
+                    request.failures += 1
+                if request.abandoned or request.failures >= 2:
+                    del self._requests[request.id]
+                if request.failures >= 2 and not request.abandoned:
+                    request.answer.set_exception(PoisonRequest(
+                        f"this request was running at two failures of the ranks in a row (the last: {why}); it is "
+                        f"the likely cause, so it is not run again"))
+                request.sent_at, request.running = None, False
+
+    def _died_too_often(self) -> bool:
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - self.heal_window_s:
+            self._deaths.popleft()
+        return len(self._deaths) > self.heal_limit
+
+    def _fail_all(self, problem: str) -> None:
+        """No worker will serve again: every request fails now, and every later one at once, with the problem."""
+        with self._lock:
+            self._given_up = self._problem = problem
+            requests, self._requests = list(self._requests.values()), {}
+        for request in requests:
+            if not request.abandoned:
+                request.answer.set_exception(RanksUnavailable(problem))
+
+    def _tell_other_ranks(self) -> None:
+        """The other ranks' new workers are waiting for this rank's: tell them, through the rendezvous, that it will
+        not come (they give up at once, with this rank's reason)."""
+        rendezvous = Rendezvous(Path(self.spec.rendezvous_dir), self.rank, self.world_size)
+        rendezvous.fail(rendezvous.enter(), self._given_up)

@@ -1,0 +1,57 @@
+"""Stopping the server, gently (SIGTERM) or not (SIGKILL of tritonserver alone), leaves no rank worker running and
+no shared memory of ours in /dev/shm; a gentle stop leaves no rendezvous file either."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.engine.plan import ParallelPlan
+from tests.backend.load_clients import CONFIG, Reference, ask
+from tests.backend.triton_processes import files_under, rank_workers, still_running, stub_processes, wait_for_stubs
+
+TRITONS_OWN_SHM = "triton_python_backend_shm_region_"  # the regions Triton shares with its stubs
+
+
+def serve_and_ask(tmp_path, server_factory):
+    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
+                        seed=4, progress=False)
+    server = server_factory(tmp_path / "repo")
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    reference = Reference(4)
+    assert all(ask(client, "tiny", reference, i).right for i in range(4))
+    stubs = wait_for_stubs(server.process.pid, 2)
+    workers = [pid for pids in rank_workers(server.process.pid).values() for pid in pids]
+    assert len(workers) == 2
+    return server, set(stubs.values()) | set(workers)
+
+
+def our_shm(before: set[str]) -> list[str]:
+    return sorted(name for name in set(os.listdir("/dev/shm")) - before if not name.startswith(TRITONS_OWN_SHM))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_of_the_server_leaves_no_worker_no_shared_memory_and_no_rendezvous_file(tmp_path, rendezvous_root,
+                                                                                         server_factory):
+    shm_before = set(os.listdir("/dev/shm"))
+    server, processes = serve_and_ask(tmp_path, server_factory)
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(60)
+    assert still_running(processes, 10) == set(), "stubs or workers outlived the server"
+    assert files_under(rendezvous_root) == []
+    assert our_shm(shm_before) == []
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_of_the_server_leaves_no_worker_and_no_shared_memory(tmp_path, rendezvous_root, server_factory):
+    shm_before = set(os.listdir("/dev/shm"))
+    server, processes = serve_and_ask(tmp_path, server_factory)
+    server.process.kill()  # tritonserver alone: its stubs and their workers must end by themselves
+    server.process.wait(10)
+    assert still_running(processes, 30) == set(), "stubs or workers outlived the killed server"
+    assert our_shm(shm_before) == []
+    assert stub_processes(server.process.pid) == {}
