@@ -1,5 +1,5 @@
 """64 concurrent clients against a 2-rank model on a real tritonserver: zero wrong answers, zero errors, latency
-percentiles reported, memory (server + stubs) flat. CI runs it for MDTRITON_LOAD_SECONDS (default 20 s); the
+percentiles reported, memory (server, stubs, rank workers) flat. CI runs it for MDTRITON_LOAD_SECONDS (default 20 s); the
 figures in docs/reliability.md come from MDTRITON_LOAD_SECONDS=120."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference
-from tests.backend.triton_processes import rss_bytes, stub_processes, wait_for_stubs
+from tests.backend.triton_processes import rank_workers, rss_bytes, stub_processes, wait_for_stubs
 
 CLIENTS = 64
 SECONDS = float(os.environ.get("MDTRITON_LOAD_SECONDS", "20"))
@@ -40,7 +40,10 @@ def test_64_clients_get_only_right_answers_and_memory_stays_flat(tmp_path, serve
     build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
                         seed=9, progress=False)
     server = server_factory(tmp_path / "repo")
-    processes = [server.process.pid, *wait_for_stubs(server.process.pid, 2).values()]
+    stubs = wait_for_stubs(server.process.pid, 2)
+    workers = rank_workers(server.process.pid)
+    processes = [server.process.pid, *stubs.values(), *(pid for pids in workers.values() for pid in pids)]
+    assert len(processes) == 5, workers
     samples: list[tuple[float, int]] = []
     sampling = threading.Event()
 
@@ -69,9 +72,10 @@ def test_64_clients_get_only_right_answers_and_memory_stays_flat(tmp_path, serve
           f"at most {most_in_flight(outcomes)} in flight), "
           f"{len(errors)} errors, {len(wrong)} wrong; latency ms p50 {percentile(latencies, 0.5):.0f} "
           f"p90 {percentile(latencies, 0.9):.0f} p99 {percentile(latencies, 0.99):.0f} max {max(latencies):.0f}; "
-          f"RSS server+stubs {early / 2**20:.0f} -> {late / 2**20:.0f} MiB")
+          f"RSS server+stubs+workers {early / 2**20:.0f} -> {late / 2**20:.0f} MiB")
     assert not errors, errors[:3]
     assert not wrong, wrong[:3]
     assert len(outcomes) >= 2 * CLIENTS and most_in_flight(outcomes) >= CLIENTS // 2, "the load was not concurrent"
     assert late - early < max(0.05 * early, 30 * 2**20), f"memory grew from {early / 2**20:.0f} to {late / 2**20:.0f} MiB"
-    assert sorted(stub_processes(server.process.pid).values()) == sorted(processes[1:])  # no stub restarted or lost
+    assert stub_processes(server.process.pid) == stubs  # no stub lost
+    assert rank_workers(server.process.pid) == workers  # and no worker restarted: the load alone never heals

@@ -1,0 +1,123 @@
+"""The CPU cost per request of the hop between a Triton stub and its rank worker (backend/tensor_transfer.py).
+
+Each request crosses it twice: the inputs from the stub to the worker, the outputs back, each copied once into
+anonymous shared memory, with a small JSON header and the memory's file descriptor over a Unix socket. This
+script times that round trip against a real second process that echoes what it receives, for the tiny model of
+the tests and for FLUX.1-dev at 4,096 + 512 tokens (bf16), and prints a table.
+
+    PYTHONPATH=. python benchmarks/worker_hop.py [--repeats 200] [--served]     (from the checkout)
+
+--served adds whole requests to the tiny model through a real tritonserver, one client, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.dtypes import TRITON_TYPES
+
+# A stand-in worker: takes the inputs (as the worker does, in place) and answers with outputs of the asked sizes.
+ECHO = """
+import sys
+import torch
+from multiprocessing.connection import Connection
+from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.dtypes import TORCH_DTYPES
+link = TensorLink(Connection(int(sys.argv[1])))
+while True:
+    try:
+        message = link.receive()
+    except EOFError:
+        break
+    outputs = {name: torch.ones(shape, dtype=TORCH_DTYPES[data_type]) for name, data_type, shape in message["outputs"]}
+    link.send({"type": "done"}, outputs)
+"""
+
+
+def cases() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """name -> (request inputs, outputs), at the sizes the served models take."""
+    bf16 = torch.bfloat16
+    flux_inputs = {"hidden_states": torch.randn(1, 4096, 64, dtype=bf16),
+                   "encoder_hidden_states": torch.randn(1, 512, 4096, dtype=bf16),
+                   "pooled_projections": torch.randn(1, 768, dtype=bf16), "timestep": torch.rand(1, dtype=bf16),
+                   "guidance": torch.rand(1, dtype=bf16), "img_ids": torch.zeros(4096, 3), "txt_ids": torch.zeros(512, 3)}
+    return {
+        "tiny transformer, 2 x 9 x 64 float32": ({"hidden_states": torch.randn(2, 9, 64)}, {"output": torch.randn(2, 9, 64)}),
+        "FLUX.1-dev, 4,096 + 512 tokens, bf16": (flux_inputs, {"sample": torch.randn(1, 4096, 64, dtype=bf16)}),
+    }
+
+
+def served_latency(repeats: int) -> None:
+    """One client's sequential requests to the tiny model (tp 2 on 2 CPU ranks) through a real tritonserver."""
+    import tempfile
+
+    import tritonclient.grpc as grpcclient
+
+    from mdtriton.build_tools.build import build_model_version
+    from mdtriton.engine.plan import ParallelPlan
+    from mdtriton.server import TritonServer
+
+    config = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}
+    with tempfile.TemporaryDirectory() as repository:
+        build_model_version(Path(repository), "tiny", "tiny_transformer", config, ParallelPlan(tp_size=2), "FP32",
+                            "cpu", seed=1, progress=False)
+        with TritonServer(Path(repository), log_file=Path(repository) / "server.log") as server:
+            client = grpcclient.InferenceServerClient(server.grpc_address)
+            tensor = grpcclient.InferInput("hidden_states", [2, 9, 64], "FP32")
+            tensor.set_data_from_numpy(torch.randn(2, 9, 64).numpy())
+            seconds = []
+            for _ in range(repeats + 20):
+                started = time.perf_counter()
+                client.infer("tiny", [tensor])
+                seconds.append(time.perf_counter() - started)
+            seconds = sorted(seconds[20:])
+    print(f"| served tiny transformer, 1 client, 2 x 9 x 64 float32 | | {statistics.median(seconds) * 1e3:.2f} ms | "
+          f"{seconds[int(0.9 * len(seconds))] * 1e3:.2f} ms |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--served", action="store_true", help="also time whole requests through a real tritonserver")
+    arguments = parser.parse_args()
+    repeats = arguments.repeats
+    ours, theirs = socket.socketpair()
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    link = TensorLink(Connection(ours.detach()))
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, {repeats} round trips each")
+    print("| request | inputs + outputs | round trip, median | p90 |\n|---|---|---|---|")
+    try:
+        for name, (inputs, outputs) in cases().items():
+            output_specs = [[key, TRITON_TYPES[value.dtype], list(value.shape)] for key, value in outputs.items()]
+            seconds = []
+            for _ in range(repeats + 10):
+                started = time.perf_counter()
+                link.send({"type": "job", "outputs": output_specs}, inputs)
+                answer = link.receive()
+                seconds.append(time.perf_counter() - started)
+                assert answer["type"] == "done"
+            seconds = sorted(seconds[10:])
+            size = sum(t.numel() * t.element_size() for t in (*inputs.values(), *outputs.values()))
+            print(f"| {name} | {size / 2**20:.2f} MiB | {statistics.median(seconds) * 1e3:.3f} ms | "
+                  f"{seconds[int(0.9 * len(seconds))] * 1e3:.3f} ms |")
+    finally:
+        link.close()
+        echo.wait(10)
+    if arguments.served:
+        served_latency(repeats)
+
+
+if __name__ == "__main__":
+    main()
