@@ -1,8 +1,8 @@
 """Whether another rank's process is running, stopped or gone, read from /proc (all ranks share one host).
 
-The ranks of a model are the stub processes of one Triton server, so a rank that stops answering can be
-told apart: exited (killed or crashed; a zombie not yet reaped by Triton counts as exited), stopped
-(SIGSTOP or a debugger), or running (alive but stuck, or slow).
+The ranks of a model are the worker processes of one Triton server's stubs, so a rank that stops answering
+can be told apart: exited (killed or crashed; a zombie not yet reaped counts as exited), stopped (SIGSTOP or a
+debugger), or running (alive but stuck, or slow).
 """
 
 from __future__ import annotations

@@ -185,46 +185,58 @@ class WorkerKeeper:
             pass
 
     def _keep(self) -> None:
-        while True:
-            started = self._start_worker()
-            if started is None:
-                self._fail_all("the model is being unloaded")
-                break
-            worker, link = started
-            ending, members = self._serve(worker, link)
-            link.close()
-            try:
-                worker.wait(PEER_EXIT_GRACE_S)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-            with self._lock:
-                self._link = self._worker_link = self._worker = None
-            if self._healing_since is None:
-                self._healing_since = time.monotonic()
-            if self._stopping.is_set() or (ending is not None and ending.get("unloading")):
-                self._fail_all("the model is being unloaded")
-                break
-            if ending is not None and ending["type"] == "given_up":
-                log.error("rank %d: %s", self.rank, ending["reason"])
-                self._fail_all(ending["reason"])
-                break
-            why = ending["reason"] if ending is not None else (
-                f"rank {self.rank}'s worker (pid {worker.pid}) died: {how_it_ended(worker.returncode)}")
-            self._end_peers(members)
-            self._fail_or_requeue(why)
-            if ending is None and self._died_too_often():
-                self._fail_all(f"rank {self.rank}'s worker died {len(self._deaths)} times within "
-                              f"{self.heal_window_s:.0f} s (last: {how_it_ended(worker.returncode)}), so it is not "
-                              f"restarted again: {RELOAD_ADVICE}")
-                log.error("rank %d: %s", self.rank, self._given_up)
-                self._tell_other_ranks()
-                break
-            log.error("rank %d: healing: %s", self.rank, why)
-            with self._lock:
-                self._problem = f"the ranks are healing after a failure ({why}); requests wait for them"
-        self._first_load_over.set()
-        self._first_start_over.set()
+        """Start workers, one after another, as long as they should serve."""
+        try:
+            while True:
+                started = self._start_worker()
+                if started is None:
+                    self._fail_all("the model is being unloaded")
+                    return
+                worker, link = started
+                ending, members = self._serve(worker, link)
+                link.close()
+                try:
+                    worker.wait(PEER_EXIT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+                    worker.wait()
+                with self._lock:
+                    self._link = self._worker_link = self._worker = None
+                if not self._heal(worker, ending, members):
+                    return
+        except Exception as error:  # noqa: BLE001 - e.g. no Python to start a worker with: say so in every answer
+            log.exception("rank %d: cannot keep a worker running", self.rank)
+            self._fail_all(f"rank {self.rank} cannot keep a worker running: {type(error).__name__}: {error}")
+        finally:
+            self._first_load_over.set()
+            self._first_start_over.set()
+
+    def _heal(self, worker: subprocess.Popen, ending: dict | None, members: dict[int, int]) -> bool:
+        """After a worker has ended (its last word: `ending`, None if it died without one): get ready for the next
+        one and say True, or say False if no worker is to serve again."""
+        if self._healing_since is None:
+            self._healing_since = time.monotonic()
+        if self._stopping.is_set() or (ending is not None and ending.get("unloading")):
+            self._fail_all("the model is being unloaded")
+            return False
+        if ending is not None and ending["type"] == "given_up":
+            log.error("rank %d: %s", self.rank, ending["reason"])
+            self._fail_all(ending["reason"])
+            return False
+        why = ending["reason"] if ending is not None else (
+            f"rank {self.rank}'s worker (pid {worker.pid}) died: {how_it_ended(worker.returncode)}")
+        self._end_peers(members)
+        self._fail_or_requeue(why)
+        if ending is None and self._died_too_often():
+            self._fail_all(f"rank {self.rank}'s worker died {len(self._deaths)} times within {self.heal_window_s:.0f} s "
+                           f"(last: {how_it_ended(worker.returncode)}), so it is not restarted again: {RELOAD_ADVICE}")
+            log.error("rank %d: %s", self.rank, self._given_up)
+            self._tell_other_ranks()
+            return False
+        log.error("rank %d: healing: %s", self.rank, why)
+        with self._lock:
+            self._problem = f"the ranks are healing after a failure ({why}); requests wait for them"
+        return True
 
     def _start_worker(self) -> tuple[subprocess.Popen, TensorLink] | None:
         """Start a worker and return it with its link; None once stop() has begun (so that stop() either sees the
