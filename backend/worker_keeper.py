@@ -141,7 +141,7 @@ class WorkerKeeper:
         request = Request(inputs, deadline=time.monotonic() + self.timeout)
         with self._lock:
             if self._given_up or self._stopping.is_set():
-                raise RanksUnavailable(self._problem)
+                raise RanksUnavailable(self._given_up or "the model is being unloaded")
             self._requests[request.id] = request
             if self._link is not None:
                 self._send(request)
