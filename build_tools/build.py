@@ -6,12 +6,15 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+
 from mdtriton.build_tools.checkpoint import Checkpoint
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
 from mdtriton.build_tools.model_config import model_config, version_policy
 from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
                                               new_version_dir)
-from mdtriton.engine.architectures import architecture
+from mdtriton.engine.architectures import architecture, meta_module
+from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
@@ -32,6 +35,9 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
     hand (e.g. EXECUTION_ENV_PATH) are kept.
 
+    data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
+    only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
+
     Weights: a checkpoint at weights_path (its config.json, if any, fills the config under `config`), or
     random from seed, generated on random_device. The version is assembled in a hidden folder named after
     the build's inputs (Triton ignores names that are not numbers) and renamed into place at the end, so a
@@ -43,9 +49,16 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     from_checkpoint = {k: v for k, v in checkpoint.config().items() if k in known} if checkpoint else {}
     config = {**known, **from_checkpoint, **(config or {})}
     arch.check_plan(config, plan)
+    quantization = "fp8" if data_type == "FP8" else None
+    if quantization:
+        data_type = "BF16"
+        meta_module(architecture_name, config, plan, 0, quantization)  # refuses an architecture without FP8
+        if device != "gpu":
+            raise Fp8Unsupported("FP8 engines run on GPUs of compute capability 8.9 or newer; build with "
+                                 "--device gpu, or with --dtype FP32 for CPU instances")
     new_version_dir(Path(repository), name, version)  # refuse an existing version before any work
     inputs, outputs = arch.signature(config, data_type)
-    probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs)
+    probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs, quantization=quantization)
     triton_config = model_config(name, probe, device, gpus, request_timeout_s)
     model_dir = Path(repository) / name
     check_compatible(model_dir, triton_config)
@@ -53,17 +66,23 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         triton_config.version_policy.CopyFrom(version_policy(policy))
     keep_model_settings(model_dir, triton_config)
     if device == "gpu":
-        check_gpus_fit(probe, list(triton_config.instance_group[0].gpus))
+        gpus = list(triton_config.instance_group[0].gpus)
+        check_gpus_fit(probe, gpus)
+        if quantization and torch.cuda.is_available():
+            for gpu in gpus:
+                if gpu < torch.cuda.device_count():
+                    check_fp8_device(torch.device("cuda", gpu))
     shapes = full_shapes(architecture_name, config)
     if checkpoint:
         checkpoint.check(shapes)
     source = checkpoint or RandomWeights(shapes, seed, random_device)
     inputs_key = json.dumps({"architecture": architecture_name, "config": config, "plan": plan.to_dict(),
-                             "data_type": data_type, "weights": source.fingerprint()}, sort_keys=True)
+                             "data_type": data_type, "quantization": quantization,
+                             "weights": source.fingerprint()}, sort_keys=True)
     staging = model_dir / f".building-{hashlib.sha256(inputs_key.encode()).hexdigest()[:12]}"
     try:
         build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, source, progress,
-                     limits)
+                     limits, quantization)
     except KeyboardInterrupt:
         raise BuildInterrupted(f"build interrupted; its finished rank files are kept in {staging}: run the same "
                                "command again to resume") from None

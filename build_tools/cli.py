@@ -29,7 +29,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
-    parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16"), help="engine data type")
+    parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16", "FP8"),
+                        help="engine data type; FP8: the transformer blocks' linear weights in e4m3 with a scale per "
+                             "row, activations quantized per token, the rest and the inputs/outputs in BF16 "
+                             "(GPUs of compute capability 8.9+: Ada, Hopper, Blackwell)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
                         help="instance kind: one KIND_GPU instance per GPU, or KIND_CPU instances (gloo)")
     parser.add_argument("--gpus", help="comma-separated GPU ids for the ranks, in rank order (default 0..N-1)")
