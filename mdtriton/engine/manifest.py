@@ -22,7 +22,7 @@ MANIFEST_FILE = "manifest.json"
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_TOKENS = 32768
 # Triton's data type names (as in tritonclient and the HTTP/gRPC protocol) that engines may use.
-DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32")
+DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8")
 
 
 class EngineError(Exception):
