@@ -9,6 +9,7 @@ what to send, and the server keeps serving.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ MODELS = {
     "dev_ulysses2": ("dev", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "schnell_tp2": ("schnell", ParallelPlan(tp_size=2)),
 }
+CLI_BUILT = "schnell_tp2"  # built by `mdtriton build`, the others by build_pipeline_version
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=600)
 GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5, seed=5)
 
@@ -38,8 +40,13 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
     pipelines = save_pipelines(root)
     for name, (layout, plan) in MODELS.items():
-        build_pipeline_version(root / "repository", name, pipelines[layout], plan, "FP32", "cpu", progress=False,
-                               limits=LIMITS)
+        if name == CLI_BUILT:
+            assert main(["build", str(root / "repository"), "--name", name, "--architecture", "flux-pipeline",
+                         "--weights", str(pipelines[layout]), "--tp", str(plan.tp_size), "--max-batch-size",
+                         str(LIMITS.max_batch_size), "--max-tokens", str(LIMITS.max_tokens)]) == 0
+        else:
+            build_pipeline_version(root / "repository", name, pipelines[layout], plan, "FP32", "cpu", progress=False,
+                                   limits=LIMITS)
     server = start_server(root / "repository", root / "server.log")
     yield server, pipelines
     server.stop()
@@ -69,6 +76,28 @@ def test_prompt_2_and_max_sequence_length(served):
                                GOOD["guidance_scale"], GOOD["seed"], prompt_2=["the blue dog with a sign"],
                                max_sequence_length=24)
     assert max_level_difference(image, expected) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_requests_each_get_their_own_steps_and_image(served):
+    """Two streams at once (on either rank): the ranks run the jobs one after the other, and each request's
+    progress and image go to its own stream."""
+    server, pipelines = served
+    seeds = [11, 12]
+    steps = {seed: [] for seed in seeds}
+
+    def ask(seed):
+        return generate(server.grpc_address, "dev_tp2", "a dog", **{**GOOD, "seed": seed}, timeout=240,
+                        on_step=lambda done, total: steps[seed].append(done))
+
+    with ThreadPoolExecutor(2) as pool:
+        images = dict(zip(seeds, pool.map(ask, seeds)))
+    for seed in seeds:
+        expected = reference_image(pipelines["dev"], ["a dog"], GOOD["height"], GOOD["width"],
+                                   GOOD["num_inference_steps"], GOOD["guidance_scale"], seed)
+        assert max_level_difference(images[seed], expected) <= 1
+        assert steps[seed] == [1, 2, 3]
+    assert not np.array_equal(images[11], images[12])
 
 
 # 600 tokens at most: 48x64 is 12 image tokens, so 512 text tokens fit; 512x512 (1024 image tokens) does not.
