@@ -17,7 +17,9 @@ from types import SimpleNamespace
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers.utils import logging as diffusers_logging
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+from transformers.utils import logging as transformers_logging
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
@@ -78,6 +80,9 @@ class FluxPipelineEngine(Engine):
     def load(cls, engine_dir: Path, comm: Communicator) -> "FluxPipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download)."""
         start = time.perf_counter()
+        # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
+        diffusers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()
         engine_dir = Path(engine_dir)
         manifest = Manifest.read(engine_dir)
         if manifest.architecture != ARCHITECTURE:

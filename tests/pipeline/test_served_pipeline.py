@@ -100,6 +100,15 @@ def test_concurrent_requests_each_get_their_own_steps_and_image(served):
     assert not np.array_equal(images[11], images[12])
 
 
+@pytest.mark.timeout(120)
+def test_prompts_stay_out_of_the_server_log(served):
+    """A prompt longer than CLIP's 77 tokens is truncated; diffusers' warning would quote it in the log."""
+    server, _ = served
+    prompt = "secretword " * 20
+    generate(server.grpc_address, "dev_tp2", prompt, **{**GOOD, "num_inference_steps": 1}, timeout=60)
+    assert "secretword" not in server.log_file.read_text()
+
+
 # 600 tokens at most: 48x64 is 12 image tokens, so 512 text tokens fit; 512x512 (1024 image tokens) does not.
 BAD = [
     ({"height": 40}, "height 40 is not a positive multiple of 16; send a height of 32 or 48"),
