@@ -55,13 +55,19 @@ def error_response(message: str, code) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
-def send_progress(sender, done: int, total: int) -> None:
-    """One progress response of a decoupled model: `step`, the steps done so far."""
-    step = torch.tensor([done], dtype=torch.int32)
+def send(sender, response, flags: int = 0) -> None:
+    """Send a decoupled model's response; one that cannot go (the client has gone) is logged, not raised: the ranks'
+    job goes on, and the instance keeps serving."""
     try:
-        sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("step", to_dlpack(step))]))
-    except Exception as error:  # noqa: BLE001 - a lost progress response (client gone) must not stop the ranks' job
-        log.warning("could not send progress (step %d of %d): %s", done, total, error)
+        sender.send(response, flags=flags)
+    except Exception as error:  # noqa: BLE001 - whatever the sender raises, the request is lost, not the rank
+        log.warning("could not send a response (the client may have gone): %s", error)
+
+
+def send_progress(sender, done: int, total: int) -> None:
+    """One progress response of a decoupled model: `step`, the steps done so far (of total)."""
+    step = torch.tensor([done], dtype=torch.int32)
+    send(sender, pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("step", to_dlpack(step))]))
 
 
 def read_parameters(config: dict) -> dict[str, str]:
@@ -132,7 +138,7 @@ class RankModel:
         if not self.decoupled:
             return responses
         for sender, response in zip(senders, responses):
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            send(sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _submit(self, request, sender):

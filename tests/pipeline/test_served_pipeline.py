@@ -9,6 +9,7 @@ what to send, and the server keeps serving.
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -98,6 +99,26 @@ def test_concurrent_requests_each_get_their_own_steps_and_image(served):
         assert max_level_difference(images[seed], expected) <= 1
         assert steps[seed] == [1, 2, 3]
     assert not np.array_equal(images[11], images[12])
+
+
+@pytest.mark.timeout(180)
+def test_a_client_that_leaves_mid_image_does_not_stop_the_server(served):
+    server, pipelines = served
+    responses = []
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    client.async_stream_infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 40, 3.5, 0))
+    while not responses:
+        time.sleep(0.01)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    steps = []
+    image = generate(server.grpc_address, "dev_tp2", "a dog", **GOOD, timeout=120,
+                     on_step=lambda done, total: steps.append(done))
+    expected = reference_image(pipelines["dev"], ["a dog"], GOOD["height"], GOOD["width"], GOOD["num_inference_steps"],
+                               GOOD["guidance_scale"], GOOD["seed"])
+    assert max_level_difference(image, expected) <= 1 and steps == [1, 2, 3]
+    assert responses[0][1] is None and responses[0][0].as_numpy("step")[0] == 1
 
 
 @pytest.mark.timeout(120)
