@@ -50,7 +50,7 @@ from mdtriton.engine.engine import TorchEngine  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits  # noqa: E402
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.pipeline.flux_pipeline import EngineTransformer, FluxPipelineEngine, with_device  # noqa: E402
+from mdtriton.pipeline.flux_pipeline import EngineTransformer, FluxPipelineEngine  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 
@@ -179,8 +179,8 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     rows = []
     comm = Communicator.single(device)
     engine = TorchEngine.load(engine_dir, comm)
-    ours = with_device(FluxPipeline(scheduler=scheduler(schedule), transformer=EngineTransformer(engine), **components),
-                       device)
+    ours = FluxPipeline(scheduler=scheduler(schedule), transformer=EngineTransformer(engine), **components)
+    ours.set_progress_bar_config(disable=True)
     manifest = pipeline_manifest(config, ours.vae_scale_factor, ParallelPlan(), data_type,
                                  EngineLimits(max_tokens=1 << 20))
     served_engine = FluxPipelineEngine(manifest, ours, comm, 0.0)

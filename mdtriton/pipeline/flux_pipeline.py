@@ -87,23 +87,28 @@ class FluxPipelineEngine(Engine):
         manifest = Manifest.read(engine_dir)
         if manifest.architecture != ARCHITECTURE:
             raise EngineError(f"{engine_dir}: a {manifest.architecture!r} engine, not a {ARCHITECTURE!r} one")
-        transformer = EngineTransformer(TorchEngine.load(engine_dir / TRANSFORMER_DIR, comm))
         dtype = TORCH_DTYPES[manifest.data_type]
         try:
-            # One by one: FluxPipeline.from_pretrained refuses a transformer that is not a diffusers model.
-            pipeline = FluxPipeline(
-                scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(engine_dir / "scheduler"),
-                vae=AutoencoderKL.from_pretrained(engine_dir / "vae", torch_dtype=dtype, local_files_only=True),
-                text_encoder=CLIPTextModel.from_pretrained(engine_dir / "text_encoder", dtype=dtype,
-                                                           local_files_only=True),
-                tokenizer=CLIPTokenizer.from_pretrained(engine_dir / "tokenizer", local_files_only=True),
-                text_encoder_2=T5EncoderModel.from_pretrained(engine_dir / "text_encoder_2", dtype=dtype,
+            components = {
+                "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(engine_dir / "scheduler"),
+                "vae": AutoencoderKL.from_pretrained(engine_dir / "vae", torch_dtype=dtype, local_files_only=True),
+                "text_encoder": CLIPTextModel.from_pretrained(engine_dir / "text_encoder", dtype=dtype,
                                                               local_files_only=True),
-                tokenizer_2=T5TokenizerFast.from_pretrained(engine_dir / "tokenizer_2", local_files_only=True),
-                transformer=transformer)
+                "tokenizer": CLIPTokenizer.from_pretrained(engine_dir / "tokenizer", local_files_only=True),
+                "text_encoder_2": T5EncoderModel.from_pretrained(engine_dir / "text_encoder_2", dtype=dtype,
+                                                                 local_files_only=True),
+                "tokenizer_2": T5TokenizerFast.from_pretrained(engine_dir / "tokenizer_2", local_files_only=True),
+            }
         except (OSError, ValueError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
-        return cls(manifest, with_device(pipeline, comm.device), comm, time.perf_counter() - start)
+        for name in ("text_encoder", "text_encoder_2", "vae"):
+            components[name].to(comm.device)
+        # The transformer last: its load checks that its shard fits the memory the other components left free.
+        transformer = EngineTransformer(TorchEngine.load(engine_dir / TRANSFORMER_DIR, comm))
+        # FluxPipeline.from_pretrained would refuse a transformer that is not a diffusers model: built by hand.
+        pipeline = FluxPipeline(transformer=transformer, **components)
+        pipeline.set_progress_bar_config(disable=True)  # the server reports progress
+        return cls(manifest, pipeline, comm, time.perf_counter() - start)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]} for the request's inputs (mdtriton.pipeline.signature)."""
@@ -118,14 +123,6 @@ class FluxPipelineEngine(Engine):
             max_sequence_length=text_tokens, output_type="pt", callback_on_step_end=step_done,
         ).images
         return {"image": to_uint8(images)}
-
-
-def with_device(pipeline: FluxPipeline, device: torch.device) -> FluxPipeline:
-    """The pipeline's encoders and VAE moved to device, its progress bar off (the server reports progress)."""
-    for component in (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.vae):
-        component.to(device)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
 
 
 def step_done(pipeline: FluxPipeline, step: int, timestep, callback_kwargs: dict) -> dict:
