@@ -88,11 +88,13 @@ def add_parsers(subparsers) -> None:
     parser.set_defaults(run=sample)
 
     parser = subparsers.add_parser(
-        "generate", parents=[connection], help="prompt to image with a served FLUX pipeline model",
+        "generate", help="prompt to image with a served FLUX pipeline model",
         description="Send a prompt to a FLUX pipeline model (mdtriton build --architecture flux-pipeline), show "
                     "each denoising step as the server finishes it, and write the image as a PNG.")
     parser.add_argument("model", help="model name of a FLUX pipeline")
     parser.add_argument("prompt", help="the prompt")
+    parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
+    parser.add_argument("--timeout", type=float, help="seconds the image may take (default: no limit)")
     parser.add_argument("--prompt-2", help="a different prompt for the T5 encoder (default: the prompt)")
     parser.add_argument("--height", type=int, default=1024, help="image height in pixels, a multiple of 16 (default 1024)")
     parser.add_argument("--width", type=int, default=1024, help="image width in pixels, a multiple of 16 (default 1024)")

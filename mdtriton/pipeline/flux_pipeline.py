@@ -90,7 +90,8 @@ class FluxPipelineEngine(Engine):
         dtype = TORCH_DTYPES[manifest.data_type]
         try:
             components = {
-                "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(engine_dir / "scheduler"),
+                "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(engine_dir / "scheduler",
+                                                                             local_files_only=True),
                 "vae": AutoencoderKL.from_pretrained(engine_dir / "vae", torch_dtype=dtype, local_files_only=True),
                 "text_encoder": CLIPTextModel.from_pretrained(engine_dir / "text_encoder", dtype=dtype,
                                                               local_files_only=True),
