@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.build import finish_version, prepare_model_dir, resumable, staging_dir
 from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
-from mdtriton.build_tools.engine_builder import build_engine, full_shapes
+from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
 from mdtriton.build_tools.model_config import model_config
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import EngineLimits, Manifest
@@ -44,8 +44,8 @@ def read_pipeline_dir(pipeline_dir: Path) -> tuple[dict, int]:
         raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; a FLUX pipeline directory holds "
                               f"{', '.join(COMPONENTS + (TRANSFORMER_DIR,))}")
     known = Flux.default_config()
-    checkpoint_config = Checkpoint(pipeline_dir / TRANSFORMER_DIR).config()
-    config = {**known, **{key: value for key, value in checkpoint_config.items() if key in known}}
+    transformer_config = json.loads((pipeline_dir / TRANSFORMER_DIR / "config.json").read_text())
+    config = {**known, **{key: value for key, value in transformer_config.items() if key in known}}
     vae_config = json.loads((pipeline_dir / "vae" / "config.json").read_text())
     return config, 2 ** (len(vae_config["block_out_channels"]) - 1)
 
@@ -75,9 +75,14 @@ def pipeline_model_config(name: str, manifest: Manifest, device: str, gpus: list
 def build_pipeline_version(repository: Path, name: str, pipeline_dir: Path, plan: ParallelPlan, data_type: str,
                            device: str, gpus: list[int] | None = None, version: int | None = None,
                            request_timeout_s: float = PIPELINE_REQUEST_TIMEOUT_S, progress: bool = True,
-                           policy: str | None = None, limits: EngineLimits = EngineLimits()) -> Path:
+                           policy: str | None = None, limits: EngineLimits = EngineLimits(),
+                           transformer_weights: RandomWeights | None = None) -> Path:
     """Write repository/name/version/ for the FLUX pipeline in pipeline_dir and return its path (resumable, like
-    build_tools.build.build_model_version)."""
+    build_tools.build.build_model_version).
+
+    transformer_weights: random weights for the transformer instead of the directory's checkpoint (whose
+    `transformer/` then needs only its config.json): FLUX.1-dev-size benchmarks without a 24 GB download.
+    """
     pipeline_dir = Path(pipeline_dir)
     config, vae_scale_factor = read_pipeline_dir(pipeline_dir)
     Flux.check_plan(config, plan)
@@ -88,13 +93,14 @@ def build_pipeline_version(repository: Path, name: str, pipeline_dir: Path, plan
     if device == "gpu":
         check_gpus_fit(Manifest("flux", config, plan, data_type, inputs, outputs),
                        list(triton_config.instance_group[0].gpus))
-    checkpoint = Checkpoint(pipeline_dir / TRANSFORMER_DIR)
-    checkpoint.check(full_shapes("flux", config))
+    source = transformer_weights or Checkpoint(pipeline_dir / TRANSFORMER_DIR)
+    if transformer_weights is None:
+        source.check(full_shapes("flux", config))
     staging = staging_dir(model_dir, {"architecture": ARCHITECTURE, "config": manifest.config, "plan": plan.to_dict(),
-                                      "data_type": data_type, "weights": checkpoint.fingerprint()})
+                                      "data_type": data_type, "weights": source.fingerprint()})
     engine_dir = staging / ENGINE_DIR
     with resumable(staging):
-        build_engine(engine_dir / TRANSFORMER_DIR, "flux", config, plan, data_type, checkpoint, progress, limits)
+        build_engine(engine_dir / TRANSFORMER_DIR, "flux", config, plan, data_type, source, progress, limits)
         for component in COMPONENTS:
             shutil.copytree(pipeline_dir / component, engine_dir / component, dirs_exist_ok=True)
         shutil.copyfile(pipeline_dir / MODEL_INDEX, engine_dir / MODEL_INDEX)

@@ -3,13 +3,19 @@ components, and each step is reported as it finishes."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from diffusers import FluxPipeline
 
+from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
 from mdtriton.build_tools.pipeline_builder import build_pipeline_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
 from mdtriton.pipeline.progress import progress_to
@@ -61,3 +67,25 @@ def test_prompt_2_and_sequence_length_reach_the_encoders(engines):
     assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 32, 32, 2, 2.0, 3, **options)) == 0
     without = engine.forward(request(["a cat"], 32, 32, 2, 2.0, 3))["image"].numpy()
     assert not np.array_equal(image, without)
+
+
+def test_random_transformer_weights_for_a_directory_without_them(engines, tmp_path):
+    """The benchmark's build: the directory's transformer/ holds only its config; the weights are random."""
+    _, pipeline_dir = engines["dev"]
+    shutil.copytree(pipeline_dir, tmp_path / "no_weights")
+    for weights in (tmp_path / "no_weights" / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    config = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+    source = RandomWeights(full_shapes("flux", {key: config[key] for key in FLUX_DEV_CONFIG}), seed=4)
+    version_dir = build_pipeline_version(tmp_path / "repository", "random", tmp_path / "no_weights", ParallelPlan(),
+                                         "FP32", "cpu", progress=False, transformer_weights=source)
+    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    image = engine.forward(request(["a cat"], 32, 32, 2, 3.5, 1))["image"].numpy()
+
+    reference = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
+    reference.transformer.load_state_dict({name: source.read(name) for name in source.shapes})
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(["a cat"], height=32, width=32, num_inference_steps=2, guidance_scale=3.5,
+                         generator=torch.Generator().manual_seed(1), output_type="np").images
+    assert max_level_difference(image, (expected * 255).round().astype(np.uint8)) == 0
+    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 32, 32, 2, 3.5, 1)) > 0
