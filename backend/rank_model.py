@@ -134,11 +134,10 @@ class RankModel:
         senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = [self._submit(request, sender) for request, sender in zip(requests, senders)]
-        responses = [item if isinstance(item, pb_utils.InferenceResponse) else self._response(item) for item in submitted]
         if not self.decoupled:
-            return responses
-        for sender, response in zip(senders, responses):
-            send(sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return [self._answer(item) for item in submitted]
+        for sender, item in zip(senders, submitted):
+            send(sender, self._answer(item), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _submit(self, request, sender):
@@ -163,6 +162,10 @@ class RankModel:
             if tensor is not None:
                 inputs[spec.name] = torch.from_dlpack(tensor.to_dlpack())
         return inputs
+
+    def _answer(self, item):
+        """The response to a request: its error response as it is, or its job's outputs (or failure)."""
+        return item if isinstance(item, pb_utils.InferenceResponse) else self._response(item)
 
     def _response(self, job):
         try:
