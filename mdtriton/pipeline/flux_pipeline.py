@@ -92,7 +92,7 @@ class FluxPipelineEngine(Engine):
             components = {
                 "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(engine_dir / "scheduler",
                                                                              local_files_only=True),
-                "vae": AutoencoderKL.from_pretrained(engine_dir / "vae", torch_dtype=dtype, local_files_only=True),
+                "vae": AutoencoderKL.from_pretrained(engine_dir / "vae", dtype=dtype, local_files_only=True),
                 "text_encoder": CLIPTextModel.from_pretrained(engine_dir / "text_encoder", dtype=dtype,
                                                               local_files_only=True),
                 "tokenizer": CLIPTokenizer.from_pretrained(engine_dir / "tokenizer", local_files_only=True),

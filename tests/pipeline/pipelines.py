@@ -21,9 +21,9 @@ def save_pipelines(root: Path) -> dict[str, Path]:
 
 
 def reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: int, steps: int, guidance: float,
-                    seed: int, **options) -> np.ndarray:
-    """diffusers' FluxPipeline with the same components, as UINT8 [batch, height, width, 3] (float32)."""
-    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
+                    seed: int, dtype: torch.dtype = torch.float32, **options) -> np.ndarray:
+    """diffusers' FluxPipeline with the same components, as UINT8 [batch, height, width, 3]."""
+    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True, dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     images = pipeline(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
                       generator=torch.Generator().manual_seed(seed), output_type="np", **options).images

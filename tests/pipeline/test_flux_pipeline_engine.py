@@ -60,6 +60,16 @@ def test_one_rank_image_equals_diffusers_and_reports_each_step(engines, layout):
     assert reported == [(1, steps), (2, steps), (3, steps)]
 
 
+def test_a_bf16_pipeline_equals_diffusers_in_bf16(engines, tmp_path):
+    _, pipeline_dir = engines["dev"]
+    version_dir = build_pipeline_version(tmp_path, "bf16", pipeline_dir, ParallelPlan(), "BF16", "cpu", progress=False)
+    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    image = engine.forward(request(["a cat"], 64, 64, 3, 3.5, 2))["image"].numpy()
+    expected = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
+    assert max_level_difference(image, expected) <= 1
+    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)) > 1  # bf16 shows
+
+
 def test_prompt_2_and_sequence_length_reach_the_encoders(engines):
     engine, pipeline_dir = engines["dev"]
     options = {"prompt_2": ["hello world"], "max_sequence_length": 16}
