@@ -33,6 +33,7 @@ from mdtriton.backend.process_state import describe_ranks
 from mdtriton.backend.rendezvous import Generation, RankExited, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
+from mdtriton.pipeline.progress import ProgressListener, progress_to
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -53,6 +54,7 @@ WATCH_INTERVAL_S = 0.2
 class Job:
     inputs: dict[str, torch.Tensor]
     deadline: float  # time.monotonic() by which all ranks must have run it
+    on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     result: Future = field(default_factory=Future)
 
@@ -98,14 +100,15 @@ class JobRunner:
         with self._lock:
             return self._problem if self._first_formation_over.is_set() and not self._ready.is_set() else None
 
-    def submit(self, inputs: dict[str, torch.Tensor]) -> Job:
+    def submit(self, inputs: dict[str, torch.Tensor], on_progress: ProgressListener | None = None) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable by the deadline.
+        on_progress: called, on the runner thread, with the steps the engine reports (pipelines do).
 
         Fails at once (RanksUnavailable) while the ranks are apart; only before the first generation has
         formed does it wait, up to the timeout, for the other ranks to join.
         """
         self._first_formation_over.wait(self.timeout)
-        job = Job(inputs, deadline=time.monotonic() + self.timeout)
+        job = Job(inputs, deadline=time.monotonic() + self.timeout, on_progress=on_progress)
         with self._lock:
             if not self._ready.is_set():
                 raise RanksUnavailable(self._problem or f"not all {self.comm.plan.world_size} ranks have joined within "
@@ -235,7 +238,8 @@ class JobRunner:
             else:
                 tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
             inputs[name] = self.comm.broadcast(tensor, src=origin)
-        outputs = self.engine.forward(inputs)
+        with progress_to(job.on_progress if job is not None else None):
+            outputs = self.engine.forward(inputs)
         if self.comm.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self._jobs_run += 1
