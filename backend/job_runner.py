@@ -30,6 +30,7 @@ from mdtriton.backend.process_state import describe_ranks
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
+from mdtriton.pipeline.progress import ProgressListener, progress_to
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -49,6 +50,7 @@ class Job:
     inputs: dict[str, torch.Tensor]
     deadline: float  # time.monotonic() by which all ranks must have run it
     id: str  # the stub's id of the request
+    on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     result: Future = field(default_factory=Future)
 
 
@@ -95,10 +97,11 @@ class JobRunner:
         self._ended.wait()
         return self._end
 
-    def submit(self, inputs: dict[str, torch.Tensor], job_id: str) -> Job:
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, on_progress: ProgressListener | None = None) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable if the generation
-        ends first. Raises RanksUnavailable if the generation is not serving."""
-        job = Job(inputs, deadline=time.monotonic() + self.timeout, id=job_id)
+        ends first. Raises RanksUnavailable if the generation is not serving. on_progress: called, on the runner
+        thread, with the steps the engine reports (pipelines do)."""
+        job = Job(inputs, deadline=time.monotonic() + self.timeout, id=job_id, on_progress=on_progress)
         with self._lock:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
@@ -201,7 +204,8 @@ class JobRunner:
             if job is not None:
                 tensor.copy_(job.inputs[name])
             inputs[name] = self.comm.broadcast(tensor, src=origin)
-        outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
+        with progress_to(job.on_progress if job is not None else None):
+            outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
         if self.comm.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         if job is not None:

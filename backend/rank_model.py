@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import rendezvous_dir
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
-from mdtriton.engine.request_check import RequestError, check_request
+from mdtriton.engine.request_check import RequestError
+from mdtriton.pipeline.serving import check_request
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -56,6 +58,21 @@ def error_response(message: str, code) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
+def send(sender, response, flags: int = 0) -> None:
+    """Send a decoupled model's response; one that cannot go (the client has gone) is logged, not raised: the ranks'
+    job goes on, and the instance keeps serving."""
+    try:
+        sender.send(response, flags=flags)
+    except Exception as error:  # noqa: BLE001 - whatever the sender raises, the request is lost, not the rank
+        log.warning("could not send a response (the client may have gone): %s", error)
+
+
+def send_progress(sender, done: int, total: int) -> None:
+    """One progress response of a decoupled model: `step`, the steps done so far (of total)."""
+    step = torch.tensor([done], dtype=torch.int32)
+    send(sender, pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("step", to_dlpack(step))]))
+
+
 def read_parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
@@ -69,6 +86,8 @@ class RankModel:
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
         self.manifest = Manifest.read(engine_dir)
         if self.manifest.plan.world_size != self.placement.world_size:
@@ -108,25 +127,32 @@ class RankModel:
         ranks start, heal, or have been given up."""
         return self.workers.serving
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
         self.freeze_watchdog.check()
         self.metrics.received(len(requests))
+        senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
         # Submit every request first so all of them are ordered and running before we wait on any.
-        submitted = []
-        for request in requests:
-            try:
-                inputs = self._inputs(request)
-                check_request(self.manifest, inputs)
-                submitted.append(self.workers.submit(inputs))
-            except RequestError as error:
-                submitted.append(error_response(str(error), pb_utils.TritonError.INVALID_ARG))
-            except RanksUnavailable as error:
-                submitted.append(error_response(str(error), pb_utils.TritonError.UNAVAILABLE))
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory: answer this request, keep serving
-                log.error("rank %d could not take a request: %r", self.placement.rank, error)
-                submitted.append(error_response(f"rank {self.placement.rank} could not take this request: {error}",
-                                                pb_utils.TritonError.INTERNAL))
-        return [item if isinstance(item, pb_utils.InferenceResponse) else self._response(item) for item in submitted]
+        submitted = [self._submit(request, sender) for request, sender in zip(requests, senders)]
+        if not self.decoupled:
+            return [self._answer(item) for item in submitted]
+        for sender, item in zip(senders, submitted):
+            send(sender, self._answer(item), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _submit(self, request, sender):
+        """The request's job, or the error response that answers it now; sender (decoupled models) gets progress."""
+        try:
+            inputs = self._inputs(request)
+            check_request(self.manifest, inputs)
+            return self.workers.submit(inputs, on_progress=partial(send_progress, sender) if sender else None)
+        except RequestError as error:
+            return error_response(str(error), pb_utils.TritonError.INVALID_ARG)
+        except RanksUnavailable as error:
+            return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: answer this request, keep serving
+            log.error("rank %d could not take a request: %r", self.placement.rank, error)
+            return error_response(f"rank {self.placement.rank} could not take this request: {error}",
+                                  pb_utils.TritonError.INTERNAL)
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
         inputs = {}
@@ -135,6 +161,10 @@ class RankModel:
             if tensor is not None:
                 inputs[spec.name] = torch.from_dlpack(tensor.to_dlpack())
         return inputs
+
+    def _answer(self, item):
+        """The response to a request: its error response as it is, or its request's outputs (or failure)."""
+        return item if isinstance(item, pb_utils.InferenceResponse) else self._response(item)
 
     def _response(self, request):
         try:

@@ -34,6 +34,7 @@ from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
+from mdtriton.pipeline.serving import engine_class
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -114,7 +115,7 @@ class RankWorker:
 
     def _load(self, manifest: Manifest) -> Engine:
         comm = Communicator(manifest.plan, self.spec.rank, self.device)
-        engine = TorchEngine.load(Path(self.spec.engine_dir), comm)
+        engine = engine_class(manifest).load(Path(self.spec.engine_dir), comm)
         log.info("rank %d/%d (worker pid %d) loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size,
                  os.getpid(), self.spec.engine_dir, self.device, engine.load_seconds)
         if self.spec.crash_on_first_value is not None:
@@ -132,7 +133,9 @@ class RankWorker:
                 runner.stop()
                 return
             try:
-                job = runner.submit(message["tensors"], message["id"])
+                job = runner.submit(message["tensors"], message["id"],
+                                    on_progress=partial(self._report_progress, message["id"]) if message["progress"]
+                                    else None)
             except RanksUnavailable:
                 continue  # the generation is ending: the stub sends the job again to the next worker
             job.result.add_done_callback(partial(self._answer, message["id"]))
@@ -148,6 +151,9 @@ class RankWorker:
 
     def _report_started(self, job_id: str) -> None:
         self.link.send({"type": "started", "id": job_id})
+
+    def _report_progress(self, job_id: str, done: int, total: int) -> None:
+        self.link.send({"type": "progress", "id": job_id, "done": done, "total": total})
 
     def _report_job_time(self, communication: float, compute: float) -> None:
         self.link.send({"type": "job_timed", "communication": communication, "compute": compute})

@@ -37,6 +37,7 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.pipeline.progress import ProgressListener
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -64,6 +65,7 @@ class Request:
     running: bool = False  # the ranks are running it (the worker said so)
     failures: int = 0  # failures of the ranks while it was running
     abandoned: bool = False  # its caller stopped waiting; kept until the worker is done with it
+    on_progress: ProgressListener | None = None  # told of the steps the engine reports (pipelines)
 
 
 def python_executable() -> str:
@@ -136,9 +138,10 @@ class WorkerKeeper:
         """Why requests wait or fail now ("" while serving)."""
         return self._problem or ""
 
-    def submit(self, inputs: dict[str, torch.Tensor]) -> Request:
-        """Queue a request; it runs as soon as the ranks serve. Raises RanksUnavailable if they never will again."""
-        request = Request(inputs, deadline=time.monotonic() + self.timeout)
+    def submit(self, inputs: dict[str, torch.Tensor], on_progress: ProgressListener | None = None) -> Request:
+        """Queue a request; it runs as soon as the ranks serve. Raises RanksUnavailable if they never will again.
+        on_progress: called, on the keeper thread, with the steps the engine reports (pipelines do)."""
+        request = Request(inputs, deadline=time.monotonic() + self.timeout, on_progress=on_progress)
         with self._lock:
             if self._given_up or self._stopping.is_set():
                 raise RanksUnavailable(self._given_up or "the model is being unloaded")
@@ -179,7 +182,8 @@ class WorkerKeeper:
         """Hand a request to the current worker (under the lock); a send to a worker that just died is retried by
         the next healing."""
         try:
-            self._link.send({"type": "job", "id": request.id}, request.inputs)
+            self._link.send({"type": "job", "id": request.id, "progress": request.on_progress is not None},
+                            request.inputs)
             request.sent_at = time.monotonic()
         except OSError:
             pass
@@ -283,6 +287,11 @@ class WorkerKeeper:
                     request = self._requests.pop(message["id"], None)
                 if request is not None and not request.abandoned:
                     request.answer.set_result(message["tensors"])
+            elif kind == "progress":
+                with self._lock:
+                    request = self._requests.get(message["id"])
+                if request is not None and not request.abandoned and request.on_progress is not None:
+                    request.on_progress(message["done"], message["total"])
             elif kind == "job_timed":
                 self._on_job_timed(message["communication"], message["compute"])
             else:  # "ended" or "given_up": the worker exits next

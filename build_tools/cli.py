@@ -6,10 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build import DEFAULT_REQUEST_TIMEOUT_S, build_model_version
+from mdtriton.build_tools.pipeline_builder import PIPELINE_REQUEST_TIMEOUT_S, build_pipeline_version
 from mdtriton.engine.architectures import ARCHITECTURES
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
+from mdtriton.pipeline.signature import ARCHITECTURE as PIPELINE
 
 
 def add_parser(subparsers) -> None:
@@ -21,7 +23,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("repository", type=Path, help="model repository directory (created if missing)")
     parser.add_argument("--name", required=True, help="model name")
     parser.add_argument("--version", type=int, help="version number (default: the next free one)")
-    parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES) + [PIPELINE],
+                        help=f"what to build; {PIPELINE}: a whole FLUX pipeline (prompt to image) from a diffusers "
+                             "FLUX directory given by --weights")
     parser.add_argument("--preset", help="a named config of the architecture: flux: tiny (default), flux.1-dev, flux-80b; "
                                          "tiny_transformer: small (default)")
     parser.add_argument("--config", default="{}",
@@ -29,7 +33,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
-    parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16"), help="engine data type")
+    parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16", "FP8"),
+                        help="engine data type; FP8: the transformer blocks' linear weights in e4m3 with a scale per "
+                             "row, activations quantized per token, the rest and the inputs/outputs in BF16 "
+                             "(GPUs of compute capability 8.9+: Ada, Hopper, Blackwell)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
                         help="instance kind: one KIND_GPU instance per GPU, or KIND_CPU instances (gloo)")
     parser.add_argument("--gpus", help="comma-separated GPU ids for the ranks, in rank order (default 0..N-1)")
@@ -38,13 +45,15 @@ def add_parser(subparsers) -> None:
     weights.add_argument("--weights", type=Path,
                          help="a safetensors checkpoint: one file, a sharded checkpoint's *.safetensors.index.json, or "
                               "a directory with either (diffusers' layout: its config.json fills the config); "
-                              "weight names as the architecture's (diffusers' for flux)")
+                              "weight names as the architecture's (diffusers' for flux); for flux-pipeline, the "
+                              "diffusers FLUX pipeline directory (model_index.json, transformer/, vae/, ...)")
     parser.add_argument("--random-device", default="cpu", choices=("cpu", "cuda"),
                         help="where random weights are generated (cuda: much faster for big models; the same seed "
                              "gives other weights than on cpu)")
-    parser.add_argument("--request-timeout", type=float, default=30.0,
+    parser.add_argument("--request-timeout", type=float,
                         help="seconds a request may wait for all ranks before it fails, and the longest a collective "
-                             "may wait for a stopped or stuck rank (default 30)")
+                             f"may wait for a stopped or stuck rank (default {DEFAULT_REQUEST_TIMEOUT_S:.0f}; {PIPELINE}: "
+                             f"{PIPELINE_REQUEST_TIMEOUT_S:.0f}, a request being a whole image)")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help=f"largest batch a request may carry (default {DEFAULT_MAX_BATCH_SIZE})")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -57,6 +66,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    limits = EngineLimits(args.max_batch_size, args.max_tokens)
+    if args.architecture == PIPELINE:
+        if args.weights is None:
+            raise SystemExit(f"error: {PIPELINE} builds from a diffusers FLUX directory: give it with --weights DIR")
+        version_dir = build_pipeline_version(args.repository, args.name, args.weights, plan, args.dtype, args.device,
+                                             gpus, args.version, args.request_timeout or PIPELINE_REQUEST_TIMEOUT_S,
+                                             policy=args.version_policy, limits=limits)
+        print(f"built {PIPELINE} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
+        return 0
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
     try:
         config = json.loads(config_text)
@@ -67,11 +87,9 @@ def run(args: argparse.Namespace) -> int:
         if args.preset not in presets:
             raise SystemExit(f"error: {args.architecture} has no preset {args.preset!r}; its presets: {', '.join(presets)}")
         config = {**presets[args.preset], **config}
-    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
-    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
-                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
-                                      random_device=args.random_device, policy=args.version_policy,
-                                      limits=EngineLimits(args.max_batch_size, args.max_tokens))
+                                      args.device, gpus, args.seed, args.weights, args.version,
+                                      args.request_timeout or DEFAULT_REQUEST_TIMEOUT_S,
+                                      random_device=args.random_device, policy=args.version_policy, limits=limits)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

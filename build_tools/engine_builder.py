@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mdtriton.build_tools.checkpoint import Split
-from mdtriton.engine.architectures import architecture, meta_module
+from mdtriton.engine.architectures import architecture, loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.fp8 import quantize_weight
 from mdtriton.engine.layers import parallel_specs, take_shard
 from mdtriton.engine.manifest import EngineLimits, Manifest, WeightFile, file_sha256
 from mdtriton.engine.plan import ParallelPlan
@@ -75,23 +76,36 @@ def random_weights(architecture_name: str, config: dict, seed: int) -> dict[str,
 
 
 def rank_weights(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, source,
-                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rank's weights, one at a time, read from source (RandomWeights or a Checkpoint) and cast to dtype."""
-    module = meta_module(architecture_name, config, plan, rank)
+                 dtype: torch.dtype, quantization: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank's weights, one at a time, read from source (RandomWeights or a Checkpoint) and cast to dtype.
+
+    With quantization "fp8", each weight that has a `weight_scale` beside it is quantized from this rank's
+    slice (so each rank's row scales fit its own columns) and followed by its scale."""
+    module = meta_module(architecture_name, config, plan, rank, quantization)
     specs = parallel_specs(module)
-    for name, local in module.state_dict().items():
-        tensor = source.read(name, specs.get(name)).to(dtype)
+    state = module.state_dict()
+    for name, local in state.items():
+        if name.endswith(".weight_scale"):
+            continue  # made with its weight
+        tensor = source.read(name, specs.get(name))
         if tuple(tensor.shape) != tuple(local.shape):
             raise ValueError(f"weight {name!r} of rank {rank} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(local.shape)}")
-        yield name, tensor
+        scale_name = name.removesuffix("weight") + "weight_scale"
+        if scale_name in state:
+            values, scale = quantize_weight(tensor.float())
+            yield name, values
+            yield scale_name, scale
+        else:
+            yield name, tensor.to(dtype)
 
 
 def random_shard(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, seed: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 quantization: str | None = None) -> dict[str, torch.Tensor]:
     """Rank's shard of the seeded random weights, generated on device (never the whole model in memory)."""
     source = RandomWeights(full_shapes(architecture_name, config), seed, str(device))
-    return dict(rank_weights(architecture_name, config, plan, rank, source, dtype))
+    return dict(rank_weights(architecture_name, config, plan, rank, source, dtype, quantization))
 
 
 def _finished_files(engine_dir: Path) -> dict[str, WeightFile]:
@@ -108,7 +122,8 @@ def _finished_files(engine_dir: Path) -> dict[str, WeightFile]:
 
 
 def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
-                 source, progress: bool = True, limits: EngineLimits = EngineLimits()) -> Manifest:
+                 source, progress: bool = True, limits: EngineLimits = EngineLimits(),
+                 quantization: str | None = None) -> Manifest:
     """Write each rank's weight file from source, then the manifest (with the request limits) last.
 
     The manifest is written only after every weight file, so an interrupted build never looks complete;
@@ -120,7 +135,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
     engine_dir.mkdir(parents=True, exist_ok=True)
     finished = _finished_files(engine_dir)
     dtype = TORCH_DTYPES[data_type]
-    weights_per_rank = len(meta_module(architecture_name, config, plan, 0).state_dict())
+    weights_per_rank = len(meta_module(architecture_name, config, plan, 0, quantization).state_dict())
     files = []
     with tqdm(total=plan.world_size * weights_per_rank, desc="building engine", unit="weight",
               disable=not progress) as bar:
@@ -132,7 +147,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
                 continue
             bar.set_postfix_str(f"rank {rank}")
             shard = {}
-            for name, tensor in rank_weights(architecture_name, config, plan, rank, source, dtype):
+            for name, tensor in rank_weights(architecture_name, config, plan, rank, source, dtype, quantization):
                 shard[name] = tensor.contiguous().cpu()
                 bar.update(1)
             # One metadata key: safetensors writes several in a random order, which would change the checksum.
@@ -141,7 +156,8 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
             files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
             (engine_dir / PROGRESS_FILE).write_text(json.dumps([vars(f) for f in files]))
     inputs, outputs = arch.signature(config, data_type)
-    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits)
+    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits,
+                        quantization)
     manifest.write(engine_dir)
     (engine_dir / PROGRESS_FILE).unlink(missing_ok=True)
     return manifest
@@ -150,6 +166,5 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
 def reference_module(architecture_name: str, config: dict, full_weights: dict[str, torch.Tensor], data_type: str,
                      device: str = "cpu") -> torch.nn.Module:
     """The same model on one rank with the full weights: the reference that multi-rank engines must match."""
-    module = architecture(architecture_name)(config, Communicator.single(device))
-    module.load_state_dict(full_weights)
-    return module.to(device=device, dtype=TORCH_DTYPES[data_type]).eval()
+    weights = {name: tensor.to(device=device, dtype=TORCH_DTYPES[data_type]) for name, tensor in full_weights.items()}
+    return loaded_module(architecture_name, config, Communicator.single(device), weights)

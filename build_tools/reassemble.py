@@ -5,6 +5,7 @@ one device.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -49,15 +50,33 @@ class EngineWeights:
         return assemble(parts, dim, segments, tp_size)
 
 
-def streamed_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The module's children, with each list of blocks taken block by block, and their name prefixes."""
+def streamed_units(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, weight-name prefix) of each of the module's children, each list of blocks taken
+    block by block."""
     units = []
     for name, child in module.named_children():
         if isinstance(child, nn.ModuleList):
-            units += [(f"{name}.{index}", block) for index, block in enumerate(child)]
+            units += [(child, str(index), f"{name}.{index}") for index in range(len(child))]
         else:
-            units.append((name, child))
+            units.append((module, name, name))
     return units
+
+
+class StreamedUnit(nn.Module):
+    """Stands in for one unit of a model (a block, an embedder): at each call it makes the unit afresh, loads its
+    weights onto the device, fuses its projections where it has them, runs it, and lets it go."""
+
+    def __init__(self, template: nn.Module, load_weights):
+        super().__init__()
+        self.template = [template]  # in a list, so it is no child module (its parameters are on meta)
+        self.load_weights = load_weights
+
+    def forward(self, *args, **kwargs):
+        unit = copy.deepcopy(self.template[0])
+        unit.load_state_dict(self.load_weights(unit.state_dict()), assign=True)
+        if hasattr(unit, "fuse_projections"):
+            unit.fuse_projections()
+        return unit(*args, **kwargs)
 
 
 def streamed_reference(engine_dir: Path, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
@@ -68,19 +87,16 @@ def streamed_reference(engine_dir: Path, device: str | torch.device, dtype: torc
     """
     weights = EngineWeights(engine_dir)
     manifest = weights.manifest
+    if manifest.quantization:
+        raise ValueError(f"{engine_dir}: a streamed reference re-assembles unquantized engines only "
+                         f"(this one is {manifest.weight_type})")
     module = meta_module(manifest.architecture, manifest.config, ParallelPlan(), 0).eval()
 
     def loader(prefix: str):
-        def load(unit: nn.Module, _inputs) -> None:
-            state = {name: weights.read(f"{prefix}.{name}").to(device=device, dtype=dtype)
-                     for name in unit.state_dict()}
-            unit.load_state_dict(state, assign=True)
+        def load(names) -> dict[str, torch.Tensor]:
+            return {name: weights.read(f"{prefix}.{name}").to(device=device, dtype=dtype) for name in names}
         return load
 
-    def unload(unit: nn.Module, _inputs, _output) -> None:
-        unit.to("meta")
-
-    for prefix, unit in streamed_units(module):
-        unit.register_forward_pre_hook(loader(prefix))
-        unit.register_forward_hook(unload)
+    for parent, attribute, prefix in streamed_units(module):
+        parent.register_module(attribute, StreamedUnit(parent.get_submodule(attribute), loader(prefix)))
     return module

@@ -1,4 +1,4 @@
-"""The client commands of `mdtriton`: infer, sample, health, metadata, models, load, unload.
+"""The client commands of `mdtriton`: infer, sample, generate, health, metadata, models, load, unload.
 
 Each talks to a running Triton server over gRPC (--url). Server errors end as one line on stderr and
 exit code 1 (mdtriton/cli.py prints the ClientError).
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tqdm import tqdm
+
 from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
+from mdtriton.client.pipeline import generate
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
 
@@ -83,6 +86,25 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--guidance", type=float, default=3.5, help="guidance scale, for models that take one (default 3.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
     parser.set_defaults(run=sample)
+
+    parser = subparsers.add_parser(
+        "generate", help="prompt to image with a served FLUX pipeline model",
+        description="Send a prompt to a FLUX pipeline model (mdtriton build --architecture flux-pipeline), show "
+                    "each denoising step as the server finishes it, and write the image as a PNG.")
+    parser.add_argument("model", help="model name of a FLUX pipeline")
+    parser.add_argument("prompt", help="the prompt")
+    parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
+    parser.add_argument("--timeout", type=float, help="seconds the image may take (default: no limit)")
+    parser.add_argument("--prompt-2", help="a different prompt for the T5 encoder (default: the prompt)")
+    parser.add_argument("--height", type=int, default=1024, help="image height in pixels, a multiple of 16 (default 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="image width in pixels, a multiple of 16 (default 1024)")
+    parser.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
+    parser.add_argument("--guidance", type=float, default=3.5,
+                        help="guidance scale (default 3.5; ignored by models without guidance, e.g. FLUX.1-schnell)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
+    parser.add_argument("--max-sequence-length", type=int, help="T5 tokens of the prompt (default 512)")
+    parser.add_argument("-o", "--output", type=Path, default=Path("image.png"), help="PNG to write (default image.png)")
+    parser.set_defaults(run=generate_image)
 
     parser = subparsers.add_parser("health", parents=[connection], help="is the server (or a model) live and ready",
                                    description="Print whether the server is live and ready (and a model, if named); "
@@ -168,6 +190,19 @@ def sample(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     show_outputs({"latents": latents}, args.output)
     print(f"{args.steps} steps in {elapsed:.2f} s ({elapsed / args.steps * 1000:.1f} ms per step)")
+    return 0
+
+
+def generate_image(args: argparse.Namespace) -> int:
+    from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it
+
+    start = time.perf_counter()
+    with tqdm(total=args.steps, desc="denoising", unit="step") as bar:
+        image = generate(args.url, args.model, args.prompt, args.height, args.width, args.steps, args.guidance,
+                         args.seed, args.prompt_2, args.max_sequence_length,
+                         on_step=lambda done, total: bar.update(done - bar.n), timeout=args.timeout)
+    Image.fromarray(image[0]).save(args.output, format="PNG")
+    print(f"wrote {args.output} ({image.shape[2]}x{image.shape[1]}) in {time.perf_counter() - start:.2f} s")
     return 0
 
 

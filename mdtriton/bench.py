@@ -1,10 +1,14 @@
-"""`mdtriton bench`: one FLUX transformer forward per GPU count x parallel method x sequence length.
+"""`mdtriton bench`: one FLUX transformer forward per GPU count x parallel method x variant x sequence length.
 
 Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are random, made on each
-GPU shard by shard from one seed (the same full model for every plan), bf16. Timing: warm-up runs,
-then CUDA-event times of whole forwards between barriers; the median is reported. One more forward
-runs under the PyTorch profiler to find the share of GPU time spent in NCCL kernels. At --check-tokens
-every plan's output is compared with the 1-GPU output. A second table times one block's attention
+GPU shard by shard from one seed (the same full model for every plan), bf16, with trained-like scales
+(modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md, "Accuracy"). Variants:
+`compiled` (what the server runs on GPUs: fused projections, compiled blocks, warmed up at load), `eager`
+(the same module uncompiled), `fp8` (FP8 weights, compiled). Timing: the first call at each length after
+the warm-up (a recompile would show here), then warm-up runs, then CUDA-event times of whole forwards
+between barriers; the median is reported. One more forward runs under the PyTorch profiler to find the
+share of GPU time spent in NCCL kernels. At --check-tokens every output is compared with the 1-GPU compiled
+output and with a float32 forward of the same weights. A second table times one block's attention
 alone (the method's communication included) against cuDNN's attention on one GPU.
 """
 
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -23,28 +26,30 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from torch.nn.attention import SDPBackend
 
 from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.attention import attention_for
-from mdtriton.engine.attention import local
-from mdtriton.engine.attention.local import KERNEL_PRIORITY, sdpa
+from mdtriton.engine.attention.local import sdpa
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.compile import compile_regions, warm_up
 from mdtriton.engine.cuda_graphs import CudaGraphForward
+from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.server import free_port
 
 METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
-# The 1-GPU model with flash attention instead of cuDNN's: how far a change of kernel alone moves the output.
-FLASH_ROW = "1 GPU, flash attention"
-FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+VARIANTS = ("compiled", "eager", "fp8")
+# Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
+# O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
+MODULATION_SCALE = 0.1
 
 
 def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
     """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
     if world_size == 1:
-        return {"1 GPU": ParallelPlan(), FLASH_ROW: ParallelPlan()}
+        return {"1 GPU": ParallelPlan()}
     plans = {}
     for method in methods:
         if method == "tp":
@@ -59,22 +64,20 @@ def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
 
 def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid."""
-    generator = torch.Generator().manual_seed(0)
-    side = math.isqrt(image_tokens)
-    positions = torch.arange(image_tokens)
-    inputs = {
-        "hidden_states": torch.randn(1, image_tokens, config["in_channels"], generator=generator),
-        "encoder_hidden_states": torch.randn(1, text_tokens, config["joint_attention_dim"], generator=generator),
-        "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=generator),
-        "timestep": torch.tensor([0.5]),
-        "img_ids": torch.stack((torch.zeros(image_tokens), positions // side, positions % side), dim=1).float(),
-        "txt_ids": torch.zeros(text_tokens, 3),
-    }
-    if config["guidance_embeds"]:
-        inputs["guidance"] = torch.tensor([3.5])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {name: t.to(device, dtype if name not in ("img_ids", "txt_ids") else torch.float32)
-            for name, t in inputs.items()}
+    return {name: t.to(device) for name, t in Flux.example_inputs(config, text_tokens, image_tokens, dtype).items()}
+
+
+def is_modulation(name: str) -> bool:
+    """Whether a FLUX weight is a modulation (adaptive norm) linear's, whose outputs are shifts, scales and gates."""
+    return ".linear." in name and ("norm1" in name or ".norm." in name or name.startswith("norm_out."))
+
+
+def bench_weights(config: dict, plan: ParallelPlan, rank: int, device: torch.device, dtype: torch.dtype,
+                  quantization: str | None) -> dict[str, torch.Tensor]:
+    """Rank's random weights with trained-like modulation scales."""
+    weights = random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype, quantization=quantization)
+    return {name: t * MODULATION_SCALE if is_modulation(name) else t for name, t in weights.items()}
 
 
 def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[float], object]:
@@ -129,8 +132,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def sample_file(world_size: int, method: str, image_tokens: int) -> str:
-    return f"sample-{world_size}-{method}-{image_tokens}.safetensors"
+def sample_file(world_size: int, method: str, variant: str, image_tokens: int) -> str:
+    return f"sample-{world_size}-{method}-{variant}-{image_tokens}.safetensors"
 
 
 def save_sample(sample: torch.Tensor, path: Path) -> None:
@@ -144,28 +147,27 @@ def load_sample(path: Path) -> torch.Tensor:
 def float32_samples(config: dict, device: torch.device, args: argparse.Namespace, work_dir: str) -> None:
     """The 1-GPU model with the same bf16 weights but float32 activations, at the check lengths: the bf16
     engine's own rounding error shows against it, one GPU's included."""
-    with torch.device("meta"):
-        module = Flux(config, Communicator.single(device))
-    weights = random_shard("flux", config, ParallelPlan(), 0, seed=0, device=device, dtype=torch.bfloat16)
-    module.load_state_dict({name: tensor.float() for name, tensor in weights.items()}, assign=True)
+    weights = bench_weights(config, ParallelPlan(), 0, device, torch.bfloat16, None)
+    module = loaded_module("flux", config, Communicator.single(device),
+                           {name: tensor.float() for name, tensor in weights.items()})
     del weights
     for image_tokens in args.check_tokens:
         inputs = {name: t.float() for name, t in flux_inputs(config, args.text_tokens, image_tokens, device).items()}
         with torch.inference_mode():
-            sample = module.eval()(**inputs)["sample"]
-        save_sample(sample, Path(work_dir) / sample_file(1, "float32", image_tokens))
+            sample = module(**inputs)["sample"]
+        save_sample(sample, Path(work_dir) / sample_file(1, "1 GPU", "float32", image_tokens))
     del module
 
 
 def add_errors(rows: list[dict], work_dir: str) -> None:
-    """Each checked row's relative error (norm) against the 1-GPU bf16 output and the float32 output."""
+    """Each checked row's relative error (norm) against the 1-GPU compiled bf16 output and the float32 output."""
     for row in rows:
-        path = Path(work_dir) / sample_file(row["gpus"], row["method"], row["image_tokens"])
+        path = Path(work_dir) / sample_file(row["gpus"], row["method"], row["variant"], row["image_tokens"])
         if not path.exists():
             continue
         sample = load_sample(path)
-        for reference, key in (("1 GPU", "error_vs_1gpu"), ("float32", "error_vs_float32")):
-            reference_path = Path(work_dir) / sample_file(1, reference, row["image_tokens"])
+        for reference, key in (("compiled", "error_vs_1gpu"), ("float32", "error_vs_float32")):
+            reference_path = Path(work_dir) / sample_file(1, "1 GPU", reference, row["image_tokens"])
             if reference_path.exists():
                 row[key] = relative_error(sample, load_sample(reference_path))
 
@@ -186,31 +188,39 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                                 device_id=device if device.type == "cuda" else None)
     config = bench_config(args)
     cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     rows, attention_rows = [], []
     for method, plan in plans_for(world_size, args.methods).items():
         comm = Communicator(plan, rank, device)
         comm.join_groups()
-        with torch.device("meta"):
-            module = Flux(config, comm)
-        dtype = torch.bfloat16 if cuda else torch.float32
-        module.load_state_dict(random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype), assign=True)
-        module.eval()
-        local.KERNEL_PRIORITY = FLASH_FIRST if method == FLASH_ROW else KERNEL_PRIORITY
-        forward = CudaGraphForward(module, max_graphs=1) if args.cuda_graphs else lambda inputs: module(**inputs)
+        for variant in args.variants:
+            quantization = "fp8" if variant == "fp8" else None
+            module = loaded_module("flux", config, comm, bench_weights(config, plan, rank, device, dtype, quantization),
+                                   quantization)
+            warm_up_seconds = 0.0
+            if variant != "eager":
+                compile_regions(module)
+                warm_up_seconds = warm_up(module, "flux", config, dtype, comm)
+            forward = CudaGraphForward(module, max_graphs=1) if args.cuda_graphs else lambda inputs: module(**inputs)
+            for image_tokens in args.image_tokens:
+                inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
+                with torch.inference_mode():
+                    first, _ = time_calls(lambda: forward(inputs)["sample"], cuda, 0, 1)
+                    times, output = time_calls(lambda: forward(inputs)["sample"], cuda, args.warmup, args.iterations)
+                    share = communication_share(lambda: forward(inputs)) if cuda and world_size > 1 else 0.0
+                row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan),
+                       "image_tokens": image_tokens, "text_tokens": args.text_tokens,
+                       "median_ms": statistics.median(times), "min_ms": min(times), "first_ms": first[0],
+                       "warm_up_s": warm_up_seconds, "communication_share": share}
+                if image_tokens in args.check_tokens and rank == 0:
+                    save_sample(output, Path(work_dir) / sample_file(world_size, method, variant, image_tokens))
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+            module = forward = None  # free this variant's weights before the next ones are made
+            if cuda:
+                torch.cuda.empty_cache()
         for image_tokens in args.image_tokens:
-            inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
-            with torch.inference_mode():
-                times, output = time_calls(lambda: forward(inputs)["sample"], cuda, args.warmup, args.iterations)
-                share = communication_share(lambda: forward(inputs)) if cuda and world_size > 1 else 0.0
-            row = {"gpus": world_size, "method": method, "plan": str(plan), "image_tokens": image_tokens,
-                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times), "min_ms": min(times),
-                   "communication_share": share}
-            if image_tokens in args.check_tokens and rank == 0:
-                save_sample(output, Path(work_dir) / sample_file(world_size, method, image_tokens))
-            rows.append(row)
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-
             tokens = image_tokens + args.text_tokens
             q, k, v = attention_inputs(config, plan, tokens, device)
             attention = attention_for(plan)
@@ -218,10 +228,6 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, _ = time_calls(lambda: attention(q, k, v, comm, tokens), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": world_size, "method": method, "image_tokens": image_tokens,
                                    "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
-        module = forward = None  # free this plan's weights before the next plan's are made
-        local.KERNEL_PRIORITY = KERNEL_PRIORITY
-        if cuda:
-            torch.cuda.empty_cache()
     if world_size == 1:
         float32_samples(config, device, args, work_dir)
         # cuDNN's attention alone over the whole sequence: the rate the engine's attention is held against.
@@ -245,18 +251,20 @@ def attention_flops(tokens: int, config: dict) -> float:
 
 
 def forward_table(rows: list[dict], config: dict) -> str:
-    single = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "1 GPU"}
+    """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
+    single = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     blocks = config["num_layers"] + config["num_single_layers"]
-    lines = ["| image+text tokens | GPUs | method | plan | median ms | speedup | efficiency | "
-             "attention-equivalent TFLOP/s per GPU | NCCL share of GPU time | rel. error vs 1 GPU bf16 / vs float32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"])):
+    lines = ["| image+text tokens | GPUs | method | variant | plan | median ms | first call ms | warm-up s | speedup | "
+             "efficiency | attention-equivalent TFLOP/s per GPU | NCCL share of GPU time | "
+             "rel. error vs 1 GPU compiled / vs float32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["image_tokens"], float("nan")) / r["median_ms"]
         tflops = attention_flops(r["image_tokens"] + r["text_tokens"], config) * blocks / r["gpus"] / r["median_ms"] / 1e9
         error = " / ".join(f"{r[key]:.1e}" if key in r else "-" for key in ("error_vs_1gpu", "error_vs_float32"))
         error = "" if error == "- / -" else error
-        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | {r['plan']} | "
-                     f"{r['median_ms']:.1f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | {tflops:.0f} | "
+        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | {r['variant']} | "
+                     f"{r['plan']} | {r['median_ms']:.1f} | {r['first_ms']:.1f} | {r['warm_up_s']:.0f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | {tflops:.0f} | "
                      f"{100 * r['communication_share']:.0f}% | {error} |")
     return "\n".join(lines)
 
@@ -282,9 +290,10 @@ def plot(rows: list[dict], path: Path) -> None:
     lengths = sorted({r["image_tokens"] for r in rows})
     figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for axis, length in zip(axes[0], lengths):
-        single = next((r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["image_tokens"] == length), None)
-        for method in sorted({r["method"] for r in rows if r["gpus"] > 1}):
-            points = sorted((r["gpus"], single / r["median_ms"]) for r in rows
+        compiled = [r for r in rows if r["variant"] == "compiled"]
+        single = next((r["median_ms"] for r in compiled if r["method"] == "1 GPU" and r["image_tokens"] == length), None)
+        for method in sorted({r["method"] for r in compiled if r["gpus"] > 1}):
+            points = sorted((r["gpus"], single / r["median_ms"]) for r in compiled
                             if r["method"] == method and r["image_tokens"] == length and single)
             axis.plot([1] + [p[0] for p in points], [1.0] + [p[1] for p in points], marker="o", label=method)
         gpus = sorted({r["gpus"] for r in rows})
@@ -300,6 +309,9 @@ def add_parser(subparsers) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"compiled (as served), eager, fp8 (FP8 weights, compiled; GPUs of compute capability "
+                             f"8.9+) (default {','.join(VARIANTS)})")
     parser.add_argument("--image-tokens", default="4096,16384,65536", help="image sequence lengths")
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()),
@@ -324,6 +336,14 @@ def run(args: argparse.Namespace) -> int:
     if args.cuda_graphs and args.device != "cuda":
         raise ValueError("--cuda-graphs needs --device cuda")
     args.methods = args.methods.split(",")
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    if "compiled" not in args.variants:
+        raise ValueError("--variants needs compiled: speed-ups and errors are measured against it")
+    if "fp8" in args.variants:
+        check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
     args.image_tokens = [int(n) for n in args.image_tokens.split(",")]
     args.check_tokens = [int(n) for n in args.check_tokens.split(",")]
     config = bench_config(args)

@@ -11,11 +11,13 @@ from mdtriton import __version__
 from mdtriton.build_tools.build import BuildInterrupted
 from mdtriton.build_tools.checkpoint import CheckpointError
 from mdtriton.client.grpc_client import ClientError
+from mdtriton.engine.fp8 import Fp8Unsupported
 from mdtriton.engine.manifest import EngineError
 from mdtriton.server import ServerError
 
 # Errors that are the user's to fix: shown as one line, exit code 1 (anything else keeps its traceback).
-USER_ERRORS = (BuildInterrupted, CheckpointError, ClientError, EngineError, ServerError, ValueError, OSError)
+USER_ERRORS = (BuildInterrupted, CheckpointError, ClientError, EngineError, Fp8Unsupported, ServerError, ValueError,
+               OSError)
 
 
 def add_serve_parser(subparsers) -> None:

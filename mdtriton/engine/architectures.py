@@ -1,7 +1,10 @@
 """The architectures an engine can be, by the name stored in its manifest.
 
-An architecture is an nn.Module class built as `cls(config, comm)` for one rank, whose forward takes
-the inputs by name and returns a dict of full (unsplit) outputs on every rank, with static methods
+An architecture is an nn.Module class built as `cls(config, comm)` for one rank (`cls(config, comm, fp8=True)`
+where its class attribute `supports_fp8` is true), whose forward takes the inputs by name and returns a dict
+of full (unsplit) outputs on every rank, with methods `fuse_projections()` (called once the weights are
+loaded) and `compiled_regions()` (the modules worth compiling on GPUs), and static methods
+`example_inputs(config, text_tokens, image_tokens, dtype)` (a request, for warm-ups and benchmarks),
 `default_config()`, `presets()` (named configs), `check_plan(config, plan)` (raise ValueError saying
 what to change), `signature(config, data_type)` -> (input TensorSpecs, output TensorSpecs), and
 `check_request(config, inputs)` -> (batch size, tokens): raise ValueError, saying what to send instead,
@@ -32,7 +35,33 @@ def architecture(name: str):
         raise EngineError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}") from None
 
 
-def meta_module(name: str, config: dict, plan: ParallelPlan, rank: int) -> torch.nn.Module:
+def new_module(name: str, config: dict, comm: Communicator, quantization: str | None = None) -> torch.nn.Module:
+    """Rank's module of architecture name, its weights not yet loaded (made on the current default device)."""
+    cls = architecture(name)
+    if quantization is None:
+        return cls(config, comm)
+    if not getattr(cls, "supports_fp8", False):
+        raise EngineError(f"architecture {name!r} has no {quantization} weights; build it with --dtype BF16")
+    return cls(config, comm, fp8=True)
+
+
+def meta_module(name: str, config: dict, plan: ParallelPlan, rank: int,
+                quantization: str | None = None) -> torch.nn.Module:
     """Rank's module of architecture name, without memory: for weight names, shapes and splits."""
     with torch.device("meta"):
-        return architecture(name)(config, Communicator(plan, rank, torch.device("meta")))
+        return new_module(name, config, Communicator(plan, rank, torch.device("meta")), quantization)
+
+
+def loaded_module(name: str, config: dict, comm: Communicator, weights: dict[str, torch.Tensor],
+                  quantization: str | None = None) -> torch.nn.Module:
+    """Rank's module with its weights (taken as they are: dtype and device), projections fused, in eval mode.
+
+    Raises EngineError if the weights do not fit the architecture."""
+    with torch.device("meta"):
+        module = new_module(name, config, comm, quantization)
+    try:
+        module.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as error:
+        raise EngineError(f"weights do not fit architecture {name!r}: {error}") from error
+    module.fuse_projections()
+    return module.eval()

@@ -49,6 +49,19 @@ class Communicator:
         # Optional hook: a callable returning a context manager wrapped around every collective (the
         # backend's metrics time them with it).
         self.collective_timer = None
+        self._rehearsing = False
+
+    @contextmanager
+    def rehearsal(self):
+        """Within it, collectives communicate nothing and return tensors of the shapes they would return.
+
+        For running a rank's model alone before the ranks meet (compiling it at load), never for answers.
+        """
+        self._rehearsing = True
+        try:
+            yield
+        finally:
+            self._rehearsing = False
 
     def _timed(self):
         return self.collective_timer() if self.collective_timer is not None else nullcontext()
@@ -137,14 +150,23 @@ class Communicator:
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial results of a row-parallel layer across the tensor-parallel group, in place."""
         if self.tp_size > 1:
-            with self._collective("tensor-parallel all-reduce"):
-                dist.all_reduce(x, group=self._tp_group)
+            self._tp_all_reduce(x)
         return x
+
+    @torch.compiler.disable
+    def _tp_all_reduce(self, x: torch.Tensor) -> None:
+        # Eager inside compiled regions (a graph break): the regions between collectives are what compiles.
+        if self._rehearsing:
+            return
+        with self._collective("tensor-parallel all-reduce"):
+            dist.all_reduce(x, group=self._tp_group)
 
     def cp_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every context-parallel rank's slice of x along dim, in rank order."""
         if self.cp_size == 1:
             return x
+        if self._rehearsing:
+            return torch.cat([x] * self.cp_size, dim=dim)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.cp_size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         with self._collective("context-parallel all-gather"):
@@ -156,6 +178,8 @@ class Communicator:
         if self.cp_size == 1:
             return x
         chunks = [c.contiguous() for c in x.chunk(self.cp_size, dim=scatter_dim)]
+        if self._rehearsing:
+            return torch.cat([chunks[0]] * self.cp_size, dim=gather_dim)
         received = [torch.empty_like(c) for c in chunks]
         with self._collective("context-parallel all-to-all"):
             dist.all_to_all(received, chunks, group=self._cp_group)
@@ -170,6 +194,8 @@ class Communicator:
         send_to = self._cp_ranks[(position + 1) % self.cp_size]
         recv_from = self._cp_ranks[(position - 1) % self.cp_size]
         received = [torch.empty_like(t) for t in tensors]
+        if self._rehearsing:
+            return received, []
         ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
         with self._collective("context-parallel ring shift"):
@@ -186,7 +212,7 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
-        if self.plan.world_size > 1:
+        if self.plan.world_size > 1 and not self._rehearsing:
             with self._collective(f"broadcast from rank {src}"):
                 dist.broadcast(x, src=src)
         return x

@@ -8,5 +8,6 @@ TORCH_DTYPES = {
     "BF16": torch.bfloat16,
     "INT64": torch.int64,
     "INT32": torch.int32,
+    "UINT8": torch.uint8,
 }
 TRITON_TYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}

@@ -14,9 +14,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mdtriton.engine.architectures import architecture
+from mdtriton.engine.architectures import architecture, loaded_module
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.compile import CompileCache, compile_regions, warm_up
 from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import check_fits
 
@@ -32,41 +34,65 @@ class Engine(ABC):
 
 
 class TorchEngine(Engine):
-    """An engine run by PyTorch: the architecture module with this rank's weights on its device."""
+    """An engine run by PyTorch: the architecture module with this rank's weights on its device.
 
-    def __init__(self, manifest: Manifest, module: torch.nn.Module, comm: Communicator, load_seconds: float):
+    On GPUs its blocks are compiled (torch.compile, the regions between collectives) and warmed up inside
+    `load`, at two lengths so that one graph with a symbolic length serves every later request: no request
+    waits for a compile. The compiled artifacts are kept in the engine directory (CompileCache), so a later
+    load on the same kind of GPU and torch takes seconds instead of minutes.
+    """
+
+    def __init__(self, manifest: Manifest, module: torch.nn.Module, comm: Communicator, load_seconds: float,
+                 warm_up_seconds: float):
         self.manifest = manifest
         self.module = module
         self.comm = comm
         self.load_seconds = load_seconds
+        self.warm_up_seconds = warm_up_seconds
 
     @classmethod
-    def load(cls, engine_dir: Path, comm: Communicator) -> "TorchEngine":
-        """Read the manifest, check it against the communicator and the device's free memory, and load this
-        rank's weights only (safetensors maps the file and copies it straight to the device)."""
+    def load(cls, engine_dir: Path, comm: Communicator, compile: bool | None = None) -> "TorchEngine":
+        """Read the manifest, check it against the communicator and the device, load this rank's weights only
+        (safetensors maps the file and copies it straight to the device), then compile and warm up.
+
+        compile: None compiles on GPUs only (CPU ranks run eagerly: they serve tests and checks).
+        """
         start = time.perf_counter()
         engine_dir = Path(engine_dir)
         manifest = Manifest.read(engine_dir)
         if manifest.plan != comm.plan:
             raise EngineError(f"{engine_dir}: engine was built for {manifest.plan}, but is being loaded on {comm.plan}")
-        arch = architecture(manifest.architecture)
+        architecture(manifest.architecture)
+        if manifest.quantization == "fp8":
+            try:
+                check_fp8_device(comm.device)
+            except Fp8Unsupported as error:
+                raise EngineError(f"{engine_dir}: {error}") from None
         path = manifest.weight_file(engine_dir, comm.rank)
         if comm.device.type == "cuda":
             check_fits(manifest, comm.device.index, torch.cuda.mem_get_info(comm.device)[0], "free")
-        with torch.device("meta"):
-            module = arch(manifest.config, comm)
         try:
             weights = load_file(path, device=str(comm.device))
         except SafetensorError as error:
             raise EngineError(f"{path}: not a readable safetensors file: {error}") from error
         try:
-            module.load_state_dict(weights, strict=True, assign=True)
-        except RuntimeError as error:
-            raise EngineError(f"{path}: weights do not fit architecture {manifest.architecture!r}: {error}") from error
-        module.to(device=comm.device, dtype=TORCH_DTYPES[manifest.data_type]).eval()
-        return cls(manifest, module, comm, time.perf_counter() - start)
+            module = loaded_module(manifest.architecture, manifest.config, comm, weights, manifest.quantization)
+        except EngineError as error:
+            raise EngineError(f"{path}: {error}") from error
+        del weights
+        load_seconds = time.perf_counter() - start
+        warm_up_seconds = 0.0
+        if compile if compile is not None else comm.device.type == "cuda":
+            cache = CompileCache(engine_dir, comm)
+            cache.load()
+            compile_regions(module)
+            warm_up_seconds = warm_up(module, manifest.architecture, manifest.config,
+                                      TORCH_DTYPES[manifest.data_type], comm)
+            cache.save()
+        return cls(manifest, module, comm, load_seconds, warm_up_seconds)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
             on_device = {name: tensor.to(self.comm.device, non_blocking=True) for name, tensor in inputs.items()}
             return self.module(**on_device)
+

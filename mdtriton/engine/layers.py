@@ -4,6 +4,9 @@ Each layer knows how to cut its own shard out of the full (unsplit) weights: `sh
 for each parameter, which dimension is split and into which segments. A segment is a block of that
 dimension that is split on its own; a fused weight such as [attention | MLP] is split per part so
 every rank gets its share of each part.
+
+With `fp8=True` a layer holds an e4m3 weight and one float32 scale per output row (`weight_scale`), made
+from this rank's shard at build time (mdtriton.engine.fp8).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.fp8 import FP8_DTYPE, fp8_linear
 
 
 def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[int]:
@@ -42,20 +46,39 @@ def take_shard(full: torch.Tensor, dim: int, segments: list[int], tp_rank: int, 
     return torch.cat(parts, dim=dim).contiguous()
 
 
-class ColumnParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
+    """A rank's part of a linear layer: weight [local out, local in], optional bias, and in FP8 a row scale."""
+
+    def __init__(self, local_in: int, local_out: int, bias_features: int | None, fp8: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=FP8_DTYPE if fp8 else None))
+        self.weight_scale = nn.Parameter(torch.empty(local_out)) if fp8 else None
+        self.bias = nn.Parameter(torch.empty(bias_features)) if bias_features else None
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias with this rank's weight (FP8 or not)."""
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T + b with W's output rows split across ranks; each rank returns its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 out_segments: list[int] | None = None):
-        super().__init__()
-        self.comm = comm
-        self.out_segments = split_sizes(out_features, out_segments, comm.tp_size)
+                 out_segments: list[int] | None = None, fp8: bool = False):
+        segments = split_sizes(out_features, out_segments, comm.tp_size)
         local_out = out_features // comm.tp_size
-        self.weight = nn.Parameter(torch.empty(local_out, in_features))
-        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+        super().__init__(in_features, local_out, local_out if bias else None, fp8)
+        self.comm = comm
+        self.out_segments = segments
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.local_linear(x, self.bias)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         specs = {"weight": (0, self.out_segments)}
@@ -64,23 +87,41 @@ class ColumnParallelLinear(nn.Module):
         return specs
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input columns split; partial products are summed by AllReduce."""
+def fuse_columns(layers: list[ColumnParallelLinear]) -> ColumnParallelLinear:
+    """One column-parallel layer computing [layer(x) for layer in layers] concatenated, with one GEMM.
+
+    Each rank concatenates its own slices, so the fused layer holds this rank's share of every part, in order.
+    """
+    first = layers[0]
+    comm, in_features = first.comm, first.weight.shape[1]
+    parts = [segment for layer in layers for segment in layer.out_segments]
+    with torch.device("meta"):
+        fused = ColumnParallelLinear(in_features, sum(parts), comm, bias=first.bias is not None, out_segments=parts,
+                                     fp8=first.fp8)
+    for name in ("weight", "weight_scale", "bias"):
+        if getattr(fused, name) is not None:
+            setattr(fused, name, nn.Parameter(torch.cat([getattr(layer, name) for layer in layers])))
+    return fused
+
+
+class RowParallelLinear(ParallelLinear):
+    """y = x W^T + b with W's input columns split; partial products are summed by AllReduce.
+
+    In FP8 each rank's row scales are those of its own columns (quantized after the split)."""
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 in_segments: list[int] | None = None):
-        super().__init__()
+                 in_segments: list[int] | None = None, fp8: bool = False):
+        segments = split_sizes(in_features, in_segments, comm.tp_size)
+        super().__init__(in_features // comm.tp_size, out_features, out_features if bias else None, fp8)
         self.comm = comm
-        self.in_segments = split_sizes(in_features, in_segments, comm.tp_size)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // comm.tp_size))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.in_segments = segments
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Rank 0 adds the bias inside its GEMM (no extra kernel; on one rank the exact nn.Linear math), so
         # the sum holds it once. The partial products are summed in the engine's dtype: summing them in
         # float32 instead was measured 10% slower and no closer to one GPU (docs/benchmarks.md).
         bias = self.bias if self.comm.tp_rank == 0 else None
-        return self.comm.tp_all_reduce(F.linear(x, self.weight, bias))
+        return self.comm.tp_all_reduce(self.local_linear(x, bias))
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}

@@ -15,14 +15,18 @@ from pathlib import Path
 
 from mdtriton.engine.plan import ParallelPlan
 
-# 2: limits added.
-FORMAT_VERSION = 2
+# 2: limits added. 3: quantization added (version 2 reads as unquantized).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST_FILE = "manifest.json"
 # Defaults of the limits: FLUX at 2048x2048 pixels is 16384 image tokens plus up to 512 text tokens.
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_TOKENS = 32768
 # Triton's data type names (as in tritonclient and the HTTP/gRPC protocol) that engines may use.
-DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32")
+DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8")
+# How an engine's weights may be stored other than in its data type: "fp8" = the blocks' linear weights in
+# e4m3 with one float32 scale per output row, activations quantized per token (mdtriton.engine.fp8).
+QUANTIZATIONS = ("fp8",)
 
 
 class EngineError(Exception):
@@ -82,7 +86,17 @@ class Manifest:
     outputs: tuple[TensorSpec, ...]
     weights: tuple[WeightFile, ...] = field(default=())
     limits: EngineLimits = field(default=EngineLimits())
+    quantization: str | None = None
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
+
+    @property
+    def weight_type(self) -> str:
+        """The weights' precision, for people: FP8 for an fp8 engine, else the data type."""
+        return "FP8" if self.quantization == "fp8" else self.data_type
 
     def to_dict(self) -> dict:
         return {
@@ -95,6 +109,7 @@ class Manifest:
             "outputs": [t.to_dict() for t in self.outputs],
             "weights": [vars(w) for w in self.weights],
             "limits": vars(self.limits),
+            "quantization": self.quantization,
         }
 
     def write(self, engine_dir: Path) -> None:
@@ -110,12 +125,12 @@ class Manifest:
         except (OSError, json.JSONDecodeError) as error:
             raise EngineError(f"{path}: unreadable manifest: {error}") from error
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             advice = ("made by a newer mdtriton: upgrade mdtriton, or rebuild the engine with this one"
                       if isinstance(version, int) and version > FORMAT_VERSION
                       else "rebuild the engine with this mdtriton (`mdtriton build`)")
             raise EngineError(f"{path}: engine format version {version} is not supported by this mdtriton "
-                              f"(it reads version {FORMAT_VERSION}); {advice}")
+                              f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); {advice}")
         try:
             return cls(
                 architecture=data["architecture"],
@@ -126,6 +141,7 @@ class Manifest:
                 outputs=tuple(TensorSpec.from_dict(t) for t in data["outputs"]),
                 weights=tuple(WeightFile(**w) for w in data["weights"]),
                 limits=EngineLimits(**data["limits"]),
+                quantization=data.get("quantization"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"{path}: malformed manifest: {error!r}") from error

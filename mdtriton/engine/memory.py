@@ -7,6 +7,7 @@ import torch
 
 from mdtriton.engine.architectures import architecture, meta_module
 from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.fp8 import FP8_DTYPE
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.plan import ParallelPlan
 
@@ -16,10 +17,16 @@ WORKING_MEMORY_BYTES = 4 * GIB
 LARGEST_TP_SIZE = 64
 
 
-def rank_weight_bytes(architecture_name: str, config: dict, plan: ParallelPlan, data_type: str) -> int:
-    """Bytes of the weights each rank of plan holds (replicated weights in full, split ones in part)."""
+def rank_weight_bytes(architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
+                      quantization: str | None = None) -> int:
+    """Bytes of the weights each rank of plan holds (replicated weights in full, split ones in part); with
+    quantization, the quantized weights and their scales at their own sizes, the rest in data_type."""
     element = torch.empty((), dtype=TORCH_DTYPES[data_type]).element_size()
-    return element * sum(t.numel() for t in meta_module(architecture_name, config, plan, 0).state_dict().values())
+    total = 0
+    for name, tensor in meta_module(architecture_name, config, plan, 0, quantization).state_dict().items():
+        stored = tensor.element_size() if tensor.dtype == FP8_DTYPE or name.endswith(".weight_scale") else element
+        total += stored * tensor.numel()
+    return total
 
 
 def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
@@ -31,7 +38,9 @@ def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
             arch.check_plan(manifest.config, plan)
         except ValueError:
             continue
-        if rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type) + WORKING_MEMORY_BYTES <= memory_bytes:
+        weights = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type,
+                                    manifest.quantization)
+        if weights + WORKING_MEMORY_BYTES <= memory_bytes:
             return tp_size
     return None
 
@@ -39,7 +48,8 @@ def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
 def check_fits(manifest: Manifest, gpu: int, memory_bytes: int, memory_kind: str) -> None:
     """Raise EngineError, naming the memory needed and the tensor-parallel size that would fit, unless a rank of
     manifest fits in memory_bytes of GPU gpu (memory_kind says which memory that is: 'free', 'in all')."""
-    weights = rank_weight_bytes(manifest.architecture, manifest.config, manifest.plan, manifest.data_type)
+    weights = rank_weight_bytes(manifest.architecture, manifest.config, manifest.plan, manifest.data_type,
+                                manifest.quantization)
     if weights + WORKING_MEMORY_BYTES <= memory_bytes:
         return
     tp_size = fitting_tp_size(manifest, memory_bytes)
@@ -47,9 +57,10 @@ def check_fits(manifest: Manifest, gpu: int, memory_bytes: int, memory_kind: str
         advice = f"no tensor-parallel size up to {LARGEST_TP_SIZE} fits"
     else:
         plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method)
-        per_gpu = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type)
+        per_gpu = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type,
+                                    manifest.quantization)
         advice = f"build it with --tp {tp_size} ({per_gpu / GIB:.1f} GiB of weights per GPU) or more"
-    raise EngineError(f"the engine ({manifest.architecture}, {manifest.plan}, {manifest.data_type}) needs "
+    raise EngineError(f"the engine ({manifest.architecture}, {manifest.plan}, {manifest.weight_type}) needs "
                       f"{weights / GIB:.1f} GiB of weights per GPU plus {WORKING_MEMORY_BYTES / GIB:.0f} GiB of "
                       f"working memory, but GPU {gpu} has {memory_bytes / GIB:.1f} GiB {memory_kind}; {advice}")
 

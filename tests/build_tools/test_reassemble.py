@@ -7,7 +7,7 @@ import torch
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
-from mdtriton.build_tools.reassemble import EngineWeights, streamed_reference
+from mdtriton.build_tools.reassemble import EngineWeights, StreamedUnit, streamed_reference
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs, relative_error
@@ -32,4 +32,7 @@ def test_streamed_reference_matches_the_whole_model_and_holds_one_block_at_a_tim
     inputs = flux_inputs(config, text_len=5, image_len=12)
     with torch.inference_mode():
         assert relative_error(streamed(**inputs)["sample"], whole(**inputs)["sample"]) < 1e-6
-    assert all(p.is_meta for p in streamed.parameters())  # every block's weights were dropped after it ran
+    units = [module for module in streamed.modules() if isinstance(module, StreamedUnit)]
+    assert len(units) == 2 + 2 + 5  # double and single blocks, the embedders and the output layers
+    # What stays between calls holds no weights: each unit's copy with weights was dropped after it ran.
+    assert all(p.is_meta for unit in units for p in unit.template[0].parameters())

@@ -6,29 +6,28 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 
+from mdtriton.engine.architectures import loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
+from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs, relative_error
 
 
 def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:
-    """diffusers' model with perturbed random weights, and ours built on meta and given the same state dict."""
+    """diffusers' model with perturbed random weights, and ours given the same state dict (projections fused)."""
     torch.manual_seed(0)
     reference = FluxTransformer2DModel(**{**config, "axes_dims_rope": tuple(config["axes_dims_rope"])}).eval()
     with torch.no_grad():
         for parameter in reference.parameters():  # biases and norm scales start at 0 / 1; make every one matter
             parameter.add_(0.05 * torch.randn_like(parameter))
-    with torch.device("meta"):
-        ours = Flux(config, Communicator.single())
-    ours.load_state_dict(reference.state_dict(), strict=True, assign=True)
-    return reference, ours.eval()
+    return reference, loaded_module("flux", config, Communicator.single(), reference.state_dict())
 
 
 @pytest.mark.parametrize("guidance_embeds", [True, False])
 def test_matches_diffusers_float32(guidance_embeds):
     config = {**Flux.default_config(), "guidance_embeds": guidance_embeds}
     reference, ours = diffusers_and_ours(config)
-    assert set(ours.state_dict()) == set(reference.state_dict())
+    assert set(meta_module("flux", config, ParallelPlan(), 0).state_dict()) == set(reference.state_dict())
     inputs = flux_inputs(config, text_len=5, image_len=11)
     with torch.inference_mode():
         expected = reference(**inputs).sample

@@ -10,6 +10,7 @@ from mdtriton.engine.attention.local import attention_with_lse
 from mdtriton.engine.comm import Communicator
 
 
+@torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Local queries over every rank's keys and values, one block per ring step."""
     block_len = k.shape[2]

@@ -9,6 +9,7 @@ from mdtriton.engine.attention.local import sdpa
 from mdtriton.engine.comm import Communicator
 
 
+@torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Attention of this rank's sequence slice, computed head-split over the whole sequence."""
     heads = q.shape[1]

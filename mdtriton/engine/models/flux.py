@@ -7,6 +7,7 @@ Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint load
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +95,15 @@ class JointSlice:
 
 
 class Flux(nn.Module):
-    """One rank's FLUX.1 transformer: inputs by diffusers' names, output {"sample"} in full on every rank."""
+    """One rank's FLUX.1 transformer: inputs by diffusers' names, output {"sample"} in full on every rank.
 
-    def __init__(self, config: dict, comm: Communicator):
+    fp8: the blocks' linear layers hold e4m3 weights with row scales (mdtriton.engine.fp8); the embedders,
+    modulations and norms stay in the engine's data type.
+    """
+
+    supports_fp8 = True
+
+    def __init__(self, config: dict, comm: Communicator, fp8: bool = False):
         super().__init__()
         Flux.check_plan(config, comm.plan)
         self.comm = comm
@@ -111,9 +118,9 @@ class Flux(nn.Module):
         self.context_embedder = nn.Linear(config["joint_attention_dim"], dim)
         self.x_embedder = nn.Linear(config["in_channels"], dim)
         self.transformer_blocks = nn.ModuleList(
-            FluxTransformerBlock(dim, heads, head_dim, comm, attention) for _ in range(config["num_layers"]))
+            FluxTransformerBlock(dim, heads, head_dim, comm, attention, fp8) for _ in range(config["num_layers"]))
         self.single_transformer_blocks = nn.ModuleList(
-            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention)
+            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention, fp8)
             for _ in range(config["num_single_layers"]))
         self.norm_out = AdaLayerNormContinuous(dim)
         self.proj_out = nn.Linear(dim, config["patch_size"] ** 2 * out_channels)
@@ -154,6 +161,39 @@ class Flux(nn.Module):
         # lets every rank contribute an equal slice to the gather.
         sample = self.comm.cp_all_gather(self.proj_out(self.norm_out(joint, temb)), dim=1)
         return {"sample": sample[:, tokens.text_len:tokens.valid_len].contiguous()}
+
+    def fuse_projections(self) -> None:
+        """Join the projections that share an input (see flux_blocks); call once the weights are loaded."""
+        for block in (*self.transformer_blocks, *self.single_transformer_blocks):
+            block.fuse_projections()
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """The modules to compile: every block (two kinds, so two compiled codes serve all 57 of FLUX.1-dev).
+        Attention and collectives inside them run eagerly (graph breaks), the regions between them compiled."""
+        return [*self.transformer_blocks, *self.single_transformer_blocks]
+
+    @staticmethod
+    def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
+                       batch: int = 1) -> dict[str, torch.Tensor]:
+        """One request's inputs (CPU, seeded): random latents and text, image ids on a square-ish grid.
+
+        Timestep 0.5 and guidance 4.0 scale (x 1000) to values bf16 holds exactly, so a float32 forward of the
+        same inputs sees the same conditioning (3.5 would become 3504 in bf16 and 3500 in float32)."""
+        generator = torch.Generator().manual_seed(0)
+        side = math.isqrt(image_tokens)
+        positions = torch.arange(image_tokens)
+        inputs = {
+            "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=generator),
+            "encoder_hidden_states": torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=generator),
+            "pooled_projections": torch.randn(batch, config["pooled_projection_dim"], generator=generator),
+            "timestep": torch.full((batch,), 0.5),
+        }
+        if config["guidance_embeds"]:
+            inputs["guidance"] = torch.full((batch,), 4.0)
+        inputs = {name: tensor.to(dtype) for name, tensor in inputs.items()}
+        inputs["img_ids"] = torch.stack((torch.zeros(image_tokens), positions // side, positions % side), dim=1).float()
+        inputs["txt_ids"] = torch.zeros(text_tokens, 3)
+        return inputs
 
     @staticmethod
     def default_config() -> dict:

@@ -1,6 +1,12 @@
 """FLUX.1's double-stream and single-stream blocks on one rank: heads split across the tensor-parallel
 group, tokens split across the context-parallel group (each rank holds a contiguous slice of the joint
-[text; image] sequence; the attention function exchanges what the other ranks hold)."""
+[text; image] sequence; the attention function exchanges what the other ranks hold).
+
+The weights load under diffusers' names (to_q, to_k, to_v, add_*_proj, proj_mlp); `fuse_projections()`,
+called once they are loaded, joins the projections that read the same input into one GEMM each: q/k/v of
+each stream in double blocks, q/k/v and the MLP's first layer in single blocks. The forward runs only on
+fused blocks.
+"""
 
 from __future__ import annotations
 
@@ -10,70 +16,95 @@ from torch import nn
 
 from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
+from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.engine.models.flux_layers import (AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward,
                                                 apply_rotary, layer_norm)
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]
+NOT_FUSED = "FLUX blocks run with fused projections: call fuse_projections() once the weights are loaded"
 
 
 class FluxAttention(nn.Module):
     """Column-parallel q/k/v projections with per-head RMS norms; in double blocks also the text stream's
     (add_*_proj, norm_added_*) and the row-parallel output projections of both streams."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, joint: bool):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, joint: bool, fp8: bool):
         super().__init__()
         self.head_dim = head_dim
         inner = heads * head_dim
         self.norm_q = nn.RMSNorm(head_dim, eps=RMS_EPS)
         self.norm_k = nn.RMSNorm(head_dim, eps=RMS_EPS)
-        self.to_q = ColumnParallelLinear(dim, inner, comm)
-        self.to_k = ColumnParallelLinear(dim, inner, comm)
-        self.to_v = ColumnParallelLinear(dim, inner, comm)
+        self.to_q = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+        self.to_k = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+        self.to_v = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+        self.to_qkv = None
         if joint:
-            self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, comm)])
+            self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, comm, fp8=fp8)])
             self.norm_added_q = nn.RMSNorm(head_dim, eps=RMS_EPS)
             self.norm_added_k = nn.RMSNorm(head_dim, eps=RMS_EPS)
-            self.add_q_proj = ColumnParallelLinear(dim, inner, comm)
-            self.add_k_proj = ColumnParallelLinear(dim, inner, comm)
-            self.add_v_proj = ColumnParallelLinear(dim, inner, comm)
-            self.to_add_out = RowParallelLinear(inner, dim, comm)
+            self.add_q_proj = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+            self.add_k_proj = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+            self.add_v_proj = ColumnParallelLinear(dim, inner, comm, fp8=fp8)
+            self.to_add_out = RowParallelLinear(inner, dim, comm, fp8=fp8)
+            self.add_qkv = None
+
+    def fuse_projections(self) -> None:
+        """Image (or joint) q/k/v as one layer; in double blocks the text stream's too."""
+        self.to_qkv = fuse_columns([self.to_q, self.to_k, self.to_v])
+        del self.to_q, self.to_k, self.to_v
+        if hasattr(self, "add_q_proj"):
+            self.add_qkv = fuse_columns([self.add_q_proj, self.add_k_proj, self.add_v_proj])
+            del self.add_q_proj, self.add_k_proj, self.add_v_proj
+
+    def split_qkv(self, qkv: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, S, 3 * local heads * head_dim] -> q, k (RMS-normed) and v [B, S, local heads, head_dim]."""
+        q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
+        if text:
+            return self.norm_added_q(q), self.norm_added_k(k), v
+        return self.norm_q(q), self.norm_k(k), v
 
     def image_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, S, local heads, head_dim] of the image (or, in single blocks, joint) stream."""
-        return (self.norm_q(self.heads(self.to_q(x))), self.norm_k(self.heads(self.to_k(x))),
-                self.heads(self.to_v(x)))
+        """q, k, v [B, S, local heads, head_dim] of the image stream of a double block."""
+        if self.to_qkv is None:
+            raise RuntimeError(NOT_FUSED)
+        return self.split_qkv(self.to_qkv(x))
 
     def text_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [B, S, local heads, head_dim] of the text stream of a double block."""
-        return (self.norm_added_q(self.heads(self.add_q_proj(x))), self.norm_added_k(self.heads(self.add_k_proj(x))),
-                self.heads(self.add_v_proj(x)))
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (-1, self.head_dim))
+        return self.split_qkv(self.add_qkv(x), text=True)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, attention: Attention,
-           comm: Communicator, valid_len: int) -> torch.Tensor:
-    """Rotary-embed q and k [B, S, H, D], run the attention function on [B, H, S, D] views, return [B, S, H*D]."""
+def heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary-embed q and k [B, S, H, D]; return q, k, v as the [B, H, S, D] views the attention function takes.
+
+    The blocks call the attention function themselves, right after this: compiled, the graph breaks at that call,
+    and a break inside a helper would split the helper (and its rotary step) into a region of its own."""
     q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), comm, valid_len)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def tokens_first(out: torch.Tensor) -> torch.Tensor:
+    """The attention output [B, H, S, D] as [B, S, H*D]."""
     return out.transpose(1, 2).flatten(2)
 
 
 class FluxTransformerBlock(nn.Module):
     """Double-stream block: text and image keep their own weights and meet in one joint attention."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention, fp8: bool):
         super().__init__()
         self.comm = comm
         self.attention = attention
         self.norm1 = AdaLayerNormZero(dim)
         self.norm1_context = AdaLayerNormZero(dim)
-        self.attn = FluxAttention(dim, heads, head_dim, comm, joint=True)
-        self.ff = FeedForward(dim, comm)
-        self.ff_context = FeedForward(dim, comm)
+        self.attn = FluxAttention(dim, heads, head_dim, comm, joint=True, fp8=fp8)
+        self.ff = FeedForward(dim, comm, fp8)
+        self.ff_context = FeedForward(dim, comm, fp8)
+
+    def fuse_projections(self) -> None:
+        self.attn.fuse_projections()
 
     def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope,
                 valid_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +112,11 @@ class FluxTransformerBlock(nn.Module):
         joint sequence, so this rank's text tokens (if any) precede its image tokens."""
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
         norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
-        text_q, text_k, text_v = self.attn.text_qkv(norm_text)
         image_q, image_k, image_v = self.attn.image_qkv(norm_image)
-        joint = attend(torch.cat((text_q, image_q), dim=1), torch.cat((text_k, image_k), dim=1),
-                       torch.cat((text_v, image_v), dim=1), rope, self.attention, self.comm, valid_len)
+        text_q, text_k, text_v = self.attn.text_qkv(norm_text)
+        q, k, v = heads_first(torch.cat((text_q, image_q), dim=1), torch.cat((text_k, image_k), dim=1),
+                              torch.cat((text_v, image_v), dim=1), rope)
+        joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
         # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
         text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
 
@@ -102,22 +134,34 @@ class FluxSingleTransformerBlock(nn.Module):
     """Single-stream block over the joint sequence: attention and MLP in parallel, one output projection
     over [attention | MLP] (row-parallel per part, so each rank's share of both lines up)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention, fp8: bool):
         super().__init__()
         self.comm = comm
         self.attention = attention
         mlp_hidden = 4 * dim
         self.norm = AdaLayerNormZeroSingle(dim)
-        self.proj_mlp = ColumnParallelLinear(dim, mlp_hidden, comm)
+        self.proj_mlp = ColumnParallelLinear(dim, mlp_hidden, comm, fp8=fp8)
         self.proj_out = RowParallelLinear(heads * head_dim + mlp_hidden, dim, comm,
-                                          in_segments=[heads * head_dim, mlp_hidden])
-        self.attn = FluxAttention(dim, heads, head_dim, comm, joint=False)
+                                          in_segments=[heads * head_dim, mlp_hidden], fp8=fp8)
+        self.attn = FluxAttention(dim, heads, head_dim, comm, joint=False, fp8=fp8)
+        self.qkv_mlp = None
+        self.local_features = (3 * heads * head_dim // comm.tp_size, mlp_hidden // comm.tp_size)  # [q|k|v], mlp
+
+    def fuse_projections(self) -> None:
+        """q, k, v and the MLP's first layer read the same normed input: one GEMM for all four."""
+        attn = self.attn
+        self.qkv_mlp = fuse_columns([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+        del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
+        if self.qkv_mlp is None:
+            raise RuntimeError(NOT_FUSED)
         norm_x, gate = self.norm(x, temb)
-        mlp = F.gelu(self.proj_mlp(norm_x), approximate="tanh")
-        attn = attend(*self.attn.image_qkv(norm_x), rope, self.attention, self.comm, valid_len)
+        qkv, mlp = self.qkv_mlp(norm_x).split(self.local_features, dim=-1)
+        q, k, v = heads_first(*self.attn.split_qkv(qkv), rope)
+        attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+        mlp = F.gelu(mlp, approximate="tanh")
         x = x + gate[:, None] * self.proj_out(torch.cat((attn, mlp), dim=2))
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)

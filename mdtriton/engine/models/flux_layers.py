@@ -96,9 +96,9 @@ class AdaLayerNormContinuous(nn.Module):
 class GeluProjection(nn.Module):
     """The feed-forward's first layer (column-parallel) and its tanh GELU; named `proj` as in diffusers."""
 
-    def __init__(self, dim: int, hidden: int, comm: Communicator):
+    def __init__(self, dim: int, hidden: int, comm: Communicator, fp8: bool):
         super().__init__()
-        self.proj = ColumnParallelLinear(dim, hidden, comm)
+        self.proj = ColumnParallelLinear(dim, hidden, comm, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
@@ -107,10 +107,11 @@ class GeluProjection(nn.Module):
 class FeedForward(nn.Module):
     """dim -> 4 dim -> dim, split column/row across the tensor-parallel group."""
 
-    def __init__(self, dim: int, comm: Communicator):
+    def __init__(self, dim: int, comm: Communicator, fp8: bool):
         super().__init__()
         # Keys "0" and "2" give diffusers' names net.0.proj / net.2 (its net.1 is a parameterless dropout).
-        self.net = nn.ModuleDict({"0": GeluProjection(dim, 4 * dim, comm), "2": RowParallelLinear(4 * dim, dim, comm)})
+        self.net = nn.ModuleDict({"0": GeluProjection(dim, 4 * dim, comm, fp8),
+                                  "2": RowParallelLinear(4 * dim, dim, comm, fp8=fp8)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net["2"](self.net["0"](x))

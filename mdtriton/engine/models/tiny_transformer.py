@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
+from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 
@@ -27,6 +27,7 @@ class TransformerBlock(nn.Module):
         self.to_q = ColumnParallelLinear(hidden_size, hidden_size, comm)
         self.to_k = ColumnParallelLinear(hidden_size, hidden_size, comm)
         self.to_v = ColumnParallelLinear(hidden_size, hidden_size, comm)
+        self.to_qkv = None
         self.to_out = RowParallelLinear(hidden_size, hidden_size, comm)
         self.norm2 = nn.LayerNorm(hidden_size)
         self.fc1 = ColumnParallelLinear(hidden_size, mlp_ratio * hidden_size, comm)
@@ -36,9 +37,15 @@ class TransformerBlock(nn.Module):
         batch, seq, _ = x.shape
         return x.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
 
+    def fuse_projections(self) -> None:
+        self.to_qkv = fuse_columns([self.to_q, self.to_k, self.to_v])
+        del self.to_q, self.to_k, self.to_v
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.to_qkv is None:
+            raise RuntimeError("call fuse_projections() once the weights are loaded")
         h = self.norm1(x)
-        attn = F.scaled_dot_product_attention(self.heads(self.to_q(h)), self.heads(self.to_k(h)), self.heads(self.to_v(h)))
+        attn = F.scaled_dot_product_attention(*(self.heads(part) for part in self.to_qkv(h).chunk(3, dim=-1)))
         x = x + self.to_out(attn.transpose(1, 2).flatten(2))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 
@@ -53,6 +60,21 @@ class TinyTransformer(nn.Module):
             for _ in range(config["num_layers"])
         )
         self.norm_out = nn.LayerNorm(config["hidden_size"])
+
+    def fuse_projections(self) -> None:
+        for block in self.blocks:
+            block.fuse_projections()
+
+    def compiled_regions(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    @staticmethod
+    def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
+                       batch: int = 1) -> dict[str, torch.Tensor]:
+        """A request of text_tokens + image_tokens tokens (the model has one sequence)."""
+        generator = torch.Generator().manual_seed(0)
+        return {"hidden_states": torch.randn(batch, text_tokens + image_tokens, config["hidden_size"],
+                                             generator=generator).to(dtype)}
 
     def forward(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         for block in self.blocks:

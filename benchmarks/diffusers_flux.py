@@ -1,0 +1,73 @@
+"""The 1-GPU peer: diffusers' FluxTransformer2DModel at FLUX.1-dev size (random bf16 weights, batch 1), eager and
+with torch.compile of the whole model, cuDNN attention first as in our engine. Run it in the same device call as
+`mdtriton bench --gpus 1`, so both are timed on one machine. The first compiled call per length compiles; its
+time is printed apart from the median of the timed calls.
+
+    python benchmarks/diffusers_flux.py --image-tokens 4096,16384 --modes eager,compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from diffusers import FluxTransformer2DModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mdtriton.bench import flux_inputs
+from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
+
+
+def median_ms(call, warmup: int, iterations: int) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--image-tokens", default="4096,16384")
+    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--modes", default="eager,compile")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with device:
+        model = FluxTransformer2DModel(**{**FLUX_DEV_CONFIG, "axes_dims_rope": tuple(FLUX_DEV_CONFIG["axes_dims_rope"])})
+    model = model.to(torch.bfloat16).eval()
+    rows = []
+    for mode in args.modes.split(","):
+        forward = torch.compile(model) if mode == "compile" else model
+        for image_tokens in [int(n) for n in args.image_tokens.split(",")]:
+            inputs = flux_inputs(FLUX_DEV_CONFIG, args.text_tokens, image_tokens, device)
+            with torch.inference_mode(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                start = time.perf_counter()
+                forward(**inputs, return_dict=False)
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - start
+                ms = median_ms(lambda: forward(**inputs, return_dict=False), args.warmup, args.iterations)
+            row = {"peer": f"diffusers {mode}", "image_tokens": image_tokens, "text_tokens": args.text_tokens,
+                   "median_ms": ms, "first_call_s": first_s}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("| peer | image+text tokens | median ms | first call s |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['peer']} | {row['image_tokens']:,}+{row['text_tokens']} | {row['median_ms']:.1f} | "
+              f"{row['first_call_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Prompt to image from a served FLUX pipeline model (`mdtriton build --architecture flux-pipeline`).
+
+The model is decoupled: each request opens a gRPC stream, the server sends one response per denoising step
+(`step`, the steps done) and then the image. The stream asks Triton to end with the request's gRPC status
+on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the server's message.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from mdtriton.client.grpc_client import ClientError, status_of
+from mdtriton.pipeline.prompts import prompt_tensor
+
+STREAM_HEADERS = {"triton_grpc_error": "true"}
+
+
+def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
+                    seed: int, prompts_2: list[str] | None = None,
+                    max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
+    """The request's inputs, named and typed as the pipeline model declares them (prompts as UTF-8 rows)."""
+    arrays = {
+        "prompt": prompt_tensor(prompts),
+        "height": np.array([height], np.int32),
+        "width": np.array([width], np.int32),
+        "num_inference_steps": np.array([num_inference_steps], np.int32),
+        "guidance_scale": np.array([guidance_scale], np.float32),
+        "seed": np.array([seed], np.int64),
+    }
+    if prompts_2 is not None:
+        arrays["prompt_2"] = prompt_tensor(prompts_2)
+    if max_sequence_length is not None:
+        arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
+             num_inference_steps: int = 28, guidance_scale: float = 3.5, seed: int = 0,
+             prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
+             on_step: Callable[[int, int], None] | None = None, timeout: float | None = None) -> np.ndarray:
+    """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as FluxPipeline makes them with
+    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes.
+
+    timeout: seconds the whole request may take (None: no limit). Failures raise ClientError (one line).
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    prompts_2 = [prompt_2] if isinstance(prompt_2, str) else prompt_2
+    inputs = pipeline_inputs(prompts, height, width, num_inference_steps, guidance_scale, seed, prompts_2,
+                             max_sequence_length)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=timeout,
+                            headers=STREAM_HEADERS)
+        client.async_stream_infer(model, inputs)
+        while True:
+            result, error = responses.get()
+            if error is not None:
+                raise ClientError(f"generate with {model!r}: {failure(error)}")
+            names = {output.name for output in result.get_response().outputs}
+            if "image" in names:
+                return result.as_numpy("image")
+            if on_step is not None and "step" in names:
+                on_step(int(result.as_numpy("step")[0]), num_inference_steps)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def failure(error: InferenceServerException) -> str:
+    """'STATUS: message' in one line."""
+    return f"{status_of(error)}: {' '.join(str(error.message()).split())}"

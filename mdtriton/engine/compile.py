@@ -1,0 +1,89 @@
+"""Compiling an engine on its GPU at load, so that no request waits for a compile.
+
+The architecture names the regions worth compiling (FLUX: its blocks); each is compiled with torch.compile
+with symbolic sizes, its attention and collectives running eagerly in between (graph breaks). Every block of
+a kind shares one compiled code. The warm-up runs the whole model alone, before the ranks meet
+(Communicator.rehearsal), at two request shapes: batch 7 first, whose graphs serve every batch of 2 or more
+and any length, then batch 1 (a size-1 dimension is always specialised), whose graphs serve any length.
+After that no request compiles. A CompileCache keeps what was compiled in the engine directory, per torch
+version and GPU model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from mdtriton.engine.architectures import architecture
+from mdtriton.engine.comm import Communicator
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = "compile-cache"
+# (batch, text tokens, image tokens) of the warm-up requests; see the module's docstring for the order. Every
+# size is prime, so that none equals a model dimension (heads per rank, say): Dynamo would take two equal sizes
+# for one and specialise the request's to the model's. Batch-1 graphs, which serve most requests, are tuned for
+# the sizes they first see, so theirs are a typical request's (FLUX at 1024x1024: 4,096 + 512 tokens).
+WARM_UP_SHAPES = ((7, 127, 1021), (1, 509, 4093))
+
+
+def compile_regions(module: torch.nn.Module) -> None:
+    """Compile each of the module's compiled_regions() in place, with symbolic batch and sequence sizes."""
+    for region in module.compiled_regions():
+        region.compile(dynamic=True)
+
+
+def warm_up(module: torch.nn.Module, architecture_name: str, config: dict, dtype: torch.dtype,
+            comm: Communicator) -> float:
+    """Run the module on this rank alone at the warm-up shapes (compiling it); return the seconds it took."""
+    start = time.perf_counter()
+    arch = architecture(architecture_name)
+    with comm.rehearsal(), torch.inference_mode():
+        for batch, text_tokens, image_tokens in WARM_UP_SHAPES:
+            inputs = arch.example_inputs(config, text_tokens, image_tokens, dtype, batch)
+            module(**{name: tensor.to(comm.device) for name, tensor in inputs.items()})
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize(comm.device)
+    return time.perf_counter() - start
+
+
+class CompileCache:
+    """What torch.compile made for one rank of an engine (Inductor's code, Triton kernels, autotuning choices),
+    kept in ENGINE_DIR/compile-cache/ so that the next load skips the compile.
+
+    Valid for one torch version and one GPU model, which the file name holds. A read-only engine directory
+    only costs the next load its compile again.
+    """
+
+    def __init__(self, engine_dir: Path, comm: Communicator):
+        device = torch.cuda.get_device_name(comm.device) if comm.device.type == "cuda" else "cpu"
+        key = re.sub(r"[^A-Za-z0-9.]+", "-", f"torch-{torch.__version__}-{device}")
+        self.path = Path(engine_dir) / CACHE_DIR / f"{key}-rank{comm.rank}.bin"
+        self.loaded = False
+
+    def load(self) -> None:
+        """Give torch the artifacts kept here, if any (before compiling)."""
+        if self.path.is_file():
+            torch.compiler.load_cache_artifacts(self.path.read_bytes())
+            self.loaded = True
+
+    def save(self) -> None:
+        """Keep what this process compiled, unless it came from here already."""
+        if self.loaded:
+            return
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None:
+            return
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_bytes(artifacts[0])
+            partial.replace(self.path)
+        except OSError as error:
+            log.warning("could not keep the compiled engine in %s (%s): the next load compiles again",
+                        self.path, error)

@@ -1,0 +1,66 @@
+"""Compiled engines (what GPU ranks run) against eager ones, on real gloo ranks: the compiled regions give the same
+answers, the warm-up at load leaves nothing to compile for later requests of other lengths and batch sizes, and
+what was compiled is kept in the engine directory."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.compile import CACHE_DIR
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.plan import ParallelPlan
+from tests.distributed import run_ranks
+from tests.engine.flux_cases import flux_inputs, random_weights, relative_error, write_engine
+
+# (batch, text tokens, image tokens): none of them the warm-up's, and batch sizes on both sides of 1.
+CASES = [(1, 5, 10), (3, 4, 12), (2, 7, 30)]
+
+
+def compiled_against_eager(rank: int, world_size: int, engine_dir: str) -> tuple[list[float], int, float]:
+    comm = Communicator(Manifest.read(engine_dir).plan, rank, torch.device("cpu"))
+    comm.join_groups()
+    eager = TorchEngine.load(engine_dir, comm, compile=False)
+    compiled = TorchEngine.load(engine_dir, comm, compile=True)
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    errors = []
+    for seed, (batch, text_len, image_len) in enumerate(CASES):
+        inputs = flux_inputs(Flux.default_config(), text_len, image_len, batch=batch, seed=seed)
+        errors.append(relative_error(compiled.forward(inputs)["sample"], eager.forward(inputs)["sample"]))
+    return errors, counters["stats"]["unique_graphs"] - graphs_after_warm_up, compiled.warm_up_seconds
+
+
+def test_compiled_tensor_parallel_engine_matches_eager_and_never_compiles_after_load(tmp_path):
+    config = Flux.default_config()
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(tp_size=2), random_weights(config, seed=3))
+    results = run_ranks(2, compiled_against_eager, str(engine_dir), timeout=540)
+    for errors, new_graphs, warm_up_seconds in results:
+        assert max(errors) < 1e-5, errors
+        assert new_graphs == 0, "a request after the warm-up compiled again"
+        assert warm_up_seconds > 0
+    kept = sorted(path.name for path in (engine_dir / CACHE_DIR).iterdir())
+    assert [name.endswith(f"-rank{rank}.bin") for rank, name in enumerate(kept)] == [True, True], kept
+
+
+def test_a_rehearsal_communicates_nothing_and_keeps_every_shape():
+    """Before the ranks meet (no process group exists), a rank can run its model alone: every collective returns
+    a tensor of the shape the real one would."""
+    comm = Communicator(ParallelPlan(tp_size=2, cp_size=2, cp_method="ring"), 3, torch.device("cpu"))
+    x = torch.randn(2, 6, 4, 3)
+    with comm.rehearsal():
+        assert comm.tp_all_reduce(x.clone()).shape == x.shape
+        assert comm.cp_all_gather(x, dim=2).shape == (2, 6, 8, 3)
+        assert comm.cp_all_to_all(x, scatter_dim=1, gather_dim=2).shape == (2, 3, 8, 3)
+        received, works = comm.cp_ring_shift([x, x[:1]])
+        comm.wait(works)
+        assert [t.shape for t in received] == [x.shape, x[:1].shape]
+        assert comm.broadcast(x, src=0) is x
+    try:
+        comm.tp_all_reduce(x)
+    except (RuntimeError, ValueError) as error:  # outside a rehearsal the collective is real: no group here
+        assert "rehears" not in str(error)
+    else:
+        raise AssertionError("an all-reduce without a process group succeeded outside a rehearsal")

@@ -1,0 +1,35 @@
+"""The tiny FLUX pipelines of the pipeline tests, their builds, and diffusers' reference images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+
+from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
+
+# FLUX.1-dev's layout (guidance embedding, dynamic shift) and FLUX.1-schnell's (neither).
+LAYOUTS = {"dev": True, "schnell": False}
+
+
+def save_pipelines(root: Path) -> dict[str, Path]:
+    """Each layout's tiny pipeline directory, by layout name."""
+    return {name: save_tiny_flux_pipeline(root / name, guidance_embeds=guidance, seed=i)
+            for i, (name, guidance) in enumerate(LAYOUTS.items())}
+
+
+def reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: int, steps: int, guidance: float,
+                    seed: int, dtype: torch.dtype = torch.float32, **options) -> np.ndarray:
+    """diffusers' FluxPipeline with the same components, as UINT8 [batch, height, width, 3]."""
+    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True, dtype=dtype)
+    pipeline.set_progress_bar_config(disable=True)
+    images = pipeline(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
+                      generator=torch.Generator().manual_seed(seed), output_type="np", **options).images
+    return (images * 255).round().astype(np.uint8)
+
+
+def max_level_difference(image: np.ndarray, reference: np.ndarray) -> int:
+    assert image.shape == reference.shape and image.dtype == np.uint8
+    return int(np.abs(image.astype(np.int16) - reference.astype(np.int16)).max())

@@ -1,0 +1,101 @@
+"""The pipeline engine in one process (one rank): the image equals diffusers' FluxPipeline with the same
+components, and each step is reported as it finishes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
+from mdtriton.build_tools.pipeline_builder import build_pipeline_version
+from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
+from mdtriton.pipeline.progress import progress_to
+from mdtriton.pipeline.prompts import prompt_tensor
+from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_engine")
+    pipelines = save_pipelines(root)
+    built = {}
+    for layout, pipeline_dir in pipelines.items():
+        version_dir = build_pipeline_version(root / "repository", layout, pipeline_dir, ParallelPlan(), "FP32", "cpu",
+                                             progress=False)
+        built[layout] = (FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single()), pipeline_dir)
+    return built
+
+
+def request(prompts, height, width, steps, guidance, seed, **optional) -> dict[str, torch.Tensor]:
+    inputs = {"prompt": torch.from_numpy(prompt_tensor(prompts)), "height": torch.tensor([height], dtype=torch.int32),
+              "width": torch.tensor([width], dtype=torch.int32),
+              "num_inference_steps": torch.tensor([steps], dtype=torch.int32),
+              "guidance_scale": torch.tensor([guidance]), "seed": torch.tensor([seed])}
+    if "prompt_2" in optional:
+        inputs["prompt_2"] = torch.from_numpy(prompt_tensor(optional["prompt_2"]))
+    if "max_sequence_length" in optional:
+        inputs["max_sequence_length"] = torch.tensor([optional["max_sequence_length"]], dtype=torch.int32)
+    return inputs
+
+
+@pytest.mark.parametrize("layout", ["dev", "schnell"])
+def test_one_rank_image_equals_diffusers_and_reports_each_step(engines, layout):
+    engine, pipeline_dir = engines[layout]
+    prompts, size, steps, guidance, seed = ["a red cat with a sign", "the blue dog"], (48, 80), 3, 3.5, 7
+    reported = []
+    with progress_to(lambda done, total: reported.append((done, total))):
+        image = engine.forward(request(prompts, *size, steps, guidance, seed))["image"].numpy()
+    expected = reference_image(pipeline_dir, prompts, *size, steps, guidance, seed)
+    assert max_level_difference(image, expected) == 0
+    assert 0.2 < (image > 0).mean() and image.std() > 10  # a real picture, not a blank or saturated one
+    assert reported == [(1, steps), (2, steps), (3, steps)]
+
+
+def test_a_bf16_pipeline_equals_diffusers_in_bf16(engines, tmp_path):
+    _, pipeline_dir = engines["dev"]
+    version_dir = build_pipeline_version(tmp_path, "bf16", pipeline_dir, ParallelPlan(), "BF16", "cpu", progress=False)
+    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    image = engine.forward(request(["a cat"], 64, 64, 3, 3.5, 2))["image"].numpy()
+    expected = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
+    assert max_level_difference(image, expected) <= 1
+    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)) > 1  # bf16 shows
+
+
+def test_prompt_2_and_sequence_length_reach_the_encoders(engines):
+    engine, pipeline_dir = engines["dev"]
+    options = {"prompt_2": ["hello world"], "max_sequence_length": 16}
+    image = engine.forward(request(["a cat"], 32, 32, 2, 2.0, 3, **options))["image"].numpy()
+    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 32, 32, 2, 2.0, 3, **options)) == 0
+    without = engine.forward(request(["a cat"], 32, 32, 2, 2.0, 3))["image"].numpy()
+    assert not np.array_equal(image, without)
+
+
+def test_random_transformer_weights_for_a_directory_without_them(engines, tmp_path):
+    """The benchmark's build: the directory's transformer/ holds only its config; the weights are random."""
+    _, pipeline_dir = engines["dev"]
+    shutil.copytree(pipeline_dir, tmp_path / "no_weights")
+    for weights in (tmp_path / "no_weights" / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    config = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+    source = RandomWeights(full_shapes("flux", {key: config[key] for key in FLUX_DEV_CONFIG}), seed=4)
+    version_dir = build_pipeline_version(tmp_path / "repository", "random", tmp_path / "no_weights", ParallelPlan(),
+                                         "FP32", "cpu", progress=False, transformer_weights=source)
+    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    image = engine.forward(request(["a cat"], 32, 32, 2, 3.5, 1))["image"].numpy()
+
+    reference = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
+    reference.transformer.load_state_dict({name: source.read(name) for name in source.shapes})
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(["a cat"], height=32, width=32, num_inference_steps=2, guidance_scale=3.5,
+                         generator=torch.Generator().manual_seed(1), output_type="np").images
+    assert max_level_difference(image, (expected * 255).round().astype(np.uint8)) == 0
+    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 32, 32, 2, 3.5, 1)) > 0

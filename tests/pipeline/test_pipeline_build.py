@@ -1,0 +1,50 @@
+"""`mdtriton build --architecture flux-pipeline`: what it refuses, saying what to give instead, and what it writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mdtriton.build_tools.model_config import read_model_config
+from mdtriton.cli import main
+from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline_dir(tmp_path_factory):
+    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("pipeline") / "dev")
+
+
+def build(repository, weights=None, *more) -> int:
+    return main(["build", str(repository), "--name", "flux", "--architecture", "flux-pipeline", "--tp", "2", *more]
+                + (["--weights", str(weights)] if weights else []))
+
+
+def test_the_version_holds_the_engine_the_components_and_a_decoupled_config(pipeline_dir, tmp_path):
+    assert build(tmp_path, pipeline_dir) == 0
+    engine_dir = tmp_path / "flux" / "1" / "engine"
+    assert sorted(p.name for p in engine_dir.iterdir()) == [
+        "manifest.json", "model_index.json", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
+        "transformer", "vae"]
+    assert sorted(p.name for p in (engine_dir / "transformer").iterdir()) == [
+        "manifest.json", "rank0.safetensors", "rank1.safetensors"]
+    assert json.loads((engine_dir / "manifest.json").read_text())["architecture"] == "flux-pipeline"
+    config = read_model_config(tmp_path / "flux" / "config.pbtxt")
+    assert config.model_transaction_policy.decoupled and not config.model_warmup
+    assert [i.name for i in config.input if i.optional] == ["prompt_2", "max_sequence_length"]
+    assert config.parameters["request_timeout_s"].string_value == "300.0"
+
+
+def test_without_weights_it_says_to_give_the_directory(tmp_path):
+    with pytest.raises(SystemExit, match="builds from a diffusers FLUX directory: give it with --weights DIR"):
+        build(tmp_path)
+
+
+def test_a_directory_missing_a_component_is_refused_naming_it(pipeline_dir, tmp_path, capsys):
+    shutil.copytree(pipeline_dir, tmp_path / "partial")
+    shutil.rmtree(tmp_path / "partial" / "text_encoder_2")
+    assert build(tmp_path / "repository", tmp_path / "partial") == 1
+    assert "component folder(s) ['text_encoder_2'] missing" in capsys.readouterr().err
+    assert not (tmp_path / "repository" / "flux").exists()

@@ -1,0 +1,201 @@
+"""A real tritonserver serving tiny FLUX pipelines on 2 CPU ranks (gloo), called over gRPC streaming.
+
+Models: FLUX.1-dev's layout with tensor parallelism and with context parallelism (ulysses), FLUX.1-schnell's
+layout with tensor parallelism. Each image must equal diffusers' FluxPipeline with the same components within
+one uint8 level per pixel; every step is streamed as it finishes; bad requests get INVALID_ARGUMENT saying
+what to send, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+from mdtriton.build_tools.pipeline_builder import build_pipeline_version
+from mdtriton.cli import main
+from mdtriton.client.grpc_client import ClientError
+from mdtriton.client.pipeline import generate, pipeline_inputs
+from mdtriton.engine.manifest import EngineLimits
+from mdtriton.engine.plan import ParallelPlan
+from tests.conftest import start_server
+from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+
+MODELS = {
+    "dev_tp2": ("dev", ParallelPlan(tp_size=2)),
+    "dev_ulysses2": ("dev", ParallelPlan(cp_size=2, cp_method="ulysses")),
+    "schnell_tp2": ("schnell", ParallelPlan(tp_size=2)),
+}
+CLI_BUILT = "schnell_tp2"  # built by `mdtriton build`, the others by build_pipeline_version
+LIMITS = EngineLimits(max_batch_size=2, max_tokens=600)
+GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5, seed=5)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipelines")
+    pipelines = save_pipelines(root)
+    for name, (layout, plan) in MODELS.items():
+        if name == CLI_BUILT:
+            assert main(["build", str(root / "repository"), "--name", name, "--architecture", "flux-pipeline",
+                         "--weights", str(pipelines[layout]), "--tp", str(plan.tp_size), "--max-batch-size",
+                         str(LIMITS.max_batch_size), "--max-tokens", str(LIMITS.max_tokens)]) == 0
+        else:
+            build_pipeline_version(root / "repository", name, pipelines[layout], plan, "FP32", "cpu", progress=False,
+                                   limits=LIMITS)
+    server = start_server(root / "repository", root / "server.log")
+    yield server, pipelines
+    server.stop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_served_image_equals_diffusers_with_a_response_per_step(served, model):
+    server, pipelines = served
+    prompts = ["a photo of a red cat", "hello wörld"]
+    steps = []
+    image = generate(server.grpc_address, model, prompts, **GOOD, on_step=lambda done, total: steps.append((done, total)),
+                     timeout=240)
+    expected = reference_image(pipelines[MODELS[model][0]], prompts, GOOD["height"], GOOD["width"],
+                               GOOD["num_inference_steps"], GOOD["guidance_scale"], GOOD["seed"])
+    assert max_level_difference(image, expected) <= 1
+    assert image.std() > 10  # a real picture
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+
+
+@pytest.mark.timeout(300)
+def test_prompt_2_and_max_sequence_length(served):
+    server, pipelines = served
+    options = {"prompt_2": "the blue dog with a sign", "max_sequence_length": 24}
+    image = generate(server.grpc_address, "dev_ulysses2", "a cat", **GOOD, **options, timeout=240)
+    expected = reference_image(pipelines["dev"], ["a cat"], GOOD["height"], GOOD["width"], GOOD["num_inference_steps"],
+                               GOOD["guidance_scale"], GOOD["seed"], prompt_2=["the blue dog with a sign"],
+                               max_sequence_length=24)
+    assert max_level_difference(image, expected) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_requests_each_get_their_own_steps_and_image(served):
+    """Two streams at once (on either rank): the ranks run the jobs one after the other, and each request's
+    progress and image go to its own stream."""
+    server, pipelines = served
+    seeds = [11, 12]
+    steps = {seed: [] for seed in seeds}
+
+    def ask(seed):
+        return generate(server.grpc_address, "dev_tp2", "a dog", **{**GOOD, "seed": seed}, timeout=240,
+                        on_step=lambda done, total: steps[seed].append(done))
+
+    with ThreadPoolExecutor(2) as pool:
+        images = dict(zip(seeds, pool.map(ask, seeds)))
+    for seed in seeds:
+        expected = reference_image(pipelines["dev"], ["a dog"], GOOD["height"], GOOD["width"],
+                                   GOOD["num_inference_steps"], GOOD["guidance_scale"], seed)
+        assert max_level_difference(images[seed], expected) <= 1
+        assert steps[seed] == [1, 2, 3]
+    assert not np.array_equal(images[11], images[12])
+
+
+@pytest.mark.timeout(180)
+def test_a_client_that_leaves_mid_image_does_not_stop_the_server(served):
+    server, pipelines = served
+    responses = []
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    client.async_stream_infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 40, 3.5, 0))
+    while not responses:
+        time.sleep(0.01)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    steps = []
+    image = generate(server.grpc_address, "dev_tp2", "a dog", **GOOD, timeout=120,
+                     on_step=lambda done, total: steps.append(done))
+    expected = reference_image(pipelines["dev"], ["a dog"], GOOD["height"], GOOD["width"], GOOD["num_inference_steps"],
+                               GOOD["guidance_scale"], GOOD["seed"])
+    assert max_level_difference(image, expected) <= 1 and steps == [1, 2, 3]
+    assert responses[0][1] is None and responses[0][0].as_numpy("step")[0] == 1
+
+
+@pytest.mark.timeout(120)
+def test_prompts_stay_out_of_the_server_log(served):
+    """A prompt longer than CLIP's 77 tokens is truncated; diffusers' warning would quote it in the log."""
+    server, _ = served
+    prompt = "secretword " * 20
+    generate(server.grpc_address, "dev_tp2", prompt, **{**GOOD, "num_inference_steps": 1}, timeout=60)
+    assert "secretword" not in server.log_file.read_text()
+
+
+# 600 tokens at most: 48x64 is 12 image tokens, so 512 text tokens fit; 512x512 (1024 image tokens) does not.
+BAD = [
+    ({"height": 40}, "height 40 is not a positive multiple of 16; send a height of 32 or 48"),
+    ({"width": 8}, "width 8 is not a positive multiple of 16; send a width of 16"),
+    ({"height": 0}, "height 0 is not a positive multiple of 16"),
+    ({"height": 512, "width": 512}, "the largest square image that fits is 144x144"),
+    ({"num_inference_steps": 0}, "num_inference_steps 0 is out of range; send 1 to 1000"),
+    ({"num_inference_steps": 1001}, "num_inference_steps 1001 is out of range; send 1 to 1000"),
+    ({"guidance_scale": math.inf}, "guidance_scale inf is not finite"),
+    ({"guidance_scale": math.nan}, "guidance_scale nan is not finite"),
+    ({"max_sequence_length": 513}, "max_sequence_length 513 is out of range; send 1 to 512"),
+    ({"prompt": ["a", "b", "c"]}, "3 prompts is over this model's maximum of 2 images per request"),
+    ({"prompt": ["a", "b"], "prompt_2": "c"}, "prompt_2 has 1 rows, prompt 2; send one prompt_2 per prompt"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change, message", BAD, ids=[next(iter(change)) + "-" + str(i) for i, (change, _) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(served, change, message):
+    server, _ = served
+    arguments = {**GOOD, "prompt": "a cat", **change}
+    with pytest.raises(ClientError) as caught:
+        generate(server.grpc_address, "dev_tp2", timeout=120, **arguments)
+    assert "INVALID_ARGUMENT" in str(caught.value) and message in str(caught.value)
+    image = generate(server.grpc_address, "dev_tp2", "a cat", **{**GOOD, "num_inference_steps": 1}, timeout=120)
+    assert image.shape == (1, 48, 64, 3)
+
+
+def stream_raw(server, inputs) -> str:
+    """Send raw inputs on a stream; the error message the server answers with (the request must fail)."""
+    errors = []
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    client.start_stream(callback=lambda result, error: errors.append(error), headers={"triton_grpc_error": "true"})
+    client.async_stream_infer("dev_tp2", inputs)
+    client.stop_stream()
+    client.close()
+    assert errors and errors[0] is not None
+    return f"{errors[0].status()}: {errors[0].message()}"
+
+
+@pytest.mark.timeout(120)
+def test_prompt_bytes_that_are_not_utf8_and_prompts_sent_as_bytes(served):
+    server, _ = served
+    inputs = pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 0)
+    not_utf8 = np.array([[0x61, 0xC3, 0x28]], np.uint8)
+    inputs[0] = grpcclient.InferInput("prompt", list(not_utf8.shape), "UINT8")
+    inputs[0].set_data_from_numpy(not_utf8)
+    answer = stream_raw(server, inputs)
+    assert "INVALID_ARGUMENT" in answer and "prompt[0] is not UTF-8" in answer and "send each prompt" in answer
+    # BYTES would crash the stub under numpy 2 (mdtriton.pipeline.prompts): Triton refuses it by the model's config.
+    inputs[0] = grpcclient.InferInput("prompt", [1], "BYTES")
+    inputs[0].set_data_from_numpy(np.array([b"a cat"], dtype=object))
+    answer = stream_raw(server, inputs)
+    # (Triton's own checks answer a stream without a status code, even with triton_grpc_error.)
+    assert "data-type is 'BYTES', but model 'dev_tp2' expects 'UINT8'" in answer
+    assert generate(server.grpc_address, "dev_tp2", "a cat", **{**GOOD, "num_inference_steps": 1}).shape == (1, 48, 64, 3)
+
+
+@pytest.mark.timeout(300)
+def test_generate_command_writes_the_png(served, tmp_path, capsys):
+    server, pipelines = served
+    path = tmp_path / "cat.png"
+    assert main(["generate", "schnell_tp2", "a red cat on a sign", "--url", server.grpc_address, "--height", "32",
+                 "--width", "48", "--steps", "2", "--seed", "9", "-o", str(path)]) == 0
+    written = np.asarray(Image.open(path))
+    expected = reference_image(pipelines["schnell"], ["a red cat on a sign"], 32, 48, 2, 3.5, 9)[0]
+    assert max_level_difference(written, expected) <= 1
+    captured = capsys.readouterr()
+    assert f"wrote {path} (48x32)" in captured.out and "2/2" in captured.err  # the per-step progress bar
