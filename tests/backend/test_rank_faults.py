@@ -177,7 +177,12 @@ def test_a_rank_whose_worker_keeps_dying_is_given_up_and_requests_fail_fast_nami
         if death < 2:
             wait_for_an_answer(client, reference, killed_at)
             workers = one_worker_per_rank(server)
-    time.sleep(2)
+    # Rank 0 learns that rank 1 was given up through the rendezvous, once its own new worker has loaded and looks
+    # for its peers (3.4 s after the kill on a loaded 2-core machine): wait for that, then every request fails fast.
+    deadline = time.monotonic() + HEALED_WITHIN_S
+    while "rank 0: rank 1's worker died 3 times" not in server.log_file.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "rank 0 never learned that rank 1 was given up"
+        time.sleep(0.1)
     outcomes = [ask(client, MODEL, reference, i) for i in range(6)]  # Triton spreads them over both instances
 
     assert all(o.status == "StatusCode.UNAVAILABLE" and o.latency < 1.0 for o in outcomes), outcomes
