@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from mdtriton.bench import bench_weights, flux_inputs
 from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.compile import compile_regions, warm_up
+from mdtriton.engine.compile import compile_and_warm_up
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
 from mdtriton.engine.plan import ParallelPlan
 
@@ -45,8 +45,7 @@ def model_for(impl: str, variant: str, device: torch.device):
                            bench_weights(FLUX_DEV_CONFIG, ParallelPlan(), 0, device, torch.bfloat16, quantization),
                            quantization)
     if variant != "eager":
-        compile_regions(module)
-        warm_up(module, "flux", FLUX_DEV_CONFIG, torch.bfloat16, comm)
+        compile_and_warm_up(module, "flux", FLUX_DEV_CONFIG, torch.bfloat16, comm)
     return lambda inputs: module(**inputs)
 
 

@@ -16,7 +16,7 @@ from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, ful
 from mdtriton.build_tools.model_config import model_config, version_policy
 from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
                                               new_version_dir)
-from mdtriton.engine.architectures import architecture, meta_module
+from mdtriton.engine.architectures import architecture, check_quantization
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
@@ -59,7 +59,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     quantization = "fp8" if data_type == "FP8" else None
     if quantization:
         data_type = "BF16"
-        meta_module(architecture_name, config, plan, 0, quantization)  # refuses an architecture without FP8
+        check_quantization(architecture_name, quantization)
         if device != "gpu":
             raise Fp8Unsupported("FP8 engines run on GPUs of compute capability 8.9 or newer; build with "
                                  "--device gpu, or with --dtype FP32 for CPU instances")

@@ -32,7 +32,7 @@ from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import sdpa
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.compile import compile_regions, warm_up
+from mdtriton.engine.compile import compile_and_warm_up
 from mdtriton.engine.cuda_graphs import CudaGraphForward
 from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.models.flux import Flux
@@ -199,8 +199,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                                    quantization)
             warm_up_seconds = 0.0
             if variant != "eager":
-                compile_regions(module)
-                warm_up_seconds = warm_up(module, "flux", config, dtype, comm)
+                warm_up_seconds = compile_and_warm_up(module, "flux", config, dtype, comm)
             forward = CudaGraphForward(module, max_graphs=1) if args.cuda_graphs else lambda inputs: module(**inputs)
             for image_tokens in args.image_tokens:
                 inputs = flux_inputs(config, args.text_tokens, image_tokens, device)

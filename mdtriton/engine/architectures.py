@@ -35,14 +35,17 @@ def architecture(name: str):
         raise EngineError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}") from None
 
 
+def check_quantization(name: str, quantization: str | None) -> None:
+    """Raise EngineError, saying what to build instead, if architecture name cannot hold quantized weights."""
+    if quantization is not None and not getattr(architecture(name), "supports_fp8", False):
+        raise EngineError(f"architecture {name!r} has no {quantization} weights; build it with --dtype BF16")
+
+
 def new_module(name: str, config: dict, comm: Communicator, quantization: str | None = None) -> torch.nn.Module:
     """Rank's module of architecture name, its weights not yet loaded (made on the current default device)."""
+    check_quantization(name, quantization)
     cls = architecture(name)
-    if quantization is None:
-        return cls(config, comm)
-    if not getattr(cls, "supports_fp8", False):
-        raise EngineError(f"architecture {name!r} has no {quantization} weights; build it with --dtype BF16")
-    return cls(config, comm, fp8=True)
+    return cls(config, comm) if quantization is None else cls(config, comm, fp8=True)
 
 
 def meta_module(name: str, config: dict, plan: ParallelPlan, rank: int,

@@ -32,15 +32,12 @@ CACHE_DIR = "compile-cache"
 WARM_UP_SHAPES = ((7, 127, 1021), (1, 509, 4093))
 
 
-def compile_regions(module: torch.nn.Module) -> None:
-    """Compile each of the module's compiled_regions() in place, with symbolic batch and sequence sizes."""
+def compile_and_warm_up(module: torch.nn.Module, architecture_name: str, config: dict, dtype: torch.dtype,
+                        comm: Communicator) -> float:
+    """Compile each of the module's compiled_regions() in place (symbolic batch and sequence sizes), then run the
+    module on this rank alone at the warm-up shapes, which compiles them; return the seconds the warm-up took."""
     for region in module.compiled_regions():
         region.compile(dynamic=True)
-
-
-def warm_up(module: torch.nn.Module, architecture_name: str, config: dict, dtype: torch.dtype,
-            comm: Communicator) -> float:
-    """Run the module on this rank alone at the warm-up shapes (compiling it); return the seconds it took."""
     start = time.perf_counter()
     arch = architecture(architecture_name)
     with comm.rehearsal(), torch.inference_mode():

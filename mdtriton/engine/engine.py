@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from mdtriton.engine.architectures import architecture, loaded_module
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.compile import CompileCache, compile_regions, warm_up
+from mdtriton.engine.compile import CompileCache, compile_and_warm_up
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, Manifest
@@ -85,9 +85,8 @@ class TorchEngine(Engine):
         if compile if compile is not None else comm.device.type == "cuda":
             cache = CompileCache(engine_dir, comm)
             cache.load()
-            compile_regions(module)
-            warm_up_seconds = warm_up(module, manifest.architecture, manifest.config,
-                                      TORCH_DTYPES[manifest.data_type], comm)
+            warm_up_seconds = compile_and_warm_up(module, manifest.architecture, manifest.config,
+                                                  TORCH_DTYPES[manifest.data_type], comm)
             cache.save()
         return cls(manifest, module, comm, load_seconds, warm_up_seconds)
 
