@@ -61,9 +61,13 @@ class ParallelLinear(nn.Module):
 
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias with this rank's weight (FP8 or not)."""
+        return self.linear(x, self.weight, bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x weight^T + bias, for this layer's weight or a block of its columns (FP8 or not)."""
         if self.fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, bias)
-        return F.linear(x, self.weight, bias)
+            return fp8_linear(x, weight, self.weight_scale, bias)
+        return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -122,6 +126,29 @@ class RowParallelLinear(ParallelLinear):
         # float32 instead was measured 10% slower and no closer to one GPU (docs/benchmarks.md).
         bias = self.bias if self.comm.tp_rank == 0 else None
         return self.comm.tp_all_reduce(self.local_linear(x, bias))
+
+    def split_segments(self) -> None:
+        """Hold this rank's weight as one matrix per input segment (forward_segments then takes the segments'
+        inputs apart, with no concatenation); call once the weights are loaded. FP8 row scales stay shared."""
+        sizes = [size // self.comm.tp_size for size in self.in_segments]
+        self.segment_weights = nn.ParameterList(
+            nn.Parameter(part.contiguous()) for part in self.weight.split(sizes, dim=1))
+        del self.weight
+
+    def forward_segments(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """forward(torch.cat(parts, dim=-1)) without the concatenation: one GEMM per segment, accumulating into
+        one output (in bf16 the later GEMMs add into it in their epilogue), then one AllReduce.
+
+        Written out, the concatenation was the slowest kernel of FLUX's single blocks (docs/benchmarks.md)."""
+        bias = self.bias if self.comm.tp_rank == 0 else None
+        out = self.linear(parts[0], self.segment_weights[0], bias)
+        for part, weight in zip(parts[1:], self.segment_weights[1:]):
+            if self.fp8:
+                out = out + self.linear(part, weight, None)
+            else:
+                rows = out.reshape(-1, out.shape[-1])
+                out = torch.addmm(rows, part.reshape(-1, part.shape[-1]), weight.t()).view(out.shape)
+        return self.comm.tp_all_reduce(out)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}

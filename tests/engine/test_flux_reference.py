@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 
+from mdtriton.bench import MODULATION_SCALE, is_modulation
 from mdtriton.engine.architectures import loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs, relative_error
+
+
+def norm_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in float32."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:
@@ -36,21 +44,46 @@ def test_matches_diffusers_float32(guidance_embeds):
     assert relative_error(actual, expected) < 1e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_diffusers_half_precision(dtype):
-    """Same kernels in the same order: a different rounding order (say a bias added after the GEMM, or RoPE
-    in bf16) shows here at the size of one bf16 step, ~4e-3."""
+def test_matches_diffusers_float16():
+    """Nearly the same kernels in the same order: a different rounding order (say a bias added after the GEMM,
+    or RoPE in half precision) shows here at the size of one bf16 step, ~4e-3. The one change of order we make
+    (the single blocks' output projection as two accumulating GEMMs) stays below 1e-3 in float16."""
     config = Flux.default_config()
     reference, ours = diffusers_and_ours(config)
-    reference.to(dtype)
-    ours.to(dtype)
-    inputs = {name: t if name.endswith("ids") else t.to(dtype)
+    reference.to(torch.float16)
+    ours.to(torch.float16)
+    inputs = {name: t if name.endswith("ids") else t.to(torch.float16)
               for name, t in flux_inputs(config, text_len=5, image_len=11).items()}
     with torch.inference_mode():
         expected = reference(**inputs).sample
         actual = ours(**inputs)["sample"]
-    assert actual.dtype == dtype
+    assert actual.dtype == torch.float16
     assert relative_error(actual, expected) < 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bfloat16_error_within_diffusers_own(seed):
+    """In bf16 our forward is as close to a float32 forward of the same weights as diffusers' bf16 forward is
+    (issue 11's accuracy measure at a tiny size: trained-like modulation scales, conditioning bf16 holds exactly).
+    Measured: ratios 0.99-1.02; splitting the single blocks' output projection rounds its first part once more,
+    which moves our output ~2e-3 from diffusers' but not further from float32."""
+    config = Flux.default_config()
+    torch.manual_seed(seed)
+    reference = FluxTransformer2DModel(**{**config, "axes_dims_rope": tuple(config["axes_dims_rope"])}).eval()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+            if is_modulation(name):
+                parameter.mul_(MODULATION_SCALE)
+    reference.to(torch.bfloat16)
+    ours = loaded_module("flux", config, Communicator.single(), reference.state_dict())
+    exact = copy.deepcopy(reference).float()
+    inputs = Flux.example_inputs(config, text_tokens=5, image_tokens=11, dtype=torch.bfloat16, batch=2)
+    with torch.inference_mode():
+        expected = exact(**{name: t.float() for name, t in inputs.items()}).sample
+        diffusers_error = norm_error(reference(**inputs).sample, expected)
+        our_error = norm_error(ours(**inputs)["sample"], expected)
+    assert 0 < our_error <= 1.1 * diffusers_error
 
 
 def test_dev_config_matches_diffusers_defaults():

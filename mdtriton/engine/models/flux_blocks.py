@@ -148,10 +148,12 @@ class FluxSingleTransformerBlock(nn.Module):
         self.local_features = (3 * heads * head_dim // comm.tp_size, mlp_hidden // comm.tp_size)  # [q|k|v], mlp
 
     def fuse_projections(self) -> None:
-        """q, k, v and the MLP's first layer read the same normed input: one GEMM for all four."""
+        """q, k, v and the MLP's first layer read the same normed input: one GEMM for all four. The output
+        projection, over [attention | MLP], becomes one GEMM per part, so the two are never concatenated."""
         attn = self.attn
         self.qkv_mlp = fuse_columns([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
         del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
+        self.proj_out.split_segments()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
@@ -162,7 +164,7 @@ class FluxSingleTransformerBlock(nn.Module):
         q, k, v = heads_first(*self.attn.split_qkv(qkv), rope)
         attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
         mlp = F.gelu(mlp, approximate="tanh")
-        x = x + gate[:, None] * self.proj_out(torch.cat((attn, mlp), dim=2))
+        x = x + gate[:, None] * self.proj_out.forward_segments([attn, mlp])
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x
