@@ -84,6 +84,14 @@ class ColumnParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.local_linear(x, self.bias)
 
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """tanh-GELU(forward(x)). On a GPU, unquantized and with a bias, one cuBLASLt GEMM applies the GELU in its
+        epilogue, to the float32 sums: no pass over the output (torch.compile keeps the call as it is)."""
+        if x.is_cuda and not self.fp8 and self.bias is not None:
+            rows = torch._addmm_activation(self.bias, x.reshape(-1, x.shape[-1]), self.weight.t(), use_gelu=True)
+            return rows.view(*x.shape[:-1], rows.shape[-1])
+        return F.gelu(self.local_linear(x, self.bias), approximate="tanh")
+
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         specs = {"weight": (0, self.out_segments)}
         if self.bias is not None:

@@ -3,9 +3,8 @@ group, tokens split across the context-parallel group (each rank holds a contigu
 [text; image] sequence; the attention function exchanges what the other ranks hold).
 
 The weights load under diffusers' names (to_q, to_k, to_v, add_*_proj, proj_mlp); `fuse_projections()`,
-called once they are loaded, joins the projections that read the same input into one GEMM each: q/k/v of
-each stream in double blocks, q/k/v and the MLP's first layer in single blocks. The forward runs only on
-fused blocks.
+called once they are loaded, joins q/k/v of each stream into one GEMM, and splits the single blocks' output
+projection by its two inputs (attention, MLP). The forward runs only on fused blocks.
 """
 
 from __future__ import annotations
@@ -64,8 +63,9 @@ class FluxAttention(nn.Module):
             return self.norm_added_q(q), self.norm_added_k(k), v
         return self.norm_q(q), self.norm_k(k), v
 
-    def image_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, S, local heads, head_dim] of the image stream of a double block."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, S, local heads, head_dim] of x: the image stream of a double block, or a single block's
+        joint sequence."""
         if self.to_qkv is None:
             raise RuntimeError(NOT_FUSED)
         return self.split_qkv(self.to_qkv(x))
@@ -112,7 +112,7 @@ class FluxTransformerBlock(nn.Module):
         joint sequence, so this rank's text tokens (if any) precede its image tokens."""
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
         norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
-        image_q, image_k, image_v = self.attn.image_qkv(norm_image)
+        image_q, image_k, image_v = self.attn.qkv(norm_image)
         text_q, text_k, text_v = self.attn.text_qkv(norm_text)
         q, k, v = heads_first(torch.cat((text_q, image_q), dim=1), torch.cat((text_k, image_k), dim=1),
                               torch.cat((text_v, image_v), dim=1), rope)
@@ -144,26 +144,21 @@ class FluxSingleTransformerBlock(nn.Module):
         self.proj_out = RowParallelLinear(heads * head_dim + mlp_hidden, dim, comm,
                                           in_segments=[heads * head_dim, mlp_hidden], fp8=fp8)
         self.attn = FluxAttention(dim, heads, head_dim, comm, joint=False, fp8=fp8)
-        self.qkv_mlp = None
-        self.local_features = (3 * heads * head_dim // comm.tp_size, mlp_hidden // comm.tp_size)  # [q|k|v], mlp
 
     def fuse_projections(self) -> None:
-        """q, k, v and the MLP's first layer read the same normed input: one GEMM for all four. The output
-        projection, over [attention | MLP], becomes one GEMM per part, so the two are never concatenated."""
-        attn = self.attn
-        self.qkv_mlp = fuse_columns([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
-        del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
+        """q, k and v as one GEMM. The MLP's first layer, which reads the same input, stays a GEMM of its own:
+        so it can apply the GELU in its epilogue (on GPUs), which was measured faster than one GEMM for all four
+        and a GELU pass over its MLP part (docs/benchmarks.md). The output projection, over [attention | MLP],
+        becomes one GEMM per part, so the two are never concatenated."""
+        self.attn.fuse_projections()
         self.proj_out.split_segments()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
-        if self.qkv_mlp is None:
-            raise RuntimeError(NOT_FUSED)
         norm_x, gate = self.norm(x, temb)
-        qkv, mlp = self.qkv_mlp(norm_x).split(self.local_features, dim=-1)
-        q, k, v = heads_first(*self.attn.split_qkv(qkv), rope)
+        q, k, v = heads_first(*self.attn.qkv(norm_x), rope)
         attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
-        mlp = F.gelu(mlp, approximate="tanh")
+        mlp = self.proj_mlp.forward_gelu(norm_x)
         x = x + gate[:, None] * self.proj_out.forward_segments([attn, mlp])
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)

@@ -101,7 +101,7 @@ class GeluProjection(nn.Module):
         self.proj = ColumnParallelLinear(dim, hidden, comm, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        return self.proj.forward_gelu(x)
 
 
 class FeedForward(nn.Module):
