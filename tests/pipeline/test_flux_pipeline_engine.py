@@ -14,12 +14,14 @@ from diffusers import FluxPipeline
 from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
 from mdtriton.build_tools.pipeline_builder import build_pipeline_version
 from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
 from mdtriton.pipeline.progress import progress_to
+from mdtriton.pipeline.signature import TRANSFORMER_DIR
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
 
@@ -73,6 +75,14 @@ def test_a_bf16_pipeline_equals_diffusers_in_bf16(engines, tmp_path):
     expected = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
     assert max_level_difference(image, expected) <= 1
     assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)) > 1  # bf16 shows
+
+
+def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
+    _, pipeline_dir = engines["dev"]
+    version_dir = build_pipeline_version(tmp_path, "v", pipeline_dir, ParallelPlan(), "FP32", "cpu", progress=False)
+    assert main(["verify", str(version_dir)]) == 0
+    rank_file = version_dir / ENGINE_DIR / TRANSFORMER_DIR / "rank0.safetensors"
+    assert capsys.readouterr().out.split() == ["ok", str(rank_file)]
 
 
 def test_prompt_2_and_sequence_length_reach_the_encoders(engines):
