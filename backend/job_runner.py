@@ -28,6 +28,7 @@ from mdtriton.backend.job_hub import HubLink, JobHub
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.process_state import describe_ranks
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
 from mdtriton.pipeline.progress import ProgressListener, progress_to
@@ -64,14 +65,17 @@ class GenerationEnd:
 
 
 class JobRunner:
-    def __init__(self, engine: Engine, rendezvous: Rendezvous, entered: int, join_timeout: float, timeout: float,
-                 timer: JobTimer, on_serving: Callable[[Generation], None], on_started: Callable[[str], None]):
-        """entered: the generation this rank entered as it started loading (Rendezvous.enter); timeout: the
-        longest a job may wait for all ranks, and a collective for its peers, before the ranks are taken as
-        lost; timer: wraps each job (backend/job_timer.py); on_serving(generation): called once the ranks have
-        met; on_started(job id): called as a job this rank submitted starts running (both in the runner thread)."""
+    def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
+                 timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
+                 on_started: Callable[[str], None]):
+        """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
+        inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
+        (Rendezvous.enter); timeout: the longest a job may wait for all ranks, and a collective for its peers,
+        before the ranks are taken as lost; timer: wraps each job (backend/job_timer.py); on_serving(generation):
+        called once the ranks have met; on_started(job id): called as a job this rank submitted starts running (both
+        in the runner thread)."""
         self.engine = engine
-        self.comm = engine.comm
+        self.comm = comm
         self.rendezvous = rendezvous
         self._entered = entered
         self.join_timeout = join_timeout

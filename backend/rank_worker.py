@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -32,9 +33,9 @@ from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.engine import Engine, TorchEngine
+from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.pipeline.serving import engine_class
+from mdtriton.pipeline.serving import load_engine
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -62,8 +63,8 @@ class EngineThatCrashes(Engine):
     """Test-only (config parameter `test_crash_on_first_value`): the engine, except that a job whose first input
     starts with that value kills the worker as a segfault in a kernel would, on every rank."""
 
-    def __init__(self, engine: TorchEngine, value: float):
-        self.engine, self.manifest, self.comm, self.value = engine, engine.manifest, engine.comm, value
+    def __init__(self, engine: Engine, value: float):
+        self.engine, self.manifest, self.value = engine, engine.manifest, value
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         first = next(iter(inputs.values())).reshape(-1)
@@ -96,7 +97,8 @@ class RankWorker:
         rendezvous = Rendezvous(Path(spec.rendezvous_dir), spec.rank, manifest.plan.world_size)
         entered = rendezvous.enter()
         try:
-            engine = self._load(manifest)
+            comm = Communicator(manifest.plan, spec.rank, self.device)
+            engine = self._load(manifest, comm)
         except Exception as error:  # noqa: BLE001 - any load failure: tell the other ranks, then the stub
             message = f"{type(error).__name__}: {error}"
             rendezvous.fail(entered, message)  # waits until the other ranks have seen it
@@ -104,8 +106,8 @@ class RankWorker:
             return
         self.link.send({"type": "loaded"})
         timer = JobTimer(self.device, self._report_job_time)
-        engine.comm.collective_timer = timer.time_collective
-        runner = JobRunner(engine, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
+        comm.collective_timer = timer.time_collective
+        runner = JobRunner(engine, comm, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
                            on_serving=self._report_serving, on_started=self._report_started)
         runner.start()
         threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
@@ -113,11 +115,11 @@ class RankWorker:
         self.link.send({"type": "given_up" if end.given_up else "ended", "reason": end.reason,
                         "unloading": end.unloading})
 
-    def _load(self, manifest: Manifest) -> Engine:
-        comm = Communicator(manifest.plan, self.spec.rank, self.device)
-        engine = engine_class(manifest).load(Path(self.spec.engine_dir), comm)
+    def _load(self, manifest: Manifest, comm: Communicator) -> Engine:
+        start = time.perf_counter()
+        engine = load_engine(Path(self.spec.engine_dir), manifest, comm)
         log.info("rank %d/%d (worker pid %d) loaded %s on %s in %.2f s", comm.rank, manifest.plan.world_size,
-                 os.getpid(), self.spec.engine_dir, self.device, engine.load_seconds)
+                 os.getpid(), self.spec.engine_dir, self.device, time.perf_counter() - start)
         if self.spec.crash_on_first_value is not None:
             return EngineThatCrashes(engine, self.spec.crash_on_first_value)
         return engine

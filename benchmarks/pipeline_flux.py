@@ -232,10 +232,11 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
             components[name].to(device)
 
     comm = Communicator.single(device)
-    engine = TorchEngine.load(version_dir / ENGINE_DIR / TRANSFORMER_DIR, comm)
+    transformer_dir = version_dir / ENGINE_DIR / TRANSFORMER_DIR
+    engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
     ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=EngineTransformer(engine), **components)
     ours.set_progress_bar_config(disable=True)
-    in_process = FluxPipelineEngine(Manifest.read(version_dir / ENGINE_DIR), ours, comm, 0.0)
+    in_process = FluxPipelineEngine(Manifest.read(version_dir / ENGINE_DIR), ours)
     request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),
                "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0]),
@@ -243,7 +244,7 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     times, first, peak = timed(lambda: in_process.forward(request), device, args.repeats)
     rows.append(("mdtriton pipeline engine (1 rank, in-process)", times, first, peak))
     parts = parts_of_our_image(ours, args, device)
-    weights = load_file(engine.manifest.weight_file(version_dir / ENGINE_DIR / TRANSFORMER_DIR, 0), device=str(device))
+    weights = load_file(engine.manifest.weight_file(transformer_dir, 0), device=str(device))
     del ours, in_process, engine
     gc.collect()
     if device.type == "cuda":

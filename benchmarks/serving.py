@@ -63,9 +63,10 @@ def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs:
     torch.cuda.set_device(device)
     if world_size > 1:
         dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-    comm = Communicator(Manifest.read(engine_dir).plan, rank, device)
+    manifest = Manifest.read(engine_dir)
+    comm = Communicator(manifest.plan, rank, device)
     comm.join_groups()
-    engine = TorchEngine.load(engine_dir, comm)
+    engine = TorchEngine.load(engine_dir, manifest, comm)
     on_device = {name: tensor.to(device) for name, tensor in inputs.items()}
     times, _ = time_calls(lambda: engine.forward(on_device), True, args.warmup, args.requests)
     if rank == 0:

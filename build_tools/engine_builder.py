@@ -24,7 +24,8 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import quantize_weight
 from mdtriton.engine.layers import parallel_specs, take_shard
-from mdtriton.engine.manifest import EngineLimits, Manifest, WeightFile, file_sha256
+from mdtriton.engine.manifest import (RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256,
+                                      rank_file_label)
 from mdtriton.engine.plan import ParallelPlan
 
 PROGRESS_FILE = "build-progress.json"
@@ -151,7 +152,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
                 shard[name] = tensor.contiguous().cpu()
                 bar.update(1)
             # One metadata key: safetensors writes several in a random order, which would change the checksum.
-            save_file(shard, path, metadata={"mdtriton": f"rank {rank} of {plan}"})
+            save_file(shard, path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
             del shard
             files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
             (engine_dir / PROGRESS_FILE).write_text(json.dumps([vars(f) for f in files]))

@@ -57,12 +57,14 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from mdtriton import bench, demo
     from mdtriton.build_tools import cli as build_cli
+    from mdtriton.build_tools import verify
     from mdtriton.client import cli as client_cli
 
     parser = argparse.ArgumentParser(prog="mdtriton", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mdtriton {__version__}")
     subparsers = parser.add_subparsers(required=True, metavar="COMMAND")
     build_cli.add_parser(subparsers)
+    verify.add_parser(subparsers)
     add_serve_parser(subparsers)
     client_cli.add_parsers(subparsers)
     demo.add_parser(subparsers)

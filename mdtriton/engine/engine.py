@@ -1,7 +1,10 @@
 """The engine interface the backend serves, and its PyTorch implementation.
 
-The backend needs only `manifest` and `forward`; a TensorRT runner can implement the same class.
-Every rank of the plan calls `forward` with the same inputs, together; each gets the full outputs.
+An engine is loaded by its class's `load(engine_dir, manifest, comm)` (mdtriton.pipeline.serving.load_engine picks
+the class by the manifest's architecture); the caller has read the manifest and made the rank's Communicator, which
+it keeps (the backend forms the groups and broadcasts inputs and answers with it). After that the backend needs only
+`manifest` and `forward`; a TensorRT runner can implement the same class. Every rank of the plan calls `forward`
+with the same inputs, together; each gets the full outputs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from mdtriton.engine.memory import check_fits
 class Engine(ABC):
     """One rank's share of a multi-device engine."""
 
-    manifest: Manifest
+    manifest: Manifest  # the manifest it was loaded from
 
     @abstractmethod
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -51,15 +54,16 @@ class TorchEngine(Engine):
         self.warm_up_seconds = warm_up_seconds
 
     @classmethod
-    def load(cls, engine_dir: Path, comm: Communicator, compile: bool | None = None) -> "TorchEngine":
-        """Read the manifest, check it against the communicator and the device, load this rank's weights only
-        (safetensors maps the file and copies it straight to the device), then compile and warm up.
+    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator,
+             compile: bool | None = None) -> "TorchEngine":
+        """Check the manifest (read from engine_dir by the caller) against the communicator and the device, load
+        this rank's weights only (safetensors maps the file and copies it straight to the device), then compile
+        and warm up. load_seconds and warm_up_seconds say how long each part took.
 
         compile: None compiles on GPUs only (CPU ranks run eagerly: they serve tests and checks).
         """
         start = time.perf_counter()
         engine_dir = Path(engine_dir)
-        manifest = Manifest.read(engine_dir)
         if manifest.plan != comm.plan:
             raise EngineError(f"{engine_dir}: engine was built for {manifest.plan}, but is being loaded on {comm.plan}")
         architecture(manifest.architecture)

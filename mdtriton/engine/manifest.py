@@ -1,9 +1,12 @@
 """The engine manifest: what an engine directory holds and how its ranks split the model.
 
 An engine directory is `manifest.json` plus one safetensors file per rank (`rank{r}.safetensors`).
-Each rank reads only its own file; the manifest carries each file's size and SHA-256 so a damaged
-or swapped file is caught at load, before it can serve a request. It also records the engine's
-limits (largest batch, longest sequence), which the server checks before a request reaches any rank.
+Each rank reads only its own file. The manifest carries each file's size and SHA-256: a load checks what costs no
+read of the weights (the size, and the safetensors header, which names the file's rank and plan), so a truncated,
+replaced or swapped file is caught before it can serve a request; the SHA-256, which costs a read of the whole file
+(23 GB per rank for FLUX.1-dev), is checked by `mdtriton verify` and by a build that resumes. The manifest also
+records the engine's limits (largest batch, longest sequence), which the server checks before a request reaches any
+rank.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from mdtriton.engine.plan import ParallelPlan
 
@@ -27,6 +32,8 @@ DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8")
 # How an engine's weights may be stored other than in its data type: "fp8" = the blocks' linear weights in
 # e4m3 with one float32 scale per output row, activations quantized per token (mdtriton.engine.fp8).
 QUANTIZATIONS = ("fp8",)
+# The safetensors metadata key of a rank file that names its rank and plan (rank_file_label).
+RANK_FILE_KEY = "mdtriton"
 
 
 class EngineError(Exception):
@@ -147,7 +154,10 @@ class Manifest:
             raise EngineError(f"{path}: malformed manifest: {error!r}") from error
 
     def weight_file(self, engine_dir: Path, rank: int) -> Path:
-        """The path of rank's weights, checked against the manifest's size and checksum."""
+        """The path of rank's weights, after the checks that read no weights: the file exists, has the manifest's
+        size, and its safetensors header parses, fits the file's size and names this rank of this plan (a file of
+        another rank has the same size when the plan splits evenly). Damaged tensor bytes pass these checks: the
+        SHA-256 finds them (verified_weight_file, `mdtriton verify`)."""
         if len(self.weights) != self.plan.world_size:
             raise EngineError(f"{engine_dir}: manifest lists {len(self.weights)} weight files "
                               f"for {self.plan.world_size} ranks")
@@ -159,10 +169,28 @@ class Manifest:
         if size != entry.bytes:
             raise EngineError(f"{path}: weight file of rank {rank} has {size} bytes, manifest says {entry.bytes} "
                               "(truncated or replaced; rebuild the engine)")
-        digest = file_sha256(path)
-        if digest != entry.sha256:
+        try:
+            with safe_open(path, "pt") as handle:
+                label = (handle.metadata() or {}).get(RANK_FILE_KEY)
+        except SafetensorError as error:
+            raise EngineError(f"{path}: not a readable safetensors file: {error}") from error
+        expected = rank_file_label(rank, self.plan)
+        if label != expected:
+            raise EngineError(f"{path}: weight file of rank {rank} says it holds {label!r}, not {expected!r} "
+                              "(swapped, or from another engine; rebuild the engine)")
+        return path
+
+    def verified_weight_file(self, engine_dir: Path, rank: int) -> Path:
+        """weight_file, with the file's SHA-256 checked against the manifest's too: reads the whole file."""
+        path = self.weight_file(engine_dir, rank)
+        if file_sha256(path) != self.weights[rank].sha256:
             raise EngineError(f"{path}: weight file of rank {rank} fails its checksum (corrupted; rebuild the engine)")
         return path
+
+
+def rank_file_label(rank: int, plan: ParallelPlan) -> str:
+    """What a rank file's header says it holds (metadata RANK_FILE_KEY), written by the build, checked at load."""
+    return f"rank {rank} of {plan}"
 
 
 def file_sha256(path: Path) -> str:

@@ -10,7 +10,6 @@ transformer's collectives keep the ranks in step.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,21 +69,18 @@ class EngineTransformer(torch.nn.Module):
 class FluxPipelineEngine(Engine):
     """One rank's FLUX pipeline: the replicated encoders, scheduler and VAE, and its shard of the transformer."""
 
-    def __init__(self, manifest: Manifest, pipeline: FluxPipeline, comm: Communicator, load_seconds: float):
+    def __init__(self, manifest: Manifest, pipeline: FluxPipeline):
         self.manifest = manifest
         self.pipeline = pipeline
-        self.comm = comm
-        self.load_seconds = load_seconds
 
     @classmethod
-    def load(cls, engine_dir: Path, comm: Communicator) -> "FluxPipelineEngine":
-        """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download)."""
-        start = time.perf_counter()
+    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator) -> "FluxPipelineEngine":
+        """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         diffusers_logging.set_verbosity_error()
         transformers_logging.set_verbosity_error()
         engine_dir = Path(engine_dir)
-        manifest = Manifest.read(engine_dir)
         if manifest.architecture != ARCHITECTURE:
             raise EngineError(f"{engine_dir}: a {manifest.architecture!r} engine, not a {ARCHITECTURE!r} one")
         dtype = TORCH_DTYPES[manifest.data_type]
@@ -105,11 +101,12 @@ class FluxPipelineEngine(Engine):
         for name in ("text_encoder", "text_encoder_2", "vae"):
             components[name].to(comm.device)
         # The transformer last: its load checks that its shard fits the memory the other components left free.
-        transformer = EngineTransformer(TorchEngine.load(engine_dir / TRANSFORMER_DIR, comm))
+        transformer_dir = engine_dir / TRANSFORMER_DIR
+        transformer = EngineTransformer(TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm))
         # FluxPipeline.from_pretrained would refuse a transformer that is not a diffusers model: built by hand.
         pipeline = FluxPipeline(transformer=transformer, **components)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
-        return cls(manifest, pipeline, comm, time.perf_counter() - start)
+        return cls(manifest, pipeline)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]} for the request's inputs (mdtriton.pipeline.signature)."""

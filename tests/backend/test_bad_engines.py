@@ -59,9 +59,11 @@ def on_missing_gpus(model_dir: Path) -> None:
     write_model_config(model_dir / "config.pbtxt", config)
 
 
-def flipped(path: Path) -> bytes:
+def header_flipped(path: Path) -> bytes:
+    """The file with the first byte of its safetensors header flipped: the size stays right, the header breaks.
+    (Damage inside the tensors' bytes is for `mdtriton verify` to find: tests/build_tools/test_verify.py.)"""
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0xFF
+    data[8] ^= 0xFF
     return bytes(data)
 
 
@@ -69,8 +71,8 @@ def flipped(path: Path) -> bytes:
 DAMAGES = {
     "truncated": (lambda e, m, x: (e / "rank1.safetensors").write_bytes((e / "rank1.safetensors").read_bytes()[:-100]),
                   ["rank1.safetensors", "truncated or replaced"]),
-    "corrupted": (lambda e, m, x: (e / "rank0.safetensors").write_bytes(flipped(e / "rank0.safetensors")),
-                  ["rank0.safetensors", "fails its checksum"]),
+    "corrupted": (lambda e, m, x: (e / "rank0.safetensors").write_bytes(header_flipped(e / "rank0.safetensors")),
+                  ["rank0.safetensors", "not a readable safetensors file"]),
     "missing": (lambda e, m, x: (e / "rank1.safetensors").unlink(), ["rank1.safetensors", "is missing"]),
     "newer_format": (lambda e, m, x: edit_manifest(e, format_version=99),
                      [MANIFEST_FILE, "format version 99", "upgrade mdtriton"]),

@@ -66,7 +66,7 @@ def test_bad_plan_is_refused_before_anything_is_written(tmp_path):
 
 def test_single_rank_engine_loads_and_matches_reference(tmp_path):
     version_dir = build(tmp_path, plan=ParallelPlan(), seed=4)
-    engine = TorchEngine.load(version_dir / "engine", Communicator.single())
+    engine = TorchEngine.load(version_dir / "engine", Manifest.read(version_dir / "engine"), Communicator.single())
     x = torch.randn(1, 5, 32)
     expected = reference_module("tiny_transformer", CONFIG, random_weights("tiny_transformer", CONFIG, 4), "FP32")(x)
     assert torch.allclose(engine.forward({"hidden_states": x})["output"], expected["output"], atol=1e-6)
@@ -74,7 +74,8 @@ def test_single_rank_engine_loads_and_matches_reference(tmp_path):
 
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "rank0.safetensors").write_bytes((d / "rank0.safetensors").read_bytes()[:-10]), "truncated"),
-    (lambda d: (d / "rank0.safetensors").write_bytes(b"x" * (d / "rank0.safetensors").stat().st_size), "checksum"),
+    (lambda d: (d / "rank0.safetensors").write_bytes(b"x" * (d / "rank0.safetensors").stat().st_size),
+     "not a readable safetensors file"),
     (lambda d: (d / "rank0.safetensors").unlink(), "missing"),
     (lambda d: (d / "manifest.json").write_text(
         json.dumps({**json.loads((d / "manifest.json").read_text()), "format_version": 99})),
@@ -88,7 +89,7 @@ def test_damaged_engine_is_refused_naming_the_file(tmp_path, damage, message):
     engine_dir = build(tmp_path, plan=ParallelPlan()) / "engine"
     damage(engine_dir)
     with pytest.raises(EngineError, match=message) as caught:
-        TorchEngine.load(engine_dir, Communicator.single())
+        TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
     assert str(engine_dir) in str(caught.value)
 
 
@@ -96,7 +97,7 @@ def test_engine_for_another_plan_is_refused(tmp_path):
     engine_dir = build(tmp_path) / "engine"
     assert Manifest.read(engine_dir).plan.world_size == 2
     with pytest.raises(EngineError, match="built for world 2"):
-        TorchEngine.load(engine_dir, Communicator.single())
+        TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
 
 
 def test_limits_are_recorded_in_the_manifest(tmp_path):

@@ -15,6 +15,7 @@ from mdtriton.engine.architectures import meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.layers import shard_state_dict
+from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs, relative_error
@@ -55,7 +56,7 @@ def test_one_rank_engine_from_checkpoint_matches_diffusers(tmp_path, diffusers_c
     index = next(directory.glob("*.safetensors.index.json"))
     version_dir = build_model_version(tmp_path, "flux", "flux", None, ParallelPlan(), "FP32", "cpu",
                                       weights_path=index, progress=False)
-    engine = TorchEngine.load(version_dir / "engine", Communicator.single())
+    engine = TorchEngine.load(version_dir / "engine", Manifest.read(version_dir / "engine"), Communicator.single())
     assert engine.manifest.config["num_single_layers"] == 3  # from config.json
     inputs = flux_inputs(CONFIG, text_len=4, image_len=9)
     with torch.inference_mode():

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import shard_state_dict
-from mdtriton.engine.manifest import Manifest, WeightFile, file_sha256
+from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256, rank_file_label
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 
@@ -66,7 +66,7 @@ def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: di
         with torch.device("meta"):
             module = Flux(config, Communicator(plan, rank, torch.device("cpu")))
         path = engine_dir / f"rank{rank}.safetensors"
-        save_file(shard_state_dict(module, weights), path)
+        save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
         files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
     inputs, outputs = Flux.signature(config, "FP32")
     Manifest("flux", config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)

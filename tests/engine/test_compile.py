@@ -21,10 +21,11 @@ CASES = [(1, 5, 10), (3, 4, 12), (2, 7, 30)]
 
 
 def compiled_against_eager(rank: int, world_size: int, engine_dir: str) -> tuple[list[float], int, float]:
-    comm = Communicator(Manifest.read(engine_dir).plan, rank, torch.device("cpu"))
+    manifest = Manifest.read(engine_dir)
+    comm = Communicator(manifest.plan, rank, torch.device("cpu"))
     comm.join_groups()
-    eager = TorchEngine.load(engine_dir, comm, compile=False)
-    compiled = TorchEngine.load(engine_dir, comm, compile=True)
+    eager = TorchEngine.load(engine_dir, manifest, comm, compile=False)
+    compiled = TorchEngine.load(engine_dir, manifest, comm, compile=True)
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     errors = []
     for seed, (batch, text_len, image_len) in enumerate(CASES):

@@ -28,9 +28,10 @@ def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: 
     """On one rank: load each engine and run every input case; the samples as numpy arrays."""
     results = {}
     for name, engine_dir in engine_dirs.items():
-        comm = Communicator(Manifest.read(engine_dir).plan, rank, torch.device("cpu"))
+        manifest = Manifest.read(engine_dir)
+        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
         comm.join_groups()
-        engine = TorchEngine.load(engine_dir, comm)
+        engine = TorchEngine.load(engine_dir, manifest, comm)
         results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
     return results
 
@@ -41,8 +42,8 @@ def test_parallel_engines_match_one_rank(tmp_path, world_size):
     weights = random_weights(config, seed=1)
     cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
 
-    reference = TorchEngine.load(write_engine(tmp_path / "one_rank", config, ParallelPlan(), weights),
-                                 Communicator.single())
+    one_rank = write_engine(tmp_path / "one_rank", config, ParallelPlan(), weights)
+    reference = TorchEngine.load(one_rank, Manifest.read(one_rank), Communicator.single())
     expected = [reference.forward(inputs)["sample"] for inputs in cases]
 
     engine_dirs = {}

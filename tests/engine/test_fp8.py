@@ -70,7 +70,7 @@ def test_an_fp8_engine_loaded_on_cpu_fails_naming_the_engine_and_what_to_build(t
     assert (manifest.data_type, manifest.quantization, manifest.weight_type) == ("BF16", "fp8", "FP8")
     assert {spec.data_type for spec in manifest.inputs} == {"BF16", "FP32"}  # FP32: position ids
     with pytest.raises(EngineError, match=r"engine: FP8 engines run on NVIDIA GPUs.*--dtype BF16"):
-        TorchEngine.load(version_dir / "engine", Communicator.single())
+        TorchEngine.load(version_dir / "engine", manifest, Communicator.single())
 
 
 def test_fp8_weights_take_about_two_thirds_of_bf16_and_flux_80b_fits_one_h200():

@@ -14,13 +14,20 @@ from diffusers import FluxPipeline
 from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
 from mdtriton.build_tools.pipeline_builder import build_pipeline_version
 from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
 from mdtriton.pipeline.progress import progress_to
+from mdtriton.pipeline.signature import TRANSFORMER_DIR
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+
+
+def load_pipeline(engine_dir) -> FluxPipelineEngine:
+    return FluxPipelineEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +38,7 @@ def engines(tmp_path_factory):
     for layout, pipeline_dir in pipelines.items():
         version_dir = build_pipeline_version(root / "repository", layout, pipeline_dir, ParallelPlan(), "FP32", "cpu",
                                              progress=False)
-        built[layout] = (FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single()), pipeline_dir)
+        built[layout] = (load_pipeline(version_dir / ENGINE_DIR), pipeline_dir)
     return built
 
 
@@ -63,11 +70,19 @@ def test_one_rank_image_equals_diffusers_and_reports_each_step(engines, layout):
 def test_a_bf16_pipeline_equals_diffusers_in_bf16(engines, tmp_path):
     _, pipeline_dir = engines["dev"]
     version_dir = build_pipeline_version(tmp_path, "bf16", pipeline_dir, ParallelPlan(), "BF16", "cpu", progress=False)
-    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    engine = load_pipeline(version_dir / ENGINE_DIR)
     image = engine.forward(request(["a cat"], 64, 64, 3, 3.5, 2))["image"].numpy()
     expected = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
     assert max_level_difference(image, expected) <= 1
     assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)) > 1  # bf16 shows
+
+
+def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
+    _, pipeline_dir = engines["dev"]
+    version_dir = build_pipeline_version(tmp_path, "v", pipeline_dir, ParallelPlan(), "FP32", "cpu", progress=False)
+    assert main(["verify", str(version_dir)]) == 0
+    rank_file = version_dir / ENGINE_DIR / TRANSFORMER_DIR / "rank0.safetensors"
+    assert capsys.readouterr().out.split() == ["ok", str(rank_file)]
 
 
 def test_prompt_2_and_sequence_length_reach_the_encoders(engines):
@@ -89,7 +104,7 @@ def test_random_transformer_weights_for_a_directory_without_them(engines, tmp_pa
     source = RandomWeights(full_shapes("flux", {key: config[key] for key in FLUX_DEV_CONFIG}), seed=4)
     version_dir = build_pipeline_version(tmp_path / "repository", "random", tmp_path / "no_weights", ParallelPlan(),
                                          "FP32", "cpu", progress=False, transformer_weights=source)
-    engine = FluxPipelineEngine.load(version_dir / ENGINE_DIR, Communicator.single())
+    engine = load_pipeline(version_dir / ENGINE_DIR)
     image = engine.forward(request(["a cat"], 32, 32, 2, 3.5, 1))["image"].numpy()
 
     reference = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
