@@ -1,9 +1,11 @@
 """Per-linear-layer error of FP8 and of bf16 on real activations of the FLUX transformer.
 
 The measure of docs/benchmarks.md ("Accuracy: FP8 per linear layer"). One bf16 forward of the model as an engine
-serves it (projections fused) runs with a forward hook on every linear layer that an FP8 engine quantizes (the
-blocks' tensor-parallel linears; embedders, modulations and the output projection stay bf16). For each layer,
-with X its input in that forward and W, b its bf16 weight and bias:
+serves it (projections fused) runs with every GEMM of the linear layers that an FP8 engine quantizes recorded (the
+blocks' tensor-parallel linears; embedders, modulations and the output projection stay bf16). The single blocks'
+output projection runs as two GEMMs, one per input part (attention, MLP), and is measured per part; its FP8 row
+scales are then each part's own (an FP8 engine's cover the whole row). For each GEMM, with X its input in that
+forward and W, b its bf16 weight and bias (the GELU or accumulation that follows left out):
 
     reference  y32  = X W^T + b in float32, of the same bf16 numbers
     bf16 error      = ||F.linear(X, W, b) - y32|| / ||y32||        (what a BF16 engine computes)
@@ -55,13 +57,21 @@ def emulated_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def layer_errors(layer: ParallelLinear, x: torch.Tensor, scaled_mm: bool) -> tuple[float, float]:
-    """(fp8 error, bf16 error) of layer on its input x, each against the float32 product (module docstring)."""
-    weight, bias = layer.weight, layer.bias
+def gemm_errors(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                scaled_mm: bool) -> tuple[float, float]:
+    """(fp8 error, bf16 error) of one GEMM on its input x, each against the float32 product (module docstring)."""
     exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     values, scale = quantize_weight(weight)
     fp8 = (fp8_linear if scaled_mm else emulated_fp8_linear)(x, values, scale, bias)
     return relative_error(fp8, exact), relative_error(F.linear(x, weight, bias), exact)
+
+
+def gemm_name(name: str, layer: ParallelLinear, weight: torch.Tensor) -> str:
+    """The layer's name; for a layer run one GEMM per input part (single blocks' proj_out), with the part's."""
+    parts = getattr(layer, "segment_weights", None)
+    if parts is None:
+        return name
+    return f"{name}.part{next(index for index, part in enumerate(parts) if part is weight)}"
 
 
 def layer_kind(name: str) -> str:
@@ -78,14 +88,20 @@ def measure(config: dict, image_tokens: int, text_tokens: int, device: torch.dev
     del weights
     rows = []
 
-    def record(name: str, layer: ParallelLinear, args: tuple, output: torch.Tensor) -> None:
-        fp8_error, bf16_error = layer_errors(layer, args[0], scaled_mm)
-        rows.append({"name": name, "kind": layer_kind(name), "fp8_error": fp8_error, "bf16_error": bf16_error,
-                     "ratio": fp8_error / bf16_error})
+    def recording(name: str, layer: ParallelLinear):
+        linear = layer.linear
+
+        def record_and_run(x, weight, bias, gelu=False, accumulate=None):
+            fp8_error, bf16_error = gemm_errors(x, weight, bias, scaled_mm)
+            gemm = gemm_name(name, layer, weight)
+            rows.append({"name": gemm, "kind": layer_kind(gemm), "fp8_error": fp8_error, "bf16_error": bf16_error,
+                         "ratio": fp8_error / bf16_error})
+            return linear(x, weight, bias, gelu, accumulate)
+        return record_and_run
 
     for name, layer in model.named_modules():
         if isinstance(layer, ParallelLinear):
-            layer.register_forward_hook(lambda module, args, output, name=name: record(name, module, args, output))
+            layer.linear = recording(name, layer)  # every GEMM of a layer runs through its linear()
     inputs = Flux.example_inputs(config, text_tokens, image_tokens, torch.bfloat16)
     with torch.inference_mode():
         model(**{name: tensor.to(device) for name, tensor in inputs.items()})

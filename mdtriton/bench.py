@@ -3,8 +3,9 @@
 Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are random, made on each
 GPU shard by shard from one seed (the same full model for every plan), bf16, with trained-like scales
 (modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md, "Accuracy"). Variants:
-`compiled` (what the server runs on GPUs: fused projections, compiled blocks, warmed up at load), `eager`
-(the same module uncompiled), `fp8` (FP8 weights, compiled). Timing: the first call at each length after
+`compiled` (what the server runs on GPUs: fused projections, compiled blocks, warmed up at load, short
+requests replayed as CUDA graphs), `eager` (the same module uncompiled, no graphs), `fp8` (FP8 weights, as
+compiled). Timing: the first call at each length after
 the warm-up (a recompile would show here), then warm-up runs, then CUDA-event times of whole forwards
 between barriers; the median is reported. One more forward runs under the PyTorch profiler to find the
 share of GPU time spent in NCCL kernels. At --check-tokens every output is compared with the 1-GPU compiled
@@ -33,7 +34,7 @@ from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import sdpa
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import compile_and_warm_up
-from mdtriton.engine.cuda_graphs import CudaGraphForward
+from mdtriton.engine.engine import device_forward
 from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
@@ -200,7 +201,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             warm_up_seconds = 0.0
             if variant != "eager":
                 warm_up_seconds = compile_and_warm_up(module, "flux", config, dtype, comm)
-            forward = CudaGraphForward(module, max_graphs=1) if args.cuda_graphs else lambda inputs: module(**inputs)
+            forward = device_forward(module, "flux", config, compiled=variant != "eager")
             for image_tokens in args.image_tokens:
                 inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
                 with torch.inference_mode():
@@ -320,8 +321,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--check-tokens", default="4096", help="lengths at which outputs are compared with 1 GPU")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="replay each forward as a captured CUDA graph (the first call of a shape captures it)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (default when there is a GPU) or cpu: gloo ranks, float32, for checking the tool")
     parser.set_defaults(run=run)
@@ -332,8 +331,6 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and max(counts) > torch.cuda.device_count():
         raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
                          "for a functional run on CPU ranks)")
-    if args.cuda_graphs and args.device != "cuda":
-        raise ValueError("--cuda-graphs needs --device cuda")
     args.methods = args.methods.split(",")
     args.variants = args.variants.split(",")
     unknown = set(args.variants) - set(VARIANTS)

@@ -63,11 +63,26 @@ class ParallelLinear(nn.Module):
         """x W^T + bias with this rank's weight (FP8 or not)."""
         return self.linear(x, self.weight, bias)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x weight^T + bias, for this layer's weight or a block of its columns (FP8 or not)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+               accumulate: torch.Tensor | None = None) -> torch.Tensor:
+        """x weight^T + bias (+ accumulate), with this layer's weight or a block of its columns, FP8 or not; with
+        gelu, the tanh GELU of that. Every GEMM of the layer runs here.
+
+        Unquantized, an accumulation is the GEMM's own (C in C + A B), and on a GPU a GELU after a bias is applied
+        in the GEMM's cuBLASLt epilogue, to the float32 sums: no pass over the output. torch.compile keeps both
+        calls as they are."""
         if self.fp8:
-            return fp8_linear(x, weight, self.weight_scale, bias)
-        return F.linear(x, weight, bias)
+            out = fp8_linear(x, weight, self.weight_scale, bias)
+            out = out if accumulate is None else accumulate + out
+        elif accumulate is not None:
+            rows = torch.addmm(accumulate.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
+            out = rows.view(accumulate.shape) if bias is None else rows.view(accumulate.shape) + bias
+        elif gelu and x.is_cuda and bias is not None:
+            rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+            return rows.view(*x.shape[:-1], weight.shape[0])
+        else:
+            out = F.linear(x, weight, bias)
+        return F.gelu(out, approximate="tanh") if gelu else out
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -85,12 +100,8 @@ class ColumnParallelLinear(ParallelLinear):
         return self.local_linear(x, self.bias)
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
-        """tanh-GELU(forward(x)). On a GPU, unquantized and with a bias, one cuBLASLt GEMM applies the GELU in its
-        epilogue, to the float32 sums: no pass over the output (torch.compile keeps the call as it is)."""
-        if x.is_cuda and not self.fp8 and self.bias is not None:
-            rows = torch._addmm_activation(self.bias, x.reshape(-1, x.shape[-1]), self.weight.t(), use_gelu=True)
-            return rows.view(*x.shape[:-1], rows.shape[-1])
-        return F.gelu(self.local_linear(x, self.bias), approximate="tanh")
+        """tanh-GELU(forward(x)), on GPUs in the GEMM's epilogue (see linear)."""
+        return self.linear(x, self.weight, self.bias, gelu=True)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         specs = {"weight": (0, self.out_segments)}
@@ -151,11 +162,7 @@ class RowParallelLinear(ParallelLinear):
         bias = self.bias if self.comm.tp_rank == 0 else None
         out = self.linear(parts[0], self.segment_weights[0], bias)
         for part, weight in zip(parts[1:], self.segment_weights[1:]):
-            if self.fp8:
-                out = out + self.linear(part, weight, None)
-            else:
-                rows = out.reshape(-1, out.shape[-1])
-                out = torch.addmm(rows, part.reshape(-1, part.shape[-1]), weight.t()).view(out.shape)
+            out = self.linear(part, weight, None, accumulate=out)
         return self.comm.tp_all_reduce(out)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:

@@ -4,11 +4,13 @@ what was compiled is kept in the engine directory."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import CACHE_DIR
+from mdtriton.engine.cuda_graphs import GRAPH_MAX_TOKENS, MAX_GRAPHS
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import Flux
@@ -65,3 +67,21 @@ def test_a_rehearsal_communicates_nothing_and_keeps_every_shape():
         assert "rehears" not in str(error)
     else:
         raise AssertionError("an all-reduce without a process group succeeded outside a rehearsal")
+
+
+@pytest.mark.gpu
+def test_a_gpu_engine_replays_short_requests_as_cuda_graphs_with_the_same_answers(tmp_path):
+    """A compiled engine on a GPU captures a graph at the first request of each short shape and replays it; the
+    answers equal the compiled module's own, bit for bit, and requests over GRAPH_MAX_TOKENS run without graphs."""
+    config = Flux.default_config()
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), random_weights(config, seed=3))
+    comm = Communicator.single(torch.device("cuda", 0))
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), comm)
+    long_request = (1, 16, GRAPH_MAX_TOKENS)
+    for seed, (batch, text_len, image_len) in enumerate([*CASES, CASES[0], long_request]):
+        inputs = flux_inputs(config, text_len, image_len, batch=batch, seed=seed)
+        served = engine.forward(inputs)["sample"]
+        with torch.inference_mode():
+            direct = engine.module(**{name: tensor.cuda() for name, tensor in inputs.items()})["sample"]
+        assert torch.equal(served, direct)
+    assert len(engine.run.graphs.graphs) == MAX_GRAPHS  # the two most recent short shapes; none for the long one
