@@ -7,11 +7,10 @@ from __future__ import annotations
 import gc
 import os
 import socket
-from pathlib import Path
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
-
 from mdtriton.backend.tensor_transfer import TensorLink
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import torch
-
 from mdtriton.client.tensors import as_numpy, to_torch
 
 
