@@ -15,7 +15,8 @@ Builds a FLUX engine into a model repository, serves it with the embedded Triton
 
 then stops the server, loads the same engine in one process per rank (on GPUs compiling from the cache the
 server's load left in the engine directory) and times `engine.forward` alone: the baseline of "overhead".
-Progress lines carry the seconds since the start; the table is printed and written as JSON.
+Progress lines carry the seconds since the start; the tables are printed and written as JSON (--output), the
+server's log beside it.
 
 On GPUs (FLUX.1-dev, 4,096 + 512 tokens, 1 GPU; about 6 minutes, building 23.8 GB of random weights on the GPU
 included):
@@ -253,7 +254,10 @@ def main() -> None:
             "model": "tiny (FLUX.1-dev inputs/outputs, no blocks, width 16)" if args.tiny else args.preset,
             "image_tokens": args.image_tokens, "text_tokens": args.text_tokens, "requests": args.requests}
     with tempfile.TemporaryDirectory() as scratch:
-        repository, log_file = args.repository or Path(scratch), Path(scratch) / "server.log"
+        repository = args.repository or Path(scratch)
+        log_file = args.output.parent / f"{args.output.stem}-server.log"  # kept beside the results
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        log_file.unlink(missing_ok=True)
         progress(f"building {rows['model']} ({plan}, BF16) into {repository}")
         start = time.perf_counter()
         version_dir = build_model_version(repository, MODEL, "flux", config, plan, "BF16", "gpu" if cuda else "cpu",
@@ -306,9 +310,8 @@ def main() -> None:
     rows.update({"engine_median_ms": statistics.median(direct["times"]), "cached_load_s": direct["load_s"],
                  "cached_warm_up_s": direct["warm_up_s"]})
     report(rows)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(rows, indent=1))
-    progress(f"written to {args.output}")
+    progress(f"written to {args.output}; the server's log to {log_file}")
 
 
 def report(rows: dict) -> None:
