@@ -204,9 +204,11 @@ class JobRunner:
             # A fresh tensor on every rank, the origin's included: the request's own memory has another alignment,
             # and CPU kernels round differently on differently aligned data (~1e-6 in float32), so the origin would
             # compute other bits than its peers.
+            # On a GPU the copy reads page-locked shared memory (backend/tensor_transfer.py) asynchronously: the
+            # job's inputs stay in place until it is done, after the stream has been synchronized below.
             tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
             if job is not None:
-                tensor.copy_(job.inputs[name])
+                tensor.copy_(job.inputs[name], non_blocking=True)
             inputs[name] = self.comm.broadcast(tensor, src=origin)
         with progress_to(job.on_progress if job is not None else None):
             outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))

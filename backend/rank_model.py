@@ -82,6 +82,9 @@ class RankModel:
         if not log.handlers:
             log.addHandler(TritonLogHandler())
             log.setLevel(logging.INFO)
+        # The stub only wraps, checks and copies tensors: one thread. Torch's default pool (a thread per core) keeps
+        # spinning after each parallel operation (the request check's sums), on the cores the rank's worker needs.
+        torch.set_num_threads(1)
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)

@@ -1,12 +1,32 @@
-"""What serving adds: one FLUX forward through Triton (gRPC, our client) against the same engine called directly.
+"""What serving adds to a FLUX forward, where that time goes, and how long a healing takes.
 
-Builds a FLUX engine (random weights generated on the GPU) into a model repository, serves it with the
-embedded Triton server and times sequential requests, then concurrent ones; then stops the server,
-loads the same engine files in one process per rank (compiling from the cache the server's load left in the
-engine directory) and times `engine.forward` with CUDA events.
-Prints a table and writes it as JSON. GPUs only.
+Builds a FLUX engine into a model repository, serves it with the embedded Triton server and measures:
 
-    python benchmarks/serving.py --tp 2 --image-tokens 16384
+1. one client's sequential requests (the client connects once, as clients do), the tensors travelling three ways:
+   in the gRPC messages; through system shared memory (the client's default when the server is on this host); and,
+   with a GPU and cuda-python, from inputs in GPU memory through CUDA shared memory;
+2. where a request's time goes (system shared memory): the rank worker's job (backend/job_timer.py, read from
+   the rank's Prometheus counters: the inputs' copy to the device, the forward, the outputs ready), the stub around
+   it (Triton's compute_infer statistic less the job: the request check, the hop to the worker and back, the
+   response), Triton's own steps (queue, compute_input, compute_output) and the rest (the client and gRPC);
+3. --concurrency clients at once: p50 / p99 latency and requests per second;
+4. a healing: SIGKILL of rank 0's worker while serving; the time until a request is answered again (the answer must
+   equal the one before the kill) and the new worker's load: its weights and its warm-up (from its log line);
+
+then stops the server, loads the same engine in one process per rank (on GPUs compiling from the cache the
+server's load left in the engine directory) and times `engine.forward` alone: the baseline of "overhead".
+Progress lines carry the seconds since the start; the tables are printed and written as JSON (--output), the
+server's log beside it.
+
+On GPUs (FLUX.1-dev, 4,096 + 512 tokens, 1 GPU; about 6 minutes, building 23.8 GB of random weights on the GPU
+included):
+
+    python benchmarks/serving.py --requests 10
+
+On CPU ranks (--tiny: FLUX.1-dev's input and output sizes, bf16, with no transformer blocks and a width of 16, so
+the compute is small and the serving path is what is measured; about 1 minute on 2 cores):
+
+    python benchmarks/serving.py --tiny --requests 30
 """
 
 from __future__ import annotations
@@ -14,27 +34,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from mdtriton.bench import flux_inputs, time_calls
+from mdtriton.backend.worker_keeper import is_rank_worker
 from mdtriton.build_tools.build import build_model_version
-from mdtriton.client.grpc_client import Client
+from mdtriton.client.grpc_client import Client, ClientError
+from mdtriton.client.shared_memory import cuda_shared_memory_available
+
+from mdtriton.bench import time_calls
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.server import TritonServer, free_port
 
 MODEL = "flux"
+# FLUX.1-dev's inputs and outputs, with no blocks and a width of 16: the embedders and the output projection read
+# and write the real tensors, and compute little (a block's attention over 4,608 tokens alone takes ~0.5 s in bf16 on
+# a CPU core).
+TINY_CONFIG = {**FLUX_DEV_CONFIG, "num_layers": 0, "num_single_layers": 0, "num_attention_heads": 1,
+               "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6]}
+STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -42,33 +77,151 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def served_latencies(address: str, inputs: dict, requests: int, concurrency: int) -> tuple[list[float], float]:
-    """Milliseconds of each request (sent by `concurrency` clients at once) and the requests per second."""
+def sequential_latencies(client: Client, inputs: dict, warmup: int, requests: int) -> tuple[list[float], dict]:
+    """Milliseconds of each of one client's timed requests, after warmup untimed ones; and the last answer."""
+    for _ in range(warmup):
+        client.infer(MODEL, inputs)
+    latencies = []
+    for _ in range(requests):
+        start = time.perf_counter()
+        answer = client.infer(MODEL, inputs)
+        latencies.append((time.perf_counter() - start) * 1000)
+    return latencies, answer
 
-    def ask(_):
-        with Client(address, timeout=600) as client:
+
+def concurrent_latencies(address: str, inputs: dict, requests: int, concurrency: int) -> tuple[list[float], float]:
+    """Milliseconds of each request sent by `concurrency` clients at once (one connection each), and requests/s."""
+    clients = [Client(address, timeout=600) for _ in range(concurrency)]
+    try:
+        for client in clients:
+            client.infer(MODEL, inputs)  # connects, registers its shared memory, learns the output size
+
+        def ask(index: int) -> float:
             start = time.perf_counter()
-            client.infer(MODEL, inputs)
+            clients[index % concurrency].infer(MODEL, inputs)
             return (time.perf_counter() - start) * 1000
 
-    began = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        latencies = list(pool.map(ask, range(requests)))
-    return latencies, requests / (time.perf_counter() - began)
+        began = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            latencies = list(pool.map(ask, range(requests)))
+        return latencies, requests / (time.perf_counter() - began)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def triton_statistics(client: Client) -> dict[str, tuple[int, int]]:
+    """Triton's cumulative statistics of the model: step -> (count, nanoseconds)."""
+    statistics_ = client._client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]["inference_stats"]
+    return {step: (int(value.get("count", 0)), int(value.get("ns", 0))) for step, value in statistics_.items()}
+
+
+def rank_counters(server: TritonServer, rank: int = 0) -> dict[str, float]:
+    """This rank's mdtriton counters from Triton's metrics endpoint (backend/metrics.py): name -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counters = {}
+    for line in text.splitlines():
+        found = re.match(r'(mdtriton_\w+)\{([^}]*)\} (\S+)', line)
+        if found and f'rank="{rank}"' in found.group(2) and f'model="{MODEL}"' in found.group(2):
+            counters[found.group(1)] = float(found.group(3))
+    return counters
+
+
+def mean_ms(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], step: str) -> float:
+    count = after[step][0] - before[step][0]
+    return (after[step][1] - before[step][1]) / max(count, 1) / 1e6
+
+
+def time_split(server: TritonServer, inputs: dict, warmup: int, requests: int) -> dict:
+    """One client's sequential requests through system shared memory, and where their time went (mean ms)."""
+    with Client(server.grpc_address, timeout=600) as client:
+        for _ in range(warmup):
+            client.infer(MODEL, inputs)
+        triton_before, ranks_before = triton_statistics(client), rank_counters(server)
+        latencies, _ = sequential_latencies(client, inputs, 0, requests)
+        # The worker reports each job's time just after its answer: wait until the counters hold every job.
+        deadline = time.monotonic() + 10
+        while True:
+            triton_after, ranks_after = triton_statistics(client), rank_counters(server)
+            jobs = ranks_after["mdtriton_jobs_total"] - ranks_before["mdtriton_jobs_total"]
+            if jobs >= requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    job_seconds = sum(ranks_after[name] - ranks_before[name] for name in
+                      ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"))
+    job_ms = job_seconds / max(jobs, 1) * 1000
+    infer_ms = mean_ms(triton_before, triton_after, "compute_infer")
+    triton_ms = sum(mean_ms(triton_before, triton_after, step) for step in ("queue", "compute_input", "compute_output"))
+    served_ms = statistics.mean(latencies)
+    return {"served_mean_ms": served_ms, "worker_job_ms": job_ms, "stub_beyond_job_ms": infer_ms - job_ms,
+            "triton_ms": triton_ms, "client_and_grpc_ms": served_ms - infer_ms - triton_ms, "jobs_counted": jobs}
+
+
+def rank_worker_pid(server: TritonServer, rank: int) -> int:
+    """The pid of rank's worker process (a grandchild of the server: server -> stub -> worker)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and is_rank_worker(int(entry.name)):
+            try:
+                arguments = (entry / "cmdline").read_bytes().split(b"\0")
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                grandparent = int((Path("/proc") / str(parent) / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError):
+                continue
+            if grandparent == server.process.pid and json.loads(arguments[3])["rank"] == rank:
+                return int(entry.name)
+    raise RuntimeError(f"no worker of rank {rank} under tritonserver (pid {server.process.pid})")
+
+
+def heal(server: TritonServer, inputs: dict, log_file: Path, timeout: float) -> dict:
+    """SIGKILL rank 0's worker while serving; seconds until a request is answered again (giving up after timeout
+    seconds), that answer equal to the one before the kill, and the new worker's load and warm-up seconds (from its
+    log line)."""
+    with Client(server.grpc_address, timeout=600, retries=0) as client:
+        before = client.infer(MODEL, inputs)["sample"]
+        victim = rank_worker_pid(server, 0)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        progress(f"killed rank 0's worker (pid {victim}); asking until the model answers again")
+        failures = 0
+        while True:
+            try:
+                after = client.infer(MODEL, inputs)["sample"]
+                break
+            except ClientError as error:  # a request that waited longer than request_timeout_s for the ranks
+                failures += 1
+                progress(f"a request failed while healing ({error}); asking again")
+                if time.monotonic() - killed > timeout:
+                    return {"heal_failed_requests": failures, "heal_error": str(error)}
+        healed = time.monotonic() - killed
+    new_worker = rank_worker_pid(server, 0)
+    loaded = re.search(rf"worker pid {new_worker}\) loaded .* in ([\d.]+) s \(([\d.]+) s of it warming up",
+                       log_file.read_text(errors="replace"))
+    load_s, warm_up_s = (float(loaded.group(1)), float(loaded.group(2))) if loaded else (float("nan"),) * 2
+    same = before.dtype == after.dtype and np.array_equal(before.view(np.uint8), after.view(np.uint8))
+    return {"heal_s": healed, "heal_worker_weights_s": load_s - warm_up_s, "heal_worker_warm_up_s": warm_up_s,
+            "heal_failed_requests": failures, "heal_same_answer": bool(same)}
 
 
 def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs: dict, args, result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    cuda = not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))  # as a served CPU rank
     if world_size > 1:
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
+                                device_id=device if cuda else None)
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, device)
     comm.join_groups()
     engine = TorchEngine.load(engine_dir, manifest, comm)
     on_device = {name: tensor.to(device) for name, tensor in inputs.items()}
-    times, _ = time_calls(lambda: engine.forward(on_device), True, args.warmup, args.requests)
+    times, _ = time_calls(lambda: engine.forward(on_device), cuda, args.warmup, args.requests)
     if rank == 0:
         Path(result_path).write_text(json.dumps({"times": times, "load_s": engine.load_seconds,
                                                  "warm_up_s": engine.warm_up_seconds}))
@@ -78,57 +231,120 @@ def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()))
+    parser.add_argument("--tiny", action="store_true", help="CPU ranks, FLUX.1-dev's input/output sizes, no blocks, width 16")
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()), help="GPU runs' model")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
-    parser.add_argument("--image-tokens", type=int, default=16384)
+    parser.add_argument("--image-tokens", type=int, default=4096)
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=10, help="timed requests per measurement")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4, help="clients at once in the throughput run")
+    parser.add_argument("--no-heal", dest="heal", action="store_false", help="skip the healing measurement")
+    parser.add_argument("--heal-timeout", type=float, default=240.0, help="seconds to wait for the healed model")
     parser.add_argument("--repository", type=Path, help="model repository to build into (default: a temporary one)")
     parser.add_argument("--output", type=Path, default=Path("bench-results/serving.json"))
     args = parser.parse_args()
 
     plan = ParallelPlan(args.tp, args.cp, args.cp_method)
-    config = Flux.presets()[args.preset]
+    config = TINY_CONFIG if args.tiny else Flux.presets()[args.preset]
+    cuda = not args.tiny
+    inputs = Flux.example_inputs(config, args.text_tokens, args.image_tokens, torch.bfloat16)
+    rows = {"plan": str(plan), "device": "cpu" if args.tiny else torch.cuda.get_device_name(0),
+            "model": "tiny (FLUX.1-dev inputs/outputs, no blocks, width 16)" if args.tiny else args.preset,
+            "image_tokens": args.image_tokens, "text_tokens": args.text_tokens, "requests": args.requests}
     with tempfile.TemporaryDirectory() as scratch:
         repository = args.repository or Path(scratch)
+        log_file = args.output.parent / f"{args.output.stem}-server.log"  # kept beside the results
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        log_file.unlink(missing_ok=True)
+        progress(f"building {rows['model']} ({plan}, BF16) into {repository}")
         start = time.perf_counter()
-        version_dir = build_model_version(repository, MODEL, "flux", config, plan, "BF16", "gpu",
-                                          random_device="cuda")
-        build_seconds = time.perf_counter() - start
-        torch.cuda.empty_cache()  # the ranks need the memory the build's generator used
-        inputs = {name: tensor.cpu() for name, tensor in
-                  flux_inputs(config, args.text_tokens, args.image_tokens, torch.device("cuda")).items()}
+        version_dir = build_model_version(repository, MODEL, "flux", config, plan, "BF16", "gpu" if cuda else "cpu",
+                                          random_device="cuda" if cuda else "cpu", progress=False)
+        rows["build_s"] = time.perf_counter() - start
+        if cuda:
+            torch.cuda.empty_cache()  # the ranks need the memory the build's generator used
+        progress(f"built in {rows['build_s']:.0f} s; starting the server")
         start = time.perf_counter()
-        with TritonServer(repository, log_file=Path(scratch) / "server.log") as server:
-            ready_seconds = time.perf_counter() - start
-            served_latencies(server.grpc_address, inputs, args.warmup, 1)
-            sequential, _ = served_latencies(server.grpc_address, inputs, args.requests, 1)
-            concurrent, throughput = served_latencies(server.grpc_address, inputs, 2 * args.requests, args.concurrency)
+        with TritonServer(repository, log_file=log_file) as server:
+            rows["server_start_to_ready_s"] = time.perf_counter() - start
+            progress(f"ready in {rows['server_start_to_ready_s']:.0f} s; sequential requests, gRPC messages")
+            with Client(server.grpc_address, timeout=600, shm_threshold=None) as client:
+                plain, reference = sequential_latencies(client, inputs, args.warmup, args.requests)
+            rows["grpc_messages_median_ms"] = statistics.median(plain)
+            progress(f"gRPC messages: median {rows['grpc_messages_median_ms']:.1f} ms; system shared memory, split")
+            rows.update(time_split(server, inputs, args.warmup, args.requests))
+            with Client(server.grpc_address, timeout=600) as client:
+                shared, answer = sequential_latencies(client, inputs, 0, args.requests)
+            rows["system_shm_median_ms"] = statistics.median(shared)
+            rows["same_answer_every_way"] = bool(np.array_equal(answer["sample"].view(np.uint8),
+                                                                reference["sample"].view(np.uint8)))
+            progress(f"system shared memory: median {rows['system_shm_median_ms']:.1f} ms")
+            if cuda and cuda_shared_memory_available():
+                on_gpu = {name: tensor.cuda() for name, tensor in inputs.items()}
+                with Client(server.grpc_address, timeout=600) as client:
+                    latencies, _ = sequential_latencies(client, on_gpu, args.warmup, args.requests)
+                    worked = client.shm_threshold is not None  # the client turns shared memory off if it fails
+                if worked:
+                    rows["cuda_shm_median_ms"] = statistics.median(latencies)
+                    progress(f"CUDA shared memory: median {rows['cuda_shm_median_ms']:.1f} ms")
+                else:
+                    progress("CUDA shared memory did not work (the client's warning above says why)")
+            progress(f"{args.concurrency} clients at once")
+            concurrent, throughput = concurrent_latencies(server.grpc_address, inputs, 2 * args.requests,
+                                                          args.concurrency)
+            rows.update({"concurrency": args.concurrency, "concurrent_p50_ms": percentile(concurrent, 0.5),
+                         "concurrent_p99_ms": percentile(concurrent, 0.99), "throughput_per_s": throughput})
+            if args.heal:
+                rows.update(heal(server, inputs, log_file, args.heal_timeout))
+                progress(f"healed: answered again {rows['heal_s']:.1f} s after the kill (same answer: "
+                         f"{rows['heal_same_answer']})" if "heal_s" in rows else
+                         f"NOT healed within {args.heal_timeout:.0f} s: {rows['heal_error']}; see {log_file}")
+            progress("stopping the server")
+        progress("the engine alone, one process per rank")
         result_path = Path(scratch) / "engine.json"
         mp.spawn(_engine_rank, args=(plan.world_size, free_port(), str(version_dir / "engine"), inputs, args,
                                      str(result_path)), nprocs=plan.world_size)
         direct = json.loads(result_path.read_text())
-
-    engine_ms, served_ms = statistics.median(direct["times"]), statistics.median(sequential)
-    rows = {"plan": str(plan), "image_tokens": args.image_tokens, "text_tokens": args.text_tokens,
-            "build_s": build_seconds, "server_start_to_ready_s": ready_seconds,
-            "cached_load_s": direct["load_s"], "cached_warm_up_s": direct["warm_up_s"],
-            "engine_median_ms": engine_ms, "grpc_median_ms": served_ms, "overhead": served_ms / engine_ms - 1,
-            "concurrency": args.concurrency, "concurrent_p50_ms": percentile(concurrent, 0.5),
-            "concurrent_p99_ms": percentile(concurrent, 0.99), "throughput_per_s": throughput}
-    print(f"| plan | tokens | engine median ms | gRPC median ms | overhead | {args.concurrency} clients: p50 / p99 ms "
-          "| requests/s | build s | start to ready s (compiling) | load + warm-up s (compile cache) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {plan} | {args.image_tokens:,}+{args.text_tokens} | {engine_ms:.1f} | {served_ms:.1f} | "
-          f"{100 * rows['overhead']:+.1f}% | {rows['concurrent_p50_ms']:.0f} / {rows['concurrent_p99_ms']:.0f} | "
-          f"{throughput:.2f} | {build_seconds:.0f} | {ready_seconds:.0f} | {direct['load_s']:.0f} + "
-          f"{direct['warm_up_s']:.0f} |")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rows.update({"engine_median_ms": statistics.median(direct["times"]), "cached_load_s": direct["load_s"],
+                 "cached_warm_up_s": direct["warm_up_s"]})
+    report(rows)
     args.output.write_text(json.dumps(rows, indent=1))
+    progress(f"written to {args.output}; the server's log to {log_file}")
+
+
+def report(rows: dict) -> None:
+    engine = rows["engine_median_ms"]
+
+    def over(ms: float) -> str:
+        return f"{ms:.1f} ({ms - engine:+.1f} ms, {100 * (ms / engine - 1):+.1f}%)"
+
+    cuda_shm = over(rows["cuda_shm_median_ms"]) if "cuda_shm_median_ms" in rows else "not measured"
+    print(f"\n{rows['model']}, {rows['plan']}, {rows['image_tokens']:,}+{rows['text_tokens']} tokens, {rows['device']}; "
+          f"medians of {rows['requests']} sequential requests\n")
+    print("| engine alone ms | served, system shm ms (overhead) | served, gRPC messages ms | served, CUDA shm ms |")
+    print("|---|---|---|---|")
+    print(f"| {engine:.1f} | {over(rows['system_shm_median_ms'])} | {over(rows['grpc_messages_median_ms'])} "
+          f"| {cuda_shm} |")
+    print(f"\nWhere a request's time goes (system shm, means of {rows['requests']}: {rows['served_mean_ms']:.1f} ms):\n")
+    print("| rank worker's job (input copy, forward, outputs) | stub beyond the job (check, hop both ways, response) "
+          "| Triton (queue, inputs, outputs) | client and gRPC |")
+    print("|---|---|---|---|")
+    print(f"| {rows['worker_job_ms']:.1f} | {rows['stub_beyond_job_ms']:.2f} | {rows['triton_ms']:.2f} "
+          f"| {rows['client_and_grpc_ms']:.2f} |")
+    print(f"\n| {rows['concurrency']} clients: p50 / p99 ms | requests/s | build s | start to ready s | "
+          "engine load + warm-up s (compile cache) | healing: kill to answer s | healed worker: weights + warm-up s "
+          "| same answer after healing |")
+    print("|---|---|---|---|---|---|---|---|")
+    healing = (f"{rows['heal_s']:.1f} | {rows['heal_worker_weights_s']:.1f} + {rows['heal_worker_warm_up_s']:.1f} | "
+               f"{rows['heal_same_answer']}" if "heal_s" in rows else
+               "not healed within the timeout | | " if "heal_error" in rows else "not measured | | ")
+    print(f"| {rows['concurrent_p50_ms']:.0f} / {rows['concurrent_p99_ms']:.0f} | {rows['throughput_per_s']:.2f} | "
+          f"{rows['build_s']:.0f} | {rows['server_start_to_ready_s']:.0f} | {rows['cached_load_s']:.1f} + "
+          f"{rows['cached_warm_up_s']:.1f} | {healing} |")
+    print(f"\nThe same answer through gRPC messages and system shared memory: {rows['same_answer_every_way']}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from multiprocessing.connection import Connection
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.dtypes import TORCH_DTYPES
 link = TensorLink(Connection(int(sys.argv[1])))
+# One thread: the stand-in computes nothing, and torch's pool would keep spinning after making the outputs, on the
+# cores the other side needs (a worker's compute does that too, on CPU ranks; that is the engine's cost, not the hop's).
+torch.set_num_threads(1)
 while True:
     try:
         message = link.receive()

@@ -1,8 +1,8 @@
 """Tensors on the client side: numpy or torch in, numpy out, and .npy / .safetensors files.
 
 bf16: numpy has no bfloat16 of its own; tritonclient (2.73+) takes and returns `ml_dtypes.bfloat16`
-arrays for Triton's BF16. Torch bf16 tensors are converted to that exactly (bf16 -> float32 -> bf16
-loses nothing). Torch is imported only when a torch tensor or a .safetensors file is involved.
+arrays for Triton's BF16. Torch bf16 tensors become such arrays (and back) by reinterpreting their bits,
+without converting a value. Torch is imported only when a torch tensor or a .safetensors file is involved.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def as_numpy(value) -> np.ndarray:
 
         tensor = value.detach().cpu()
         if tensor.dtype == torch.bfloat16:
-            return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+            # The same bits, read as ml_dtypes' bfloat16: no conversion (through float32 it took 1.6 ms for
+            # FLUX.1-dev's 4 MiB of text embeddings).
+            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return tensor.numpy()
     return np.asarray(value)
 
@@ -41,7 +43,7 @@ def to_torch(array: np.ndarray):
     import torch
 
     if array.dtype == NUMPY_TYPES["BF16"]:
-        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)  # a writable copy, same bits
     return torch.from_numpy(np.array(array))  # a writable copy
 
 

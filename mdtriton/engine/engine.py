@@ -32,6 +32,7 @@ class Engine(ABC):
     """One rank's share of a multi-device engine."""
 
     manifest: Manifest  # the manifest it was loaded from
+    warm_up_seconds: float = 0.0  # how long its load spent warming up (compiling) after the weights were in place
 
     @abstractmethod
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

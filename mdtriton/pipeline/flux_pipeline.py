@@ -69,9 +69,10 @@ class EngineTransformer(torch.nn.Module):
 class FluxPipelineEngine(Engine):
     """One rank's FLUX pipeline: the replicated encoders, scheduler and VAE, and its shard of the transformer."""
 
-    def __init__(self, manifest: Manifest, pipeline: FluxPipeline):
+    def __init__(self, manifest: Manifest, pipeline: FluxPipeline, warm_up_seconds: float):
         self.manifest = manifest
         self.pipeline = pipeline
+        self.warm_up_seconds = warm_up_seconds
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator) -> "FluxPipelineEngine":
@@ -102,11 +103,11 @@ class FluxPipelineEngine(Engine):
             components[name].to(comm.device)
         # The transformer last: its load checks that its shard fits the memory the other components left free.
         transformer_dir = engine_dir / TRANSFORMER_DIR
-        transformer = EngineTransformer(TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm))
+        engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
         # FluxPipeline.from_pretrained would refuse a transformer that is not a diffusers model: built by hand.
-        pipeline = FluxPipeline(transformer=transformer, **components)
+        pipeline = FluxPipeline(transformer=EngineTransformer(engine), **components)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
-        return cls(manifest, pipeline)
+        return cls(manifest, pipeline, engine.warm_up_seconds)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]} for the request's inputs (mdtriton.pipeline.signature)."""

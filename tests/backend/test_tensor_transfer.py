@@ -1,15 +1,16 @@
 """Tensors between a stub and its worker: every data type and shape arrives equal, through memory that has no
-name in /dev/shm (nothing a crash could leave behind) and is given back once dropped."""
+name in /dev/shm (nothing a crash could leave behind); a region is reused once the receiver has dropped a message's
+tensors, never before, and everything is unmapped once both ends are closed and the tensors dropped."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
-from pathlib import Path
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
-
 from mdtriton.backend.tensor_transfer import TensorLink
 
 
@@ -30,11 +31,18 @@ def open_memfds() -> list[str]:
     return found
 
 
+def mappings() -> int:
+    """How many mappings of our shared memory this process has (sender's and receiver's of each region)."""
+    return Path("/proc/self/maps").read_text().count("memfd:mdtriton-tensors")
+
+
 def test_tensors_arrive_equal_in_place_and_leave_nothing_in_dev_shm():
     sender, receiver = link_pair()
     shm_before = set(os.listdir("/dev/shm"))
+    mapped_before = mappings()
     tensors = {"hidden_states": torch.randn(2, 9, 64), "timestep": torch.rand(3, dtype=torch.bfloat16),
-               "ids": torch.arange(7, dtype=torch.int64).reshape(7, 1), "odd": torch.randn(5, 3)[:, 1]}
+               "ids": torch.arange(7, dtype=torch.int64).reshape(7, 1), "odd": torch.randn(5, 3)[:, 1],
+               "empty": torch.empty(0, 4)}
     sender.send({"type": "job", "id": "a"}, tensors)
     sender.send({"type": "stop"})
     message = receiver.receive()
@@ -46,9 +54,34 @@ def test_tensors_arrive_equal_in_place_and_leave_nothing_in_dev_shm():
         assert arrived.data_ptr() % 64 == 0, name
     assert receiver.receive() == {"type": "stop"}
     assert set(os.listdir("/dev/shm")) == shm_before
-    assert "memfd:mdtriton-tensors" in Path("/proc/self/maps").read_text()
-    del message, arrived
-    assert open_memfds() == []  # the memfd was closed on both sides once mapped
-    assert "memfd:mdtriton-tensors" not in Path("/proc/self/maps").read_text()  # and unmapped with its tensors
+    assert mappings() == mapped_before + 2  # one region, mapped by both ends
+    sender.close()
+    receiver.close()
+    del message, arrived, sender, receiver
+    gc.collect()
+    assert mappings() == mapped_before  # unmapped with the links and the tensors
+    assert open_memfds() == []  # and no descriptor left open
+
+
+def test_a_region_is_reused_once_its_tensors_are_dropped_and_never_before():
+    sender, receiver = link_pair()
+    first, second = torch.randn(1, 512, 64), torch.randn(1, 512, 64)
+    sender.send({"id": 1}, {"x": first})
+    held = receiver.receive()["tensors"]["x"]
+    sender.send({"id": 2}, {"x": second})  # the first message's tensor is held: a second region
+    arrived = receiver.receive()["tensors"]["x"]
+    assert torch.equal(held, first) and torch.equal(arrived, second)
+    assert arrived.data_ptr() != held.data_ptr()
+    held_address = held.data_ptr()
+    del held
+    receiver.send({"type": "ack"})  # names the first region, now dropped
+    assert sender.receive() == {"type": "ack"}
+    mapped, descriptors = mappings(), len(open_memfds())
+    third = torch.randn(1, 500, 64)  # a little smaller: fits the free region
+    sender.send({"id": 3}, {"x": third})
+    again = receiver.receive()["tensors"]["x"]
+    assert again.data_ptr() == held_address and torch.equal(again, third)
+    assert torch.equal(arrived, second)  # the region still held was not touched
+    assert mappings() == mapped and len(open_memfds()) == descriptors  # no new memory, no new descriptor
     sender.close()
     receiver.close()
