@@ -236,7 +236,7 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
     ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=EngineTransformer(engine), **components)
     ours.set_progress_bar_config(disable=True)
-    in_process = FluxPipelineEngine(Manifest.read(version_dir / ENGINE_DIR), ours)
+    in_process = FluxPipelineEngine(Manifest.read(version_dir / ENGINE_DIR), ours, engine.warm_up_seconds)
     request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),
                "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0]),
