@@ -33,3 +33,8 @@ def reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: i
 def max_level_difference(image: np.ndarray, reference: np.ndarray) -> int:
     assert image.shape == reference.shape and image.dtype == np.uint8
     return int(np.abs(image.astype(np.int16) - reference.astype(np.int16)).max())
+
+
+def mean_level_difference(image: np.ndarray, reference: np.ndarray) -> float:
+    assert image.shape == reference.shape and image.dtype == np.uint8
+    return float(np.abs(image.astype(np.int16) - reference.astype(np.int16)).mean())

