@@ -53,6 +53,7 @@ class Job:
     id: str  # the stub's id of the request
     on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     result: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,7 @@ class JobRunner:
             job = self._pending[message["job"]] if origin == self.comm.rank else None
         if job is not None:
             self._on_started(job.id)
+            self.timer.waited(time.monotonic() - job.submitted)
         inputs = {}
         for name, data_type, shape in message["inputs"]:
             # A fresh tensor on every rank, the origin's included: the request's own memory has another alignment,

@@ -1,4 +1,5 @@
-"""How each job's wall time splits into communication and compute, measured in the rank's worker process.
+"""How each job's wall time splits into communication and compute, measured in the rank's worker process, and how
+long the job waited in that worker before it began (for the rank that received the request).
 
 The worker reports each job's split to its stub, which adds it to the rank's Prometheus counters
 (backend/metrics.py). Context-parallel ring attention overlaps its send/receive with attention compute; only
@@ -15,15 +16,17 @@ import torch
 
 
 class JobTimer:
-    """`time_collective` is the Communicator's hook, `job` wraps each job; on_job(communication_s, compute_s) runs
-    after each job."""
+    """`time_collective` is the Communicator's hook, `job` wraps each job, `waited` is told how long a job this rank
+    received waited before it began; on_job(communication_s, compute_s, waited_s) runs after each job (waited_s is
+    0 for the jobs of requests other ranks received)."""
 
-    def __init__(self, device: torch.device, on_job: Callable[[float, float], None]):
+    def __init__(self, device: torch.device, on_job: Callable[[float, float, float], None]):
         self.device = device
         self._on_job = on_job
         self._in_job = False  # jobs and their collectives all run in the job runner's thread
         self._host_seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._waited = 0.0
 
     @contextmanager
     def time_collective(self):
@@ -43,6 +46,11 @@ class JobTimer:
             yield
             self._host_seconds += time.perf_counter() - started
 
+    def waited(self, seconds: float) -> None:
+        """The job now running was received by this rank and waited `seconds` in its worker before it began (the
+        job hub's ordering, the other ranks' earlier jobs)."""
+        self._waited = seconds
+
     @contextmanager
     def job(self):
         """Time one job and report its split into communication and compute."""
@@ -56,5 +64,5 @@ class JobTimer:
                 torch.cuda.current_stream().synchronize()  # the events must have happened to be read
             wall = time.perf_counter() - started
             communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
-            self._host_seconds, self._events = 0.0, []
-            self._on_job(communication, max(wall - communication, 0.0))
+            waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
+            self._on_job(communication, max(wall - communication, 0.0), waited)

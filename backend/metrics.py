@@ -10,6 +10,8 @@ every rank take part in every job and where its time goes:
                                         the stream, waiting for the other ranks included)
   mdtriton_compute_seconds_total        the rest of each job's wall time (from the input broadcast until
                                         the outputs are ready)
+  mdtriton_wait_seconds_total           how long the requests this rank received waited in its worker before
+                                        their jobs began (the job hub's ordering, earlier jobs)
 The rank's worker process measures each job (backend/job_timer.py) and tells its stub, which owns these
 counters (only the stub can reach Triton's metrics API).
 """
@@ -35,14 +37,17 @@ class RankMetrics:
             _counter("mdtriton_communication_seconds_total",
                      "Seconds in collectives (input broadcast, AllReduce, AllGather, all-to-all)"),
             _counter("mdtriton_compute_seconds_total", "Seconds of job time outside collectives"),
+            _counter("mdtriton_wait_seconds_total",
+                     "Seconds the requests this rank received waited in its worker before their jobs began"),
         ]
-        self._requests, self._jobs, self._communication, self._compute = (
+        self._requests, self._jobs, self._communication, self._compute, self._wait = (
             family.Metric(labels=labels) for family in self._families)
 
     def received(self, count: int) -> None:
         self._requests.increment(count)
 
-    def job_done(self, communication_seconds: float, compute_seconds: float) -> None:
+    def job_done(self, communication_seconds: float, compute_seconds: float, waited_seconds: float) -> None:
         self._jobs.increment(1)
         self._communication.increment(communication_seconds)
         self._compute.increment(compute_seconds)
+        self._wait.increment(waited_seconds)

@@ -159,8 +159,8 @@ class RankWorker:
     def _report_progress(self, job_id: str, done: int, total: int) -> None:
         self.link.send({"type": "progress", "id": job_id, "done": done, "total": total})
 
-    def _report_job_time(self, communication: float, compute: float) -> None:
-        self.link.send({"type": "job_timed", "communication": communication, "compute": compute})
+    def _report_job_time(self, communication: float, compute: float, waited: float) -> None:
+        self.link.send({"type": "job_timed", "communication": communication, "compute": compute, "waited": waited})
 
 
 def main(argv: list[str]) -> None:

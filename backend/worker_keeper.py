@@ -91,8 +91,8 @@ def how_it_ended(returncode: int) -> str:
 class WorkerKeeper:
     def __init__(self, spec: WorkerSpec, world_size: int, timeout: float, heal_limit: int, heal_window_s: float,
                  on_job_timed):
-        """timeout: the longest a request waits for its answer; on_job_timed(communication_s, compute_s): called
-        for every job the worker ran (backend/metrics.py)."""
+        """timeout: the longest a request waits for its answer; on_job_timed(communication_s, compute_s, waited_s):
+        called for every job the worker ran (backend/metrics.py)."""
         self.spec = spec
         self.rank = spec.rank
         self.world_size = world_size
@@ -293,7 +293,7 @@ class WorkerKeeper:
                 if request is not None and not request.abandoned and request.on_progress is not None:
                     request.on_progress(message["done"], message["total"])
             elif kind == "job_timed":
-                self._on_job_timed(message["communication"], message["compute"])
+                self._on_job_timed(message["communication"], message["compute"], message["waited"])
             else:  # "ended" or "given_up": the worker exits next
                 return message, members
 

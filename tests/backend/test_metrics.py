@@ -12,7 +12,7 @@ from mdtriton.client.grpc_client import Client
 
 SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
 FAMILIES = ("mdtriton_requests_received_total", "mdtriton_jobs_total", "mdtriton_communication_seconds_total",
-            "mdtriton_compute_seconds_total")
+            "mdtriton_compute_seconds_total", "mdtriton_wait_seconds_total")
 
 
 def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
@@ -56,3 +56,9 @@ def test_every_rank_counts_every_job_and_splits_its_time(served_models):
     for rank in ("0", "1"):
         assert delta["mdtriton_communication_seconds_total"][rank] > 0  # input broadcast, ring, all-gather
         assert delta["mdtriton_compute_seconds_total"][rank] > 0
+    # Each request waited in the worker of the rank that received it (at least for the job hub's order), and only
+    # there: a rank that received none has waited for none.
+    for rank in ("0", "1"):
+        received = delta["mdtriton_requests_received_total"][rank]
+        waited = delta["mdtriton_wait_seconds_total"][rank]
+        assert (waited > 0) == (received > 0), (rank, received, waited)
