@@ -17,22 +17,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mdtriton.bench import flux_inputs
+from mdtriton.bench import flux_inputs, time_calls
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
-
-
-def median_ms(call, warmup: int, iterations: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -58,9 +44,9 @@ def main() -> None:
                 forward(**inputs, return_dict=False)
                 torch.cuda.synchronize()
                 first_s = time.perf_counter() - start
-                ms = median_ms(lambda: forward(**inputs, return_dict=False), args.warmup, args.iterations)
+                times, _ = time_calls(lambda: forward(**inputs, return_dict=False), True, args.warmup, args.iterations)
             row = {"peer": f"diffusers {mode}", "image_tokens": image_tokens, "text_tokens": args.text_tokens,
-                   "median_ms": ms, "first_call_s": first_s}
+                   "median_ms": statistics.median(times), "first_call_s": first_s}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("| peer | image+text tokens | median ms | first call s |\n|---|---|---|---|")

@@ -9,16 +9,12 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from mdtriton.bench import MODULATION_SCALE, is_modulation
+from mdtriton.bench import relative_error as norm_error
 from mdtriton.engine.architectures import loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs, relative_error
-
-
-def norm_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected||, in float32."""
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:

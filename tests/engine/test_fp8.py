@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mdtriton.bench import relative_error
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_shard, random_weights
 from mdtriton.engine.comm import Communicator
@@ -17,10 +18,6 @@ from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 
 GIB = 1 << 30
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def test_fp8_linear_is_the_product_within_e4m3_rounding():

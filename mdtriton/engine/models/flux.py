@@ -163,7 +163,8 @@ class Flux(nn.Module):
         return {"sample": sample[:, tokens.text_len:tokens.valid_len].contiguous()}
 
     def fuse_projections(self) -> None:
-        """Join the projections that share an input (see flux_blocks); call once the weights are loaded."""
+        """Arrange the blocks' projections for speed (flux_blocks: q/k/v joined, the single blocks' output
+        projection split by its inputs); call once the weights are loaded."""
         for block in (*self.transformer_blocks, *self.single_transformer_blocks):
             block.fuse_projections()
 

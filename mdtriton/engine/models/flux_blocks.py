@@ -10,7 +10,6 @@ projection by its two inputs (attention, MLP). The forward runs only on fused bl
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.attention import Attention
