@@ -61,3 +61,9 @@ def test_a_broken_header_of_the_right_size_fails_the_load_checks(version_dir):
     path.write_bytes(bytes(data))
     with pytest.raises(EngineError, match="rank0.safetensors: not a readable safetensors file"):
         Manifest.read(engine_dir).weight_file(engine_dir, 0)
+
+
+def test_a_directory_that_is_no_model_version_gets_a_clear_error(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "manifest.json" in error and "mdtriton build" in error
