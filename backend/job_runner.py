@@ -5,7 +5,8 @@ A JobRunner serves one *generation* of the ranks: its thread joins the rendezvou
 received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
 receiving rank's waiting request.
 
-The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close), a
+The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
+NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups), a
 collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn within the timeout (the
 hub's rank stopped or stuck), or a job raises on this rank (its peers may be waiting in a collective that will
 never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying
@@ -26,7 +27,7 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.process_state import describe_ranks
+from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
@@ -162,6 +163,8 @@ class JobRunner:
     def _serve(self, generation: Generation) -> str:
         """Form the process group of this generation and run its jobs until it ends; return why it ended."""
         rank = self.comm.rank
+        serving, watcher = threading.Event(), None
+        serving.set()
         try:
             self.comm.connect(generation.store_path, self.timeout)
             if rank == 0:
@@ -171,6 +174,10 @@ class JobRunner:
                 self._link = link
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
             self._on_serving(generation)
+            if self.comm.device.type == "cuda" and self.comm.plan.world_size > 1:
+                watcher = threading.Thread(target=self._abort_when_a_peer_exits, args=(generation, serving),
+                                           name="mdtriton-peer-watch", daemon=True)
+                watcher.start()
             while True:
                 if not link.poll(WATCH_INTERVAL_S):
                     if self._overdue():
@@ -188,6 +195,28 @@ class JobRunner:
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
         except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
             return f"rank {rank}: {error}"
+        finally:
+            serving.clear()
+            if watcher is not None:
+                watcher.join()
+
+    def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
+        """NCCL only: abort this generation's groups as soon as another member's process has exited.
+
+        NCCL has no error for a lost peer: a collective with a killed rank would block until the timeout, which is
+        also the requests' own, so the requests in flight would fail before the ranks could heal. Aborted, the
+        blocked collective raises at once, the generation ends and its requests run on the next one. (gloo fails
+        such a collective at once by itself; a stopped peer is left to the timeout, as it may be resumed.)
+        """
+        while serving.is_set():
+            exited = [rank for rank, pid in generation.members.items()
+                      if rank != self.comm.rank and process_state(pid) is ProcessState.EXITED]
+            if exited:
+                log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.comm.rank,
+                          ", ".join(map(str, exited)), generation.number)
+                self.comm.disconnect()
+                return
+            time.sleep(WATCH_INTERVAL_S)
 
     def _execute(self, message: dict) -> None:
         """Run one job with all ranks.

@@ -13,6 +13,11 @@ For each GPU count (one process per GPU, NCCL) and each sequence parallel config
       own default backend, output all-gathered), as xfuser's FLUX.1-dev runner uses it, without the
       pipeline, VAE or text encoders;
     * mdtriton: our engine (`--ours` methods);
+  both compiled by default (`--mode compiled`), each the way it recommends: xDiT's whole forward through
+  torch.compile with its defaults, as xfuser's `--use_torch_compile` does (it compiles at its first call of
+  each length and configuration: the "first call ms" column shows that stall), and our engine as the server
+  runs it (projections fused, blocks compiled and warmed up at load, short requests replayed as CUDA graphs);
+  `--mode eager` runs both uncompiled;
     * yunchang+diffusers: diffusers' FluxTransformer2DModel with yunchang's LongContextAttention as
       its attention processor, input split and output gathered like xDiT. Run when asked
       (`--impls`), and in xdit's place when xdit cannot be imported or run (the reason is recorded).
@@ -35,6 +40,10 @@ peft, einops, sentencepiece and triton as a CUDA torch brings or has beside it. 
 xfuser picks its CUDNN backend (torch's cuDNN attention) where cuDNN is available.
 
     PYTHONPATH=$PWD:/tmp/xdit python benchmarks/xdit_flux.py --gpus 1,2 --image-tokens 4096,16384
+
+The published 2-GPU run (docs/benchmarks.md, "Against xDiT with torch.compile"):
+
+    python benchmarks/xdit_flux.py --gpus 2 --parts forward --ours allgather_kv,tp --configs ring2 --image-tokens 4096,16384,65536 --check-tokens 0
 
 yunchang kernels (`--yunchang-attn auto`): torch_cudnn where the ring has one rank (Ulysses), and
 torch_flash where it has more, because yunchang 0.6's torch_cudnn (and torch_math) kernels return a
@@ -354,9 +363,10 @@ def forward_row(ctx, impl: str, config: str, kernel: str, inputs: dict, image_to
     args = ctx.args
     grad = torch.inference_mode() if impl == "mdtriton" else torch.no_grad()  # xDiT's pipelines use no_grad
     with grad:
+        first, _ = time_calls(call, ctx.cuda, 0, 1)  # a compile at this length (xDiT's) shows here
         stats, out = measure(call, ctx.cuda, args.warmup, args.iterations)
-    ctx.rec.row(part="forward", impl=impl, gpus=ctx.world_size, config=config, kernel=kernel,
-                image_tokens=image_tokens, text_tokens=args.text_tokens, **extra, **stats)
+    ctx.rec.row(part="forward", impl=impl, gpus=ctx.world_size, config=config, kernel=kernel, mode=args.mode,
+                image_tokens=image_tokens, text_tokens=args.text_tokens, first_ms=first[0], **extra, **stats)
     if image_tokens in args.check_tokens:
         suffix = f"-{kernel}" if impl == "yunchang+diffusers" else ""
         ctx.rec.sample(f"{impl}-{ctx.world_size}-{config}{suffix}-{image_tokens}", out)
@@ -366,26 +376,34 @@ class OurModels:
     """Our engine per method; context-parallel plans share one set of weight tensors (those of every peer)."""
 
     def __init__(self, ctx, weights: dict):
-        self.ctx, self.weights, self.modules = ctx, weights, {}
+        self.ctx, self.weights, self.forwards, self.warm_up_s = ctx, weights, {}, {}
 
     def forward_all(self, inputs: dict, image_tokens: int) -> None:
         ctx = self.ctx
         for name, plan in ctx.our_plans.items():
-            if name not in self.modules:
-                self.modules[name] = self.build(name, plan)
-            module = self.modules[name]
-            forward_row(ctx, "mdtriton", name, str(plan), inputs, image_tokens, lambda: module(**inputs)["sample"])
+            if name not in self.forwards:
+                self.forwards[name] = self.build(name, plan)
+            forward = self.forwards[name]
+            forward_row(ctx, "mdtriton", name, str(plan), inputs, image_tokens, lambda: forward(inputs)["sample"],
+                        warm_up_s=self.warm_up_s[name])
 
     def build(self, name: str, plan: ParallelPlan):
+        """How the plan's engine runs requests: compiled mode as the server runs it (projections fused, blocks
+        compiled and warmed up at load, short requests replayed as CUDA graphs); eager mode the same module
+        uncompiled."""
         from mdtriton.build_tools.engine_builder import random_shard
+        from mdtriton.engine.architectures import loaded_module
+        from mdtriton.engine.compile import compile_and_warm_up
+        from mdtriton.engine.engine import device_forward
 
         ctx = self.ctx
-        with torch.device("meta"):
-            module = Flux(ctx.config, ctx.comm(name))
         weights = self.weights if plan.tp_size == 1 else random_shard(
             "flux", ctx.config, plan, ctx.rank, seed=0, device=ctx.device, dtype=ctx.dtype)
-        module.load_state_dict(weights, assign=True)
-        return module.eval()
+        module = loaded_module("flux", ctx.config, ctx.comm(name), weights)
+        compiled = ctx.args.mode == "compiled"
+        self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, ctx.comm(name)) \
+            if compiled else 0.0
+        return device_forward(module, "flux", ctx.config, compiled)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -531,6 +549,10 @@ class XDiT:
         with torch.device("meta"):
             model = xFuserFlux1Transformer2DWrapper(**self.ctx.config)
         model.load_state_dict(weights, assign=True)
+        if self.ctx.args.mode == "compiled":
+            # As xfuser's --use_torch_compile does (base_pipeline.py, _convert_transformer_backbone): the whole
+            # forward, torch.compile's defaults; it compiles at its first call of each shape and configuration.
+            model.forward = torch.compile(model.forward)
         self.model = model.eval()
 
     def usp(self, q, k, v):
@@ -691,17 +713,19 @@ def forward_table(rows: list[dict]) -> str:
         if r["impl"] == "mdtriton":
             key = (r["gpus"], r["image_tokens"])
             best_ours[key] = min(best_ours.get(key, float("inf")), r["median_ms"])
-    lines = ["| image+text tokens | GPUs | implementation | configuration | attention kernel / plan | median ms | "
-             "speedup over its 1 GPU | mdtriton best / this | rel. error vs mdtriton 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| image+text tokens | GPUs | implementation | mode | configuration | attention kernel / plan | median ms | "
+             "first call ms | speedup over its 1 GPU | mdtriton best / this | rel. error vs mdtriton 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["impl"], r["config"])):
         base = single.get((r["impl"], r["image_tokens"]))
         speedup = f"{base / r['median_ms']:.2f}x" if base else ""
         ours = best_ours.get((r["gpus"], r["image_tokens"]))
         ratio = f"{ours / r['median_ms']:.2f}" if ours else ""
         error = f"{r['error_vs_mdtriton_1gpu']:.1e}" if "error_vs_mdtriton_1gpu" in r else ""
-        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['impl']} | {r['config']} | "
-                     f"{r.get('kernel', '')} | {r['median_ms']:.1f} | {speedup} | {ratio} | {error} |")
+        mode = r["mode"] if r["impl"] != "yunchang+diffusers" else "eager"
+        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['impl']} | {mode} | "
+                     f"{r['config']} | {r.get('kernel', '')} | {r['median_ms']:.1f} | {r['first_ms']:.0f} | {speedup} | "
+                     f"{ratio} | {error} |")
     return "\n".join(lines)
 
 
@@ -748,6 +772,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--xdit-attention-backend", default=None,
                         help="xfuser attention backend (default: xfuser's choice, CUDNN where cuDNN is available); "
                              "e.g. SDPA_FLASH, SDPA")
+    parser.add_argument("--mode", choices=("compiled", "eager"), default="compiled",
+                        help="compiled (default): our engine as served and xDiT with torch.compile as xfuser's "
+                             "--use_torch_compile sets it; eager: both uncompiled (yunchang+diffusers always runs "
+                             "eagerly)")
     parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()))
     parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
     parser.add_argument("--warmup", type=int, default=1)

@@ -1,7 +1,8 @@
-"""The reliability promises on GPUs (KIND_GPU instances, NCCL): a killed rank worker heals, reload cycles give the
-GPU memory back, and 64 concurrent clients. Run on a machine with 2+ GPUs:
+"""The reliability promises on GPUs (KIND_GPU instances, NCCL): a rank worker killed under load heals with no
+failed or wrong request and gives its GPU memory back, reload cycles give the GPU memory back, and 64 concurrent
+clients get only right answers. Run on a machine with 2+ GPUs:
 
-    python -m pytest -q -s tests/backend/test_reliability_gpu.py
+    python -m pytest -q -s -m gpu tests/backend/test_reliability_gpu.py
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from tests.backend.triton_processes import rank_pids, wait_for_stubs
 pytestmark = pytest.mark.gpu
 MODEL = "tiny"
 SEED = 5
-TIMEOUT_S = 10
+# Requests wait this long for the ranks, and collectives for a peer: long enough for a GPU healing (the new worker
+# starts CUDA, loads, joins NCCL: ~10 s) with room to spare, so that no request in flight has to fail.
+TIMEOUT_S = 60
 LOAD_SECONDS = float(os.environ.get("MDTRITON_LOAD_SECONDS", "20"))
 
 
@@ -45,28 +48,35 @@ def serve(tmp_path, server_factory, **kwargs):
 
 
 @pytest.mark.timeout(300)
-def test_gpu_killed_worker_heals_and_no_answer_is_wrong(two_gpus, tmp_path, rendezvous_root, server_factory):
-    """A rank's worker killed on NCCL: its peer learns it only at the collective timeout (NCCL has no error for a
-    lost peer before), so requests in flight then may fail with the timeout; the ranks heal and serve again."""
+def test_gpu_killed_worker_heals_under_load_with_no_failed_request_and_gives_its_memory_back(
+        two_gpus, tmp_path, rendezvous_root, server_factory):
+    """SIGKILL of a rank's worker while 6 clients stream requests, on NCCL. NCCL has no error for a lost peer: the
+    other rank's worker sees the process exit and aborts its groups (backend/job_runner.py), so the generation ends
+    at once rather than at the collective timeout, and every request in flight runs again after the healing."""
     server = serve(tmp_path, server_factory, model_control_mode="explicit", load_models=(MODEL,))
     stubs = wait_for_stubs(server.process.pid, 2)
     reference = Reference(SEED)
     clients = Clients(server.grpc_address, MODEL, reference, count=6).start()
     time.sleep(3)
+    serving_free = free_gpu_memory()
     killed_at = time.monotonic()
     victim = rank_pids(rendezvous_root)[1]  # rank 1's worker (on GPU both instances are named rank_0)
     os.kill(victim, signal.SIGKILL)
     healed = wait_for_an_answer(grpcclient.InferenceServerClient(server.grpc_address), reference, killed_at,
-                                timeout=TIMEOUT_S + HEALED_WITHIN_S)
-    time.sleep(2)
+                                timeout=TIMEOUT_S)
+    time.sleep(3)
     outcomes = clients.stop()
-    print(f"\nkilled worker on NCCL: serving again {healed:.1f} s after the kill")
-    assert all(o.right for o in outcomes if o.status is None), "a wrong answer"
-    for outcome in outcomes:
-        assert outcome.status in (None, "StatusCode.UNAVAILABLE"), outcome
-        assert outcome.status is None or f"within {TIMEOUT_S} s" in outcome.message, outcome.message
+    healed_free = free_gpu_memory()
+    print(f"\nkilled worker on NCCL under load: serving again {healed:.1f} s after the kill; {len(outcomes)} requests; "
+          f"free GPU memory while serving {[f >> 20 for f in serving_free]} MiB, after healing "
+          f"{[f >> 20 for f in healed_free]} MiB")
+    failed = [o for o in outcomes if o.status is not None]
+    assert not failed, f"{len(failed)} failed, e.g. {failed[0].status}: {failed[0].message}"
+    assert all(o.right for o in outcomes), "a wrong answer"
     assert server.process.poll() is None and wait_for_stubs(server.process.pid, 2) == stubs
     assert victim not in one_worker_per_rank(server).values()
+    # The new worker holds what the dead one held, no more: the dead one's memory was given back.
+    assert all(abs(before - after) < 256 * 2**20 for before, after in zip(serving_free, healed_free))
 
 
 @pytest.mark.timeout(600)
