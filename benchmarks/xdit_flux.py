@@ -403,7 +403,7 @@ class OurModels:
         compiled = ctx.args.mode == "compiled"
         self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, ctx.comm(name)) \
             if compiled else 0.0
-        return device_forward(module, "flux", ctx.config, compiled)
+        return device_forward(module, "flux", ctx.config, compiled, plan.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------
