@@ -1,8 +1,7 @@
 """CUDA graphs of whole forwards: one capture per input signature, replayed to skip per-kernel launch costs.
 
 A FLUX forward launches thousands of kernels, with gaps between them; a captured graph replays them all at once.
-Collectives are captured too, so every rank must capture and replay the same signatures in the same order,
-which the backend's one global job order gives.
+Served engines use them on one rank only (mdtriton.engine.engine.device_forward says why).
 """
 
 from __future__ import annotations
