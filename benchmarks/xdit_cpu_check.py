@@ -11,6 +11,14 @@ xfuser and yunchang are GPU-only in places, so each rank process patches them fi
 
     PYTHONPATH=$PWD:SITE python benchmarks/xdit_cpu_check.py      # SITE: where xfuser, yunchang, distvae are
 
+It runs both implementations eagerly (`--mode eager`), which takes about a minute. The compiled mode compiles
+xDiT's whole forward once per length and configuration, 30-55 s each on 2 cores; it was checked by hand
+(2026-11-23: 1 and 2 ranks, ring2 and ulysses2, 2 lengths, 5 minutes, every output within 1e-5 of ours):
+
+    python benchmarks/xdit_flux.py --device cpu --preset tiny --gpus 1,2 --image-tokens 64,144 --text-tokens 8 \
+        --check-tokens 64,144 --parts forward --configs ring2,ulysses2 --ours allgather_kv \
+        --xdit-attention-backend SDPA_EFFICIENT --setup benchmarks.xdit_cpu_check:patch
+
 Exits non-zero if a row is missing, an implementation failed, or an output differs from the reference.
 """
 
@@ -83,7 +91,7 @@ def main() -> int:
 
     failures = []
     with tempfile.TemporaryDirectory() as output_dir:
-        argv = ["--device", "cpu", "--preset", "tiny", "--gpus", "1,2,4", "--image-tokens", "64,144",
+        argv = ["--device", "cpu", "--preset", "tiny", "--mode", "eager", "--gpus", "1,2,4", "--image-tokens", "64,144",
                 "--text-tokens", "8", "--check-tokens", "64,144", "--impls", "xdit,mdtriton,yunchang+diffusers",
                 "--yunchang-attn", "auto", "--xdit-attention-backend", "SDPA_EFFICIENT", "--warmup", "0",
                 "--iterations", "1", "--attention-iterations", "1", "--output-dir", output_dir,

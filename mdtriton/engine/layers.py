@@ -70,13 +70,15 @@ class ParallelLinear(nn.Module):
 
         Unquantized, an accumulation is the GEMM's own (C in C + A B), and on a GPU a GELU after a bias is applied
         in the GEMM's cuBLASLt epilogue, to the float32 sums: no pass over the output. torch.compile keeps both
-        calls as they are."""
+        calls as they are. An accumulating GEMM takes no bias (forward_segments adds it with the first one)."""
+        if accumulate is not None and bias is not None:
+            raise ValueError("an accumulating GEMM takes no bias: add it with the first GEMM")
         if self.fp8:
             out = fp8_linear(x, weight, self.weight_scale, bias)
             out = out if accumulate is None else accumulate + out
         elif accumulate is not None:
             rows = torch.addmm(accumulate.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
-            out = rows.view(accumulate.shape) if bias is None else rows.view(accumulate.shape) + bias
+            out = rows.view(accumulate.shape)
         elif gelu and x.is_cuda and bias is not None:
             rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
             return rows.view(*x.shape[:-1], weight.shape[0])

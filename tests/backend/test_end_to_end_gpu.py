@@ -6,20 +6,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
+
+from mdtriton.bench import relative_error
 from mdtriton.engine.plan import ParallelPlan
 
 pytestmark = pytest.mark.gpu
 CONFIG = {"hidden_size": 1024, "num_heads": 16, "mlp_ratio": 4, "num_layers": 4}
 
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||: bf16 rounds each element to 2-3 significant digits, so single elements may differ
-    by an ulp (0.4-0.8 %) when the ranks sum in another order; the norm measures the whole output."""
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def max_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

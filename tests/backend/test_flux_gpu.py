@@ -6,10 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
+
+from mdtriton.bench import relative_error
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.engine.flux_cases import flux_inputs
@@ -27,9 +28,6 @@ PLANS = {
 # 77 text + 1001 image tokens: odd, so the context-parallel ranks pad.
 TEXT_TOKENS, IMAGE_TOKENS = 77, 1001
 
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_every_method_served_on_two_gpus_matches_one_gpu(tmp_path, server_factory):

@@ -37,7 +37,7 @@ def flux_inputs(config: dict, text_len: int, image_len: int, batch: int = 2, see
     return inputs
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|."""
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 

@@ -10,7 +10,7 @@ from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import relative_error
+from tests.engine.flux_cases import max_relative_error
 
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
 # Real tokens of the 2 x 5 padded sequence: none padded, padding inside rank 1's slice, rank 1 all padding.
@@ -48,7 +48,7 @@ def test_methods_on_two_ranks_match_plain_attention():
     for name in CP_ATTENTION:
         for (q, k, v, valid_len), *outputs in zip(cases, *(results[name] for results in per_rank)):
             got = torch.cat([torch.from_numpy(out) for out in outputs], dim=2)[:, :, :valid_len]
-            error = relative_error(got, expected_output(q, k, v, valid_len))
+            error = max_relative_error(got, expected_output(q, k, v, valid_len))
             assert error < 1e-5, f"{name}, valid_len {valid_len}: error {error:.2e}"
 
 
@@ -56,7 +56,7 @@ def test_methods_on_two_ranks_match_plain_attention():
 def test_methods_on_one_rank_are_plain_attention(name):
     q, k, v = qkv_with_loud_padding(1, 3, seed=7)
     got = CP_ATTENTION[name](q, k, v, Communicator.single(), 3)
-    assert relative_error(got[:, :, :3], expected_output(q, k, v, 3)) < 1e-5
+    assert max_relative_error(got[:, :, :3], expected_output(q, k, v, 3)) < 1e-5
     assert attention_for(ParallelPlan(cp_method=name)) is local.attention
 
 
@@ -64,5 +64,5 @@ def test_attention_with_lse_gives_output_and_log_sum_exp():
     q, k, v = qkv_with_loud_padding(1, LOCAL_LEN, seed=3)
     out, lse = local.attention_with_lse(q, k, v)
     scores = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
-    assert relative_error(out, F.scaled_dot_product_attention(q, k, v)) < 1e-5
-    assert relative_error(lse, scores.logsumexp(dim=-1)) < 1e-6
+    assert max_relative_error(out, F.scaled_dot_product_attention(q, k, v)) < 1e-5
+    assert max_relative_error(lse, scores.logsumexp(dim=-1)) < 1e-6
