@@ -6,8 +6,8 @@ received the request broadcasts its inputs, every rank runs the engine, and rank
 receiving rank's waiting request.
 
 The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
-NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups), a
-collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn within the timeout (the
+NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
+that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn within the timeout (the
 hub's rank stopped or stuck), or a job raises on this rank (its peers may be waiting in a collective that will
 never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying
 why, and the runner ends: its worker exits, and the stub starts a new worker, which meets the other ranks' new
@@ -203,10 +203,13 @@ class JobRunner:
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
         """NCCL only: abort this generation's groups as soon as another member's process has exited.
 
-        NCCL has no error for a lost peer: a collective with a killed rank would block until the timeout, which is
-        also the requests' own, so the requests in flight would fail before the ranks could heal. Aborted, the
-        blocked collective raises at once, the generation ends and its requests run on the next one. (gloo fails
-        such a collective at once by itself; a stopped peer is left to the timeout, as it may be resumed.)
+        NCCL has no error for a lost peer: a collective with a killed rank blocks until its timeout, and the hub's
+        "stop" waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after its
+        grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
+        rather than say why, and its stub would count a death of its own against heal_limit. Aborted, the blocked
+        collective raises within WATCH_INTERVAL_S, this worker ends its generation like a gloo rank does (gloo
+        fails such a collective at once by itself), and its requests run on the next one. A stopped peer is left
+        to the timeout, as it may be resumed.
         """
         while serving.is_set():
             exited = [rank for rank, pid in generation.members.items()
