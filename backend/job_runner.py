@@ -7,9 +7,10 @@ receiving rank's waiting request.
 
 The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
 NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
-that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank stopped or stuck), a job of this rank gets no turn within the timeout (the
-hub's rank stopped or stuck), or a job raises on this rank (its peers may be waiting in a collective that will
-never complete, so the job order cannot be trusted any more). Every job still pending then fails at once, saying
+that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank
+stopped or stuck), a job of this rank gets no turn within the timeout (the hub's rank stopped or stuck), or a
+job raises on this rank (its peers may be waiting in a collective that will never complete, so the job order
+cannot be trusted any more). Every job still pending then fails at once, saying
 why, and the runner ends: its worker exits, and the stub starts a new worker, which meets the other ranks' new
 workers in a new generation (backend/worker_keeper.py).
 """
