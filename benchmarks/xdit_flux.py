@@ -44,7 +44,8 @@ xfuser picks its CUDNN backend (torch's cuDNN attention) where cuDNN is availabl
 Compiled xDiT's ring2 against our two best methods on 2 GPUs (xDiT compiles at 4k and again, with symbolic
 sizes, at 16k; compiling diffusers' whole FLUX.1-dev transformer took 90 s and 130 s at those lengths on one H200):
 
-    python benchmarks/xdit_flux.py --gpus 2 --parts forward --ours allgather_kv,tp --configs ring2 --image-tokens 4096,16384,65536 --check-tokens 0
+    python benchmarks/xdit_flux.py --gpus 2 --parts forward --ours allgather_kv,tp --configs ring2 \\
+        --image-tokens 4096,16384,65536
 
 yunchang kernels (`--yunchang-attn auto`): torch_cudnn where the ring has one rank (Ulysses), and
 torch_flash where it has more, because yunchang 0.6's torch_cudnn (and torch_math) kernels return a
@@ -397,13 +398,14 @@ class OurModels:
         from mdtriton.engine.compile import compile_and_warm_up
         from mdtriton.engine.engine import device_forward
 
-        ctx = self.ctx
+        ctx, comm = self.ctx, self.ctx.comm(name)
         weights = self.weights if plan.tp_size == 1 else random_shard(
             "flux", ctx.config, plan, ctx.rank, seed=0, device=ctx.device, dtype=ctx.dtype)
-        module = loaded_module("flux", ctx.config, ctx.comm(name), weights)
+        module = loaded_module("flux", ctx.config, comm, weights)
         compiled = ctx.args.mode == "compiled"
-        self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, ctx.comm(name)) \
-            if compiled else 0.0
+        self.warm_up_s[name] = 0.0
+        if compiled:
+            self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, comm)
         return device_forward(module, "flux", ctx.config, compiled, plan.world_size)
 
 
@@ -714,8 +716,9 @@ def forward_table(rows: list[dict]) -> str:
         if r["impl"] == "mdtriton":
             key = (r["gpus"], r["image_tokens"])
             best_ours[key] = min(best_ours.get(key, float("inf")), r["median_ms"])
-    lines = ["| image+text tokens | GPUs | implementation | mode | configuration | attention kernel / plan | median ms | "
-             "first call ms | speedup over its 1 GPU | mdtriton best / this | rel. error vs mdtriton 1 GPU |",
+    lines = ["| image+text tokens | GPUs | implementation | mode | configuration | attention kernel / plan | "
+             "median ms | first call ms | speedup over its 1 GPU | mdtriton best / this | "
+             "rel. error vs mdtriton 1 GPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["impl"], r["config"])):
         base = single.get((r["impl"], r["image_tokens"]))
@@ -725,8 +728,8 @@ def forward_table(rows: list[dict]) -> str:
         error = f"{r['error_vs_mdtriton_1gpu']:.1e}" if "error_vs_mdtriton_1gpu" in r else ""
         mode = r["mode"] if r["impl"] != "yunchang+diffusers" else "eager"
         lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['impl']} | {mode} | "
-                     f"{r['config']} | {r.get('kernel', '')} | {r['median_ms']:.1f} | {r['first_ms']:.0f} | {speedup} | "
-                     f"{ratio} | {error} |")
+                     f"{r['config']} | {r.get('kernel', '')} | {r['median_ms']:.1f} | {r['first_ms']:.0f} | "
+                     f"{speedup} | {ratio} | {error} |")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.test_rank_faults import HEALED_WITHIN_S, one_worker_per_rank, wait_for_an_answer
+from tests.backend.test_rank_faults import one_worker_per_rank, wait_for_an_answer
 from tests.backend.triton_processes import rank_pids, wait_for_stubs
 
 pytestmark = pytest.mark.gpu
