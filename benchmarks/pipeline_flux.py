@@ -21,7 +21,7 @@ Each row: the median time per image over --repeats after one warm-up image, and 
 images (the shared encoders and VAE plus that row's transformer; the pipelines are measured one after another,
 each transformer freed before the next is loaded). Below the table, the mdtriton image's parts timed alone
 (text encoding, each transformer step, VAE decode) and what the server-side loop costs beyond their sum (the
-issue's bound: under 3%).
+issue's bound: under 3%), in-process and served.
 
     python benchmarks/pipeline_flux.py                  # FLUX.1-dev size, 1024x1024, 28 steps, on cuda:0
     python benchmarks/pipeline_flux.py --tiny           # tiny components on the CPU: checks the script
@@ -288,6 +288,10 @@ def report(args, rows: list, parts: dict, device: torch.device, data_type: str) 
           f"{parts['step'] * 1000:,.1f} ms + VAE decode {parts['decode'] * 1000:,.1f} ms = {parts_sum * 1000:,.0f} ms; "
           f"the whole image in-process {ours * 1000:,.0f} ms: the loop costs {(ours / parts_sum - 1) * 100:+.1f}% "
           "beyond its parts (bound: +3%)")
+    served = [statistics.median(row[1]) for row in rows if "served" in row[0]]
+    if served:
+        print(f"served through Triton: {served[0] * 1000:,.0f} ms per image, {(served[0] / parts_sum - 1) * 100:+.1f}% "
+              "beyond the parts (the gRPC stream, the request's check and the image's way back included)")
 
 
 if __name__ == "__main__":
