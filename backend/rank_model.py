@@ -39,6 +39,7 @@ DEFAULT_REQUEST_TIMEOUT_S = "30"
 # heal_limit and heal_window_s).
 DEFAULT_HEAL_LIMIT = "10"
 DEFAULT_HEAL_WINDOW_S = "600"
+STUB_THREADS_ON_GPU = 4
 
 
 class TritonLogHandler(logging.Handler):
@@ -82,12 +83,13 @@ class RankModel:
         if not log.handlers:
             log.addHandler(TritonLogHandler())
             log.setLevel(logging.INFO)
-        # The stub only wraps, checks and copies tensors: one thread. Torch's default pool (a thread per core) keeps
-        # spinning after each parallel operation (the request check's sums), on the cores the rank's worker needs.
-        torch.set_num_threads(1)
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
+        # The stub only wraps and checks tensors. Torch's default pool (a thread per core) keeps spinning after each
+        # parallel operation (the request check's sums), on the cores a CPU rank's worker computes on: one thread
+        # there. A GPU rank's worker mostly waits for its GPU, so the check gets a few threads.
+        torch.set_num_threads(1 if self.placement.device.type == "cpu" else STUB_THREADS_ON_GPU)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
         # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)

@@ -8,8 +8,15 @@ FLUX.1-dev's 5 MiB of inputs on a 2-core box). A region holds one message's tens
 which reads them in place; once the receiver has dropped every tensor of that message, it names the region in its
 next message to the sender, which then reuses it. Only small JSON headers go through the socket.
 
-A GPU rank's worker page-locks the regions it maps (`pinned`), so that its copies to and from the GPU run at full
-speed and the input copies can be asynchronous.
+Tensors that already lie in a shared memory file of /dev/shm need no region: a request's inputs do, in the stub,
+where Triton's Python backend keeps them in its own region of /dev/shm until the request is answered. An end made
+with `lends_shared_files` (the stub's) names such a tensor's file and offset (found in /proc/self/maps), and the
+receiver maps that file and reads the tensor in place: FLUX.1-dev's 5 MiB of inputs are then not copied by the
+stub at all (a 1 ms copy on the GPU hosts). The sender must keep those tensors unchanged until the receiver is
+done with them (the stub holds each request until it is answered).
+
+A GPU rank's worker page-locks the regions and files it maps (`pinned`), so that its copies to and from the GPU
+run at full speed and the input copies can be asynchronous.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ log = logging.getLogger("mdtriton.backend")
 ALIGNMENT = 64  # each tensor starts on a cache line, as torch's own CPU allocations do
 # Regions are at least this big and grow in powers of two, so requests of slightly different shapes reuse them.
 MIN_REGION_BYTES = 1 << 16
+SHARED_FILES = "/dev/shm/"
 
 
 def region_size(byte_size: int) -> int:
@@ -51,6 +59,40 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[list, int]:
         specs.append([name, TRITON_TYPES[tensor.dtype], list(tensor.shape), size])
         size += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
     return specs, size
+
+
+def shared_file_spans() -> list[tuple[int, int, int, str]]:
+    """This process's shared mappings of /dev/shm files: (start address, end address, offset in the file, path)."""
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[1][3] == "s" and fields[5].startswith(SHARED_FILES):
+                path = fields[5].rstrip("\n")
+                if os.path.isfile(path):  # not " (deleted)"
+                    start, end = (int(address, 16) for address in fields[0].split("-"))
+                    spans.append((start, end, int(fields[2], 16), path))
+    return spans
+
+
+class SharedFiles:
+    """Where this process's memory lies in the shared files of /dev/shm that it has mapped."""
+
+    def __init__(self):
+        self._spans: list[tuple[int, int, int, str]] = []
+
+    def locate(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        """(path, offset in the file) of a contiguous CPU tensor's bytes, or None if they are not in such a file."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            return None
+        address, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        for refreshed in (False, True):
+            if refreshed:  # a file mapped (or mapped again, grown) since the last look
+                self._spans = shared_file_spans()
+            for start, stop, offset, path in self._spans:
+                if start <= address and end <= stop:
+                    return path, offset + address - start
+        return None
 
 
 @dataclass
@@ -85,11 +127,17 @@ def pin(memory: mmap.mmap) -> None:
 class TensorLink:
     """One end of the stub-worker connection (a Unix socket pair): JSON messages, some carrying named tensors.
 
-    pinned: page-lock every region this end maps (a GPU rank's worker)."""
+    pinned: page-lock every region and file this end maps (a GPU rank's worker).
+    lends_shared_files: send tensors that lie in /dev/shm files as their place in the file, not as copies (the stub:
+    it holds each request's inputs until the request is answered)."""
 
-    def __init__(self, connection: Connection, pinned: bool = False):
+    def __init__(self, connection: Connection, pinned: bool = False, lends_shared_files: bool = False):
         self._connection = connection
         self._pinned = pinned
+        self._shared_files = SharedFiles() if lends_shared_files else None
+        # The /dev/shm files the peer lent tensors of, mapped here: path -> mappings, the latest (the largest) last.
+        # Older ones are kept: they may be page-locked, and tensors may still be read from them.
+        self._files: dict[str, list[mmap.mmap]] = {}
         self._send_lock = threading.Lock()  # a message and its descriptor go out together
         self._regions_lock = threading.Lock()  # guards this end's free and lent regions
         self._free: list[Region] = []
@@ -107,6 +155,14 @@ class TensorLink:
             with self._send_lock:
                 self._send_header(message)
             return
+        if self._shared_files is not None:
+            places = [self._shared_files.locate(tensor) for tensor in tensors.values()]
+            if all(places):
+                specs = [[name, TRITON_TYPES[tensor.dtype], list(tensor.shape), path, offset]
+                         for (name, tensor), (path, offset) in zip(tensors.items(), places)]
+                with self._send_lock:
+                    self._send_header({**message, "file_tensors": specs})
+                return
         specs, size = layout(tensors)
         region = self._take(size)
         try:
@@ -146,6 +202,9 @@ class TensorLink:
                 finally:
                     os.close(descriptor)
             message["tensors"] = self._views(number, message.pop("tensor_specs"))
+        elif "file_tensors" in message:
+            message["tensors"] = {name: self._file_view(path, offset, TORCH_DTYPES[data_type], shape)
+                                  for name, data_type, shape, path, offset in message.pop("file_tensors")}
         return message
 
     def poll(self, timeout: float) -> bool:
@@ -193,6 +252,19 @@ class TensorLink:
         with self._regions_lock:
             for number in numbers:
                 self._free.append(self._lent.pop(number))
+
+    def _file_view(self, path: str, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """A tensor read in place from a /dev/shm file of the peer's, mapped here once (again if it has grown)."""
+        end = offset + math.prod(shape) * dtype.itemsize
+        mappings = self._files.setdefault(path, [])
+        if not mappings or len(mappings[-1]) < end:
+            descriptor = os.open(path, os.O_RDWR)
+            try:
+                mappings.append(map_region(descriptor, os.fstat(descriptor).st_size, self._pinned))
+            finally:
+                os.close(descriptor)
+        memory = np.frombuffer(mappings[-1], dtype=np.uint8, count=end - offset, offset=offset)
+        return torch.from_numpy(memory).view(dtype).view(shape)
 
     def _views(self, number: int, specs: list) -> dict[str, torch.Tensor]:
         """The tensors of one message, in place in the peer's region `number`; when the last of them is dropped the

@@ -254,7 +254,7 @@ class WorkerKeeper:
                     [python_executable(), "-m", "mdtriton.backend.rank_worker", self.spec.to_json(),
                      str(theirs.fileno()), str(os.getpid())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-            self._worker_link = TensorLink(Connection(ours.detach()))
+            self._worker_link = TensorLink(Connection(ours.detach()), lends_shared_files=True)
             return self._worker, self._worker_link
 
     def _serve(self, worker: subprocess.Popen, link: TensorLink) -> tuple[dict | None, dict[int, int]]:

@@ -1,9 +1,11 @@
 """The CPU cost per request of the hop between a Triton stub and its rank worker (backend/tensor_transfer.py).
 
 Each request crosses it twice: the inputs from the stub to the worker, the outputs back, each copied once into
-anonymous shared memory, with a small JSON header and the memory's file descriptor over a Unix socket. This
-script times that round trip against a real second process that echoes what it receives, for the tiny model of
-the tests and for FLUX.1-dev at 4,096 + 512 tokens (bf16), and prints a table.
+anonymous shared memory, with a small JSON header and the memory's file descriptor over a Unix socket; or, for
+inputs that lie in a /dev/shm file (where Triton's Python backend puts a request's inputs), not copied at all: the
+header names their place in the file, which the worker maps. This script times that round trip against a real
+second process that echoes what it receives, for the tiny model of the tests and for FLUX.1-dev at 4,096 + 512
+tokens (bf16), copied and lent, and prints a table.
 
     PYTHONPATH=. python benchmarks/worker_hop.py [--repeats 200] [--served]     (from the checkout)
 
@@ -13,6 +15,7 @@ the tests and for FLUX.1-dev at 4,096 + 512 tokens (bf16), and prints a table.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import socket
 import statistics
@@ -89,35 +92,68 @@ def served_latency(repeats: int) -> None:
           f"{seconds[int(0.9 * len(seconds))] * 1e3:.2f} ms |")
 
 
+def start_echo(lends_shared_files: bool) -> tuple[subprocess.Popen, TensorLink]:
+    ours, theirs = socket.socketpair()
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    return echo, TensorLink(Connection(ours.detach()), lends_shared_files=lends_shared_files)
+
+
+def in_shared_file(tensors: dict[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
+    """Copies of tensors laid out in a /dev/shm file, as Triton's Python backend lays out a request's inputs."""
+    size = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values())
+    path.write_bytes(bytes(size))
+    with path.open("r+b") as file:
+        memory = mmap.mmap(file.fileno(), size)
+    data, placed, offset = torch.frombuffer(memory, dtype=torch.uint8), {}, 0
+    for name, tensor in tensors.items():
+        end = offset + tensor.numel() * tensor.element_size()
+        placed[name] = data[offset:end].view(tensor.dtype).view(tensor.shape)
+        placed[name].copy_(tensor)
+        offset = -(-end // 64) * 64
+    return placed, memory
+
+
+def round_trips(link: TensorLink, inputs: dict, outputs: dict, repeats: int) -> list[float]:
+    """Seconds of each round trip (inputs there, outputs back), sorted, after 10 untimed ones."""
+    output_specs = [[key, TRITON_TYPES[value.dtype], list(value.shape)] for key, value in outputs.items()]
+    seconds = []
+    for _ in range(repeats + 10):
+        started = time.perf_counter()
+        link.send({"type": "job", "outputs": output_specs}, inputs)
+        answer = link.receive()
+        seconds.append(time.perf_counter() - started)
+        assert answer["type"] == "done"
+    return sorted(seconds[10:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--served", action="store_true", help="also time whole requests through a real tritonserver")
     arguments = parser.parse_args()
     repeats = arguments.repeats
-    ours, theirs = socket.socketpair()
-    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=[theirs.fileno()])
-    theirs.close()
-    link = TensorLink(Connection(ours.detach()))
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, {repeats} round trips each")
     print("| request | inputs + outputs | round trip, median | p90 |\n|---|---|---|---|")
+    flux = "FLUX.1-dev, 4,096 + 512 tokens, bf16"
+    shared_file = Path(f"/dev/shm/mdtriton-worker-hop-{os.getpid()}")
+    rows = [(name, inputs, outputs, False) for name, (inputs, outputs) in cases().items()]
+    rows.append((f"{flux}, inputs lent from a /dev/shm file (as the stub does)", *cases()[flux], True))
     try:
-        for name, (inputs, outputs) in cases().items():
-            output_specs = [[key, TRITON_TYPES[value.dtype], list(value.shape)] for key, value in outputs.items()]
-            seconds = []
-            for _ in range(repeats + 10):
-                started = time.perf_counter()
-                link.send({"type": "job", "outputs": output_specs}, inputs)
-                answer = link.receive()
-                seconds.append(time.perf_counter() - started)
-                assert answer["type"] == "done"
-            seconds = sorted(seconds[10:])
+        for name, inputs, outputs, lent in rows:
+            echo, link = start_echo(lends_shared_files=lent)
+            try:
+                if lent:
+                    inputs, memory = in_shared_file(inputs, shared_file)
+                seconds = round_trips(link, inputs, outputs, repeats)
+            finally:
+                link.close()
+                echo.wait(10)
             size = sum(t.numel() * t.element_size() for t in (*inputs.values(), *outputs.values()))
             print(f"| {name} | {size / 2**20:.2f} MiB | {statistics.median(seconds) * 1e3:.3f} ms | "
                   f"{seconds[int(0.9 * len(seconds))] * 1e3:.3f} ms |")
     finally:
-        link.close()
-        echo.wait(10)
+        shared_file.unlink(missing_ok=True)
     if arguments.served:
         served_latency(repeats)
 

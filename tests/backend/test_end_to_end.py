@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.engine.plan import ParallelPlan
+from tests.backend.triton_processes import rank_workers
 from tests.conftest import start_server
 
 CONFIG = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}
@@ -46,6 +48,20 @@ def test_two_ranks_match_single_process_reference(served):
         output = client.infer(MODEL, {"hidden_states": hidden_states})["output"]
     assert output.shape == (2, 9, 64)
     assert np.abs(output - reference(hidden_states).numpy()).max() < 1e-5
+
+
+def test_the_rank_worker_reads_the_inputs_where_triton_put_them(served):
+    """The stub does not copy a request's inputs for its worker: it lends their place in the shared memory file
+    where Triton's Python backend keeps them, which the worker then maps (backend/tensor_transfer.py)."""
+    hidden_states = random_input(5)
+    with Client(served.grpc_address) as client:
+        for _ in range(4):  # Triton's scheduler picks the instance: give both ranks requests
+            output = client.infer(MODEL, {"hidden_states": hidden_states})["output"]
+    assert np.abs(output - reference(hidden_states).numpy()).max() < 1e-5
+    workers = [pid for pids in rank_workers(served.process.pid).values() for pid in pids]
+    assert len(workers) == 2
+    lent = [pid for pid in workers if "/dev/shm/triton_python_backend_shm_region_" in Path(f"/proc/{pid}/maps").read_text()]
+    assert lent, "no rank worker maps Triton's shared memory: the stub copied the inputs"
 
 
 def test_numpy_2_in_the_server_environment(served):

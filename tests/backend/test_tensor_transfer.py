@@ -5,6 +5,7 @@ tensors, never before, and everything is unmapped once both ends are closed and 
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import socket
 from multiprocessing.connection import Connection
@@ -85,3 +86,36 @@ def test_a_region_is_reused_once_its_tensors_are_dropped_and_never_before():
     assert mappings() == mapped and len(open_memfds()) == descriptors  # no new memory, no new descriptor
     sender.close()
     receiver.close()
+
+
+def test_tensors_in_a_dev_shm_file_are_read_in_place_from_it_and_others_copied():
+    """The stub's end lends tensors that lie in a /dev/shm file (where Triton keeps a request's inputs): the receiver
+    maps the file and reads them there, seeing later writes; a message with any other tensor travels in a region."""
+    left, right = socket.socketpair()
+    sender = TensorLink(Connection(left.detach()), lends_shared_files=True)
+    receiver = TensorLink(Connection(right.detach()))
+    path = Path(f"/dev/shm/mdtriton-test-{os.getpid()}")
+    try:
+        path.write_bytes(bytes(1 << 20))
+        with path.open("r+b") as file:
+            memory = mmap.mmap(file.fileno(), 1 << 20)
+        in_file = torch.frombuffer(memory, dtype=torch.bfloat16)
+        x, ids = in_file[4096:4096 + 512 * 64].view(512, 64), in_file[64:64 + 14].view(7, 2)
+        x.copy_(torch.randn(512, 64))
+        ids.copy_(torch.arange(14).view(7, 2))
+        sender.send({"id": 1}, {"x": x, "ids": ids})
+        message = receiver.receive()
+        arrived = message["tensors"]
+        assert torch.equal(arrived["x"], x) and torch.equal(arrived["ids"], ids)
+        assert f"{path}" in Path("/proc/self/maps").read_text()
+        x[0, 0] = 7.0  # read in place: the receiver sees the sender's memory, not a copy of it
+        assert arrived["x"][0, 0] == 7.0 and arrived["x"].data_ptr() != x.data_ptr()
+        sender.send({"id": 2}, {"x": x, "other": torch.ones(3)})  # not all in the file: copied into a region
+        copied = receiver.receive()["tensors"]
+        x[0, 0] = 8.0
+        assert copied["x"][0, 0] == 7.0 and torch.equal(copied["other"], torch.ones(3))
+        del in_file, x, ids
+    finally:
+        path.unlink()
+        sender.close()
+        receiver.close()
