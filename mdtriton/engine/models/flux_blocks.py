@@ -15,8 +15,8 @@ from torch import nn
 from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
-from mdtriton.engine.models.flux_layers import (AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward,
-                                                apply_rotary, layer_norm)
+from mdtriton.engine.models.flux_layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, layer_norm
+from mdtriton.engine.models.flux_qkv import joint_qkv
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -55,33 +55,18 @@ class FluxAttention(nn.Module):
             self.add_qkv = fuse_columns([self.add_q_proj, self.add_k_proj, self.add_v_proj])
             del self.add_q_proj, self.add_k_proj, self.add_v_proj
 
-    def split_qkv(self, qkv: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, S, 3 * local heads * head_dim] -> q, k (RMS-normed) and v [B, S, local heads, head_dim]."""
-        q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
-        if text:
-            return self.norm_added_q(q), self.norm_added_k(k), v
-        return self.norm_q(q), self.norm_k(k), v
-
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, S, local heads, head_dim] of x: the image stream of a double block, or a single block's
-        joint sequence."""
+    def joint_qkv(self, x: torch.Tensor, text: torch.Tensor | None,
+                  rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v as the [B, H, S, D] views the attention function takes: of x (the image stream of a double
+        block, or a single block's joint sequence) and, in double blocks, of the text stream, whose tokens come
+        first; q and k RMS-normed and rotary-embedded by rope (for the tokens in that order)."""
         if self.to_qkv is None:
             raise RuntimeError(NOT_FUSED)
-        return self.split_qkv(self.to_qkv(x))
-
-    def text_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, S, local heads, head_dim] of the text stream of a double block."""
-        return self.split_qkv(self.add_qkv(x), text=True)
-
-
-def heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotary-embed q and k [B, S, H, D]; return q, k, v as the [B, H, S, D] views the attention function takes.
-
-    The blocks call the attention function themselves, right after this: compiled, the graph breaks at that call,
-    and a break inside a helper would split the helper (and its rotary step) into a region of its own."""
-    q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        text_qkv, text_q_weight, text_k_weight = (None, None, None) if text is None else (
+            self.add_qkv(text), self.norm_added_q.weight, self.norm_added_k.weight)
+        q, k, v = joint_qkv(self.to_qkv(x), self.norm_q.weight, self.norm_k.weight, text_qkv, text_q_weight,
+                            text_k_weight, *rope, RMS_EPS)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def tokens_first(out: torch.Tensor) -> torch.Tensor:
@@ -111,10 +96,9 @@ class FluxTransformerBlock(nn.Module):
         joint sequence, so this rank's text tokens (if any) precede its image tokens."""
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
         norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
-        image_q, image_k, image_v = self.attn.qkv(norm_image)
-        text_q, text_k, text_v = self.attn.text_qkv(norm_text)
-        q, k, v = heads_first(torch.cat((text_q, image_q), dim=1), torch.cat((text_k, image_k), dim=1),
-                              torch.cat((text_v, image_v), dim=1), rope)
+        q, k, v = self.attn.joint_qkv(norm_image, norm_text, rope)
+        # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
+        # break inside a helper would split the helper into a region of its own.
         joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
         # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
         text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
@@ -155,7 +139,7 @@ class FluxSingleTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
         norm_x, gate = self.norm(x, temb)
-        q, k, v = heads_first(*self.attn.qkv(norm_x), rope)
+        q, k, v = self.attn.joint_qkv(norm_x, None, rope)
         attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
         mlp = self.proj_mlp.forward_gelu(norm_x)
         x = x + gate[:, None] * self.proj_out.forward_segments([attn, mlp])

@@ -130,11 +130,3 @@ def rotary_embedding(ids: torch.Tensor, axes_dims: list[int]) -> tuple[torch.Ten
         cos.append(angles.cos().repeat_interleave(2, dim=1).float())
         sin.append(angles.sin().repeat_interleave(2, dim=1).float())
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by the rotary embedding of its S tokens (adjacent pairs), in float32."""
-    cos, sin = rope
-    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((-imag, real), dim=-1).flatten(3)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
