@@ -30,7 +30,7 @@ from mdtriton.backend.job_hub import HubLink, JobHub
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
-from mdtriton.engine.comm import Communicator
+from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
 from mdtriton.pipeline.progress import ProgressListener, progress_to
@@ -46,6 +46,23 @@ class RanksUnavailable(Exception):
 ANSWERING_RANK = 0
 # How often an idle runner checks the deadlines of its waiting jobs.
 WATCH_INTERVAL_S = 0.2
+# How often a rank looks whether its job's GPU work is done (wait_for_device).
+DEVICE_POLL_S = 0.0002
+
+
+def wait_for_device(timeout: float) -> None:
+    """Wait for the work queued so far on the current CUDA stream, at most timeout seconds.
+
+    NCCL's collectives are queued with no wait on the CPU (mdtriton.engine.comm), so a collective with a stopped
+    or stuck peer shows here, at the job's end: CommunicationError after the timeout, instead of waiting forever."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise CommunicationError(f"the job's GPU work, its collectives included, did not complete within "
+                                     f"{timeout:.0f} s (a rank stopped or stuck)")
+        time.sleep(DEVICE_POLL_S)
 
 
 @dataclass
@@ -91,6 +108,7 @@ class JobRunner:
         self._link: HubLink | None = None
         self._end: GenerationEnd | None = None
         self._ended = threading.Event()
+        self._aborted = threading.Event()  # set by the peer watcher (NCCL) before it aborts the groups
         self._stopping = threading.Event()
         self._generation: Generation | None = None
         self._hub: JobHub | None = None
@@ -218,6 +236,7 @@ class JobRunner:
             if exited:
                 log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.comm.rank,
                           ", ".join(map(str, exited)), generation.number)
+                self._aborted.set()
                 self.comm.disconnect()
                 return
             time.sleep(WATCH_INTERVAL_S)
@@ -248,7 +267,10 @@ class JobRunner:
         with progress_to(job.on_progress if job is not None else None):
             outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
         if self.comm.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            wait_for_device(self.timeout)
+            if self._aborted.is_set():
+                # The kernels of an aborted collective end without its data: these outputs are not the answer.
+                raise CommunicationError("the process groups were aborted during the job (a peer exited)")
         if job is not None:
             with self._lock:
                 del self._pending[job.id]

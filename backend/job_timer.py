@@ -58,11 +58,14 @@ class JobTimer:
         self._in_job = True
         try:
             yield
-        finally:
-            self._in_job = False
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the events must have happened to be read
-            wall = time.perf_counter() - started
-            communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
-            waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
-            self._on_job(communication, max(wall - communication, 0.0), waited)
+        except BaseException:
+            # A failed job is not reported, and its events may never happen (a collective with a lost peer).
+            self._in_job, self._host_seconds, self._events, self._waited = False, 0.0, [], 0.0
+            raise
+        self._in_job = False
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the job has waited for its work: at once
+        wall = time.perf_counter() - started
+        communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
+        waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
+        self._on_job(communication, max(wall - communication, 0.0), waited)
