@@ -266,7 +266,9 @@ class JobRunner:
             inputs[name] = self.comm.broadcast(tensor, src=origin)
         with progress_to(job.on_progress if job is not None else None):
             outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
-        if self.comm.device.type == "cuda":
+        if self.comm.device.type == "cuda" and self.comm.plan.world_size == 1:
+            torch.cuda.current_stream().synchronize()  # no collective, nothing to wait for but this GPU
+        elif self.comm.device.type == "cuda":
             wait_for_device(self.timeout)
             if self._aborted.is_set():
                 # The kernels of an aborted collective end without its data: these outputs are not the answer.
