@@ -32,8 +32,9 @@ class JobTimer:
     def time_collective(self):
         """Measure one collective of a job: host time on CPU (gloo is synchronous), CUDA events on GPU.
 
-        Collectives outside jobs (forming the process groups) are not counted."""
-        if not self._in_job:
+        Collectives outside jobs (forming the process groups) are not counted, nor those of a CUDA graph being
+        captured (events cannot be recorded into it): a job replayed as a graph counts all its time as compute."""
+        if not self._in_job or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             yield
         elif self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

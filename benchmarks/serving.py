@@ -6,7 +6,8 @@ Builds a FLUX engine into a model repository, serves it with the embedded Triton
    in the gRPC messages; through system shared memory (the client's default when the server is on this host); and,
    with a GPU and cuda-python, from inputs in GPU memory through CUDA shared memory;
 2. where a request's time goes (system shared memory): the rank worker's job (backend/job_timer.py, read from
-   the rank's Prometheus counters: the inputs' copy to the device, the forward, the outputs ready), the request's
+   the rank's Prometheus counters: the inputs' copy to the device, the forward, the outputs ready; and how much of
+   it the collectives took, by CUDA events around each on GPUs), the request's
    wait in the worker before its job began (the job hub's ordering; the same counters), the stub around them
    (Triton's compute_infer statistic less both: the request check, the hop to the worker and back, the response),
    Triton's own steps (queue, compute_input, compute_output) and the rest (the client and gRPC);
@@ -154,11 +155,14 @@ def time_split(server: TritonServer, inputs: dict, warmup: int, requests: int) -
     job_seconds = sum(ranks_after[name] - ranks_before[name] for name in
                       ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"))
     job_ms = job_seconds / max(jobs, 1) * 1000
+    communication_ms = (ranks_after["mdtriton_communication_seconds_total"]
+                        - ranks_before["mdtriton_communication_seconds_total"]) / max(jobs, 1) * 1000
     wait_ms = (ranks_after["mdtriton_wait_seconds_total"] - ranks_before["mdtriton_wait_seconds_total"]) / max(jobs, 1) * 1000
     infer_ms = mean_ms(triton_before, triton_after, "compute_infer")
     triton_ms = sum(mean_ms(triton_before, triton_after, step) for step in ("queue", "compute_input", "compute_output"))
     served_ms = statistics.mean(latencies)
-    return {"served_mean_ms": served_ms, "worker_job_ms": job_ms, "worker_wait_ms": wait_ms,
+    return {"served_mean_ms": served_ms, "worker_job_ms": job_ms, "worker_communication_ms": communication_ms,
+            "worker_wait_ms": wait_ms,
             "stub_beyond_job_ms": infer_ms - job_ms - wait_ms,
             "triton_ms": triton_ms, "client_and_grpc_ms": served_ms - infer_ms - triton_ms, "jobs_counted": jobs}
 
@@ -332,11 +336,12 @@ def report(rows: dict) -> None:
     print(f"| {engine:.1f} | {over(rows['system_shm_median_ms'])} | {over(rows['grpc_messages_median_ms'])} "
           f"| {cuda_shm} |")
     print(f"\nWhere a request's time goes (system shm, means of {rows['requests']}: {rows['served_mean_ms']:.1f} ms):\n")
-    print("| rank worker's job (input copy, forward, outputs) | in the worker before the job (job hub's order) "
-          "| stub beyond those (check, hop both ways, response) | Triton (queue, inputs, outputs) | client and gRPC |")
-    print("|---|---|---|---|---|")
-    print(f"| {rows['worker_job_ms']:.1f} | {rows['worker_wait_ms']:.2f} | {rows['stub_beyond_job_ms']:.2f} "
-          f"| {rows['triton_ms']:.2f} | {rows['client_and_grpc_ms']:.2f} |")
+    print("| rank worker's job (input copy, forward, outputs) | of it in collectives "
+          "| in the worker before the job (job hub's order) | stub beyond those (check, hop both ways, response) "
+          "| Triton (queue, inputs, outputs) | client and gRPC |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {rows['worker_job_ms']:.1f} | {rows['worker_communication_ms']:.1f} | {rows['worker_wait_ms']:.2f} "
+          f"| {rows['stub_beyond_job_ms']:.2f} | {rows['triton_ms']:.2f} | {rows['client_and_grpc_ms']:.2f} |")
     print(f"\n| {rows['concurrency']} clients: p50 / p99 ms | requests/s | build s | start to ready s | "
           "engine load + warm-up s (compile cache) | healing: kill to answer s | healed worker: weights + warm-up s "
           "| same answer after healing |")

@@ -406,7 +406,7 @@ class OurModels:
         self.warm_up_s[name] = 0.0
         if compiled:
             self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, comm)
-        return device_forward(module, "flux", ctx.config, compiled, plan.world_size)
+        return device_forward(module, "flux", ctx.config, compiled)
 
 
 # ----------------------------------------------------------------------------------------------------

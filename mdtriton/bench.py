@@ -4,7 +4,7 @@ Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are
 GPU shard by shard from one seed (the same full model for every plan), bf16, with trained-like scales
 (modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md, "Accuracy"). Variants:
 `compiled` (what the server runs on GPUs: fused projections, compiled blocks, warmed up at load, short
-requests replayed as CUDA graphs on 1 GPU), `eager` (the same module uncompiled, no graphs), `fp8` (FP8 weights, as
+requests replayed as CUDA graphs), `eager` (the same module uncompiled, no graphs), `fp8` (FP8 weights, as
 compiled). Timing: the first call at each length after
 the warm-up (a recompile would show here), then warm-up runs, then CUDA-event times of whole forwards
 between barriers; the median is reported. One more forward runs under the PyTorch profiler to find the
@@ -201,7 +201,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             warm_up_seconds = 0.0
             if variant != "eager":
                 warm_up_seconds = compile_and_warm_up(module, "flux", config, dtype, comm)
-            forward = device_forward(module, "flux", config, variant != "eager", world_size)
+            forward = device_forward(module, "flux", config, variant != "eager")
             for image_tokens in args.image_tokens:
                 inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
                 with torch.inference_mode():

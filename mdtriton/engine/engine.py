@@ -56,7 +56,7 @@ class TorchEngine(Engine):
         self.comm = comm
         self.load_seconds = load_seconds
         self.warm_up_seconds = warm_up_seconds
-        self.run = device_forward(module, manifest.architecture, manifest.config, compiled, comm.plan.world_size)
+        self.run = device_forward(module, manifest.architecture, manifest.config, compiled)
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator,
@@ -106,14 +106,11 @@ class TorchEngine(Engine):
             return self.run(on_device)
 
 
-def device_forward(module: torch.nn.Module, architecture_name: str, config: dict, compiled: bool, world_size: int):
-    """How module runs requests (inputs by name, on its device): compiled on one GPU, short requests through CUDA
-    graphs (GraphedForward); otherwise as it is. mdtriton bench times this too.
-
-    An engine of several ranks replays no graphs: served, its collectives are timed with CUDA events and waited on
-    by the CPU (NCCL's blocking wait, for the timeouts), neither of which a graph capture allows (on 2 H200s the
-    first served request failed with "CUDA error: invalid argument")."""
-    if compiled and world_size == 1 and next(module.parameters()).is_cuda:
+def device_forward(module: torch.nn.Module, architecture_name: str, config: dict, compiled: bool):
+    """How module runs requests (inputs by name, on its device): compiled on a GPU, short requests through CUDA
+    graphs (GraphedForward), collectives included (every rank captures the same job's graph together); otherwise
+    as it is. mdtriton bench times this too."""
+    if compiled and next(module.parameters()).is_cuda:
         arch = architecture(architecture_name)
         return GraphedForward(module, lambda inputs: math.prod(arch.check_request(config, inputs)))
     return lambda inputs: module(**inputs)
