@@ -39,6 +39,7 @@ import os
 import re
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from mdtriton.backend.worker_keeper import is_rank_worker
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.client.shared_memory import cuda_shared_memory_available
@@ -60,6 +60,10 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.server import TritonServer, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
+
+from tests.backend.triton_processes import rank_workers, worker_rank  # noqa: E402
 
 MODEL = "flux"
 # FLUX.1-dev's inputs and outputs, with no blocks and a width of 16: the embedders and the output projection read
@@ -169,16 +173,10 @@ def time_split(server: TritonServer, inputs: dict, warmup: int, requests: int) -
 
 def rank_worker_pid(server: TritonServer, rank: int) -> int:
     """The pid of rank's worker process (a grandchild of the server: server -> stub -> worker)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and is_rank_worker(int(entry.name)):
-            try:
-                arguments = (entry / "cmdline").read_bytes().split(b"\0")
-                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-                grandparent = int((Path("/proc") / str(parent) / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError):
-                continue
-            if grandparent == server.process.pid and json.loads(arguments[3])["rank"] == rank:
-                return int(entry.name)
+    for pids in rank_workers(server.process.pid).values():
+        for pid in pids:
+            if worker_rank(pid) == rank:
+                return pid
     raise RuntimeError(f"no worker of rank {rank} under tritonserver (pid {server.process.pid})")
 
 

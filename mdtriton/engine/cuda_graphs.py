@@ -1,7 +1,8 @@
 """CUDA graphs of whole forwards: one capture per input signature, replayed to skip per-kernel launch costs.
 
 A FLUX forward launches thousands of kernels, with gaps between them; a captured graph replays them all at once.
-Served engines use them on one rank only (mdtriton.engine.engine.device_forward says why).
+With several ranks the graph holds the collectives too: every rank captures the same job's forward together (this
+needs NCCL without blocking waits, and no timing events recorded into the capture: backend/job_timer.py).
 """
 
 from __future__ import annotations

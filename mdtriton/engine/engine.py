@@ -44,9 +44,9 @@ class TorchEngine(Engine):
 
     On GPUs its blocks are compiled (torch.compile, the regions between collectives) and warmed up inside
     `load`, at two lengths so that one graph with a symbolic length serves every later request: no request
-    waits for a compile. On one rank, short requests then replay CUDA graphs (mdtriton.engine.cuda_graphs). The compiled
-    artifacts are kept in the engine directory (CompileCache), so a later load on the same kind of GPU and
-    torch takes seconds instead of minutes.
+    waits for a compile. Short requests then replay CUDA graphs (mdtriton.engine.cuda_graphs). The compiled artifacts
+    are kept in the engine directory (CompileCache), so a later load on the same kind of GPU and torch takes
+    seconds instead of minutes.
     """
 
     def __init__(self, manifest: Manifest, module: torch.nn.Module, comm: Communicator, load_seconds: float,
