@@ -119,3 +119,34 @@ def test_tensors_in_a_dev_shm_file_are_read_in_place_from_it_and_others_copied()
         path.unlink()
         sender.close()
         receiver.close()
+
+
+def test_a_lent_file_that_has_grown_is_mapped_again_and_earlier_tensors_stay_readable():
+    """Triton's Python backend grows its shared memory file when a request needs more: the receiver maps the file
+    again for tensors beyond its first mapping, and keeps the first one for the tensors still read from it."""
+    left, right = socket.socketpair()
+    sender = TensorLink(Connection(left.detach()), lends_shared_files=True)
+    receiver = TensorLink(Connection(right.detach()))
+    path = Path(f"/dev/shm/mdtriton-test-grow-{os.getpid()}")
+    try:
+        path.write_bytes(bytes(1 << 16))
+        with path.open("r+b") as file:
+            small = mmap.mmap(file.fileno(), 1 << 16)
+        first = torch.frombuffer(small, dtype=torch.float32)[:1024]
+        first.copy_(torch.arange(1024.0))
+        sender.send({"id": 1}, {"x": first})
+        early = receiver.receive()["tensors"]["x"]
+        with path.open("r+b") as file:
+            file.truncate(1 << 20)
+            large = mmap.mmap(file.fileno(), 1 << 20)
+        beyond = torch.frombuffer(large, dtype=torch.float32)[(1 << 18) - 2048:]  # past the first 64 KiB
+        beyond.copy_(torch.full((2048,), 5.0))
+        sender.send({"id": 2}, {"x": beyond})
+        late = receiver.receive()["tensors"]["x"]
+        assert torch.equal(late, torch.full((2048,), 5.0))
+        assert torch.equal(early, torch.arange(1024.0))
+        del first, beyond
+    finally:
+        path.unlink()
+        sender.close()
+        receiver.close()
