@@ -70,12 +70,11 @@ class Communicator:
         """Form the world of this generation (every rank calls this together) and its tp/cp groups.
 
         `timeout` bounds every collective. On gloo a peer that stops answering makes it raise CommunicationError
-        after that long. NCCL's collectives are queued on the GPU with no wait on the CPU (a wait at each, which
-        TORCH_NCCL_BLOCKING_WAIT makes, leaves the GPU idle while the CPU launches the next kernels: the likely
-        cause of a served 2-GPU FLUX forward taking 123.8 ms against 89.0 ms called directly), so the caller bounds the wait for a job's work itself
-        (mdtriton.backend.job_runner.wait_for_device); TORCH_NCCL_ASYNC_ERROR_HANDLING=0 keeps torch's watchdog
-        from ending the whole process at the timeout, as it does by default, so the ranks can abort this group and
-        form a new one.
+        after that long. NCCL's collectives are queued on the GPU with no wait on the CPU (the wait at each that
+        TORCH_NCCL_BLOCKING_WAIT makes cannot be captured in a CUDA graph, which a served forward of several ranks
+        replays), so the caller bounds the wait for a job's work itself (mdtriton.backend.job_runner
+        .wait_for_device); TORCH_NCCL_ASYNC_ERROR_HANDLING=0 keeps torch's watchdog from ending the whole process
+        at the timeout, as it does by default, so the ranks can abort this group and form a new one.
         """
         if self.plan.world_size == 1:
             return
