@@ -8,6 +8,7 @@ import gc
 import mmap
 import os
 import socket
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -88,18 +89,34 @@ def test_a_region_is_reused_once_its_tensors_are_dropped_and_never_before():
     receiver.close()
 
 
-def test_tensors_in_a_dev_shm_file_are_read_in_place_from_it_and_others_copied():
-    """The stub's end lends tensors that lie in a /dev/shm file (where Triton keeps a request's inputs): the receiver
-    maps the file and reads them there, seeing later writes; a message with any other tensor travels in a region."""
+@contextmanager
+def lending_links_and_file(name: str):
+    """(the stub's end, which lends tensors in /dev/shm files; the worker's end; a fresh /dev/shm file's path)."""
     left, right = socket.socketpair()
     sender = TensorLink(Connection(left.detach()), lends_shared_files=True)
     receiver = TensorLink(Connection(right.detach()))
-    path = Path(f"/dev/shm/mdtriton-test-{os.getpid()}")
+    path = Path(f"/dev/shm/mdtriton-test-{name}-{os.getpid()}")
     try:
-        path.write_bytes(bytes(1 << 20))
-        with path.open("r+b") as file:
-            memory = mmap.mmap(file.fileno(), 1 << 20)
-        in_file = torch.frombuffer(memory, dtype=torch.bfloat16)
+        yield sender, receiver, path
+    finally:
+        path.unlink(missing_ok=True)
+        sender.close()
+        receiver.close()
+
+
+def mapped(path: Path, size: int) -> mmap.mmap:
+    """The file at path, grown to size bytes (zeros), mapped shared."""
+    with path.open("ab") as file:
+        file.truncate(size)
+    with path.open("r+b") as file:
+        return mmap.mmap(file.fileno(), size)
+
+
+def test_tensors_in_a_dev_shm_file_are_read_in_place_from_it_and_others_copied():
+    """The stub's end lends tensors that lie in a /dev/shm file (where Triton keeps a request's inputs): the receiver
+    maps the file and reads them there, seeing later writes; a message with any other tensor travels in a region."""
+    with lending_links_and_file("in-place") as (sender, receiver, path):
+        in_file = torch.frombuffer(mapped(path, 1 << 20), dtype=torch.bfloat16)
         x, ids = in_file[4096:4096 + 512 * 64].view(512, 64), in_file[64:64 + 14].view(7, 2)
         x.copy_(torch.randn(512, 64))
         ids.copy_(torch.arange(14).view(7, 2))
@@ -114,39 +131,19 @@ def test_tensors_in_a_dev_shm_file_are_read_in_place_from_it_and_others_copied()
         copied = receiver.receive()["tensors"]
         x[0, 0] = 8.0
         assert copied["x"][0, 0] == 7.0 and torch.equal(copied["other"], torch.ones(3))
-        del in_file, x, ids
-    finally:
-        path.unlink()
-        sender.close()
-        receiver.close()
 
 
 def test_a_lent_file_that_has_grown_is_mapped_again_and_earlier_tensors_stay_readable():
     """Triton's Python backend grows its shared memory file when a request needs more: the receiver maps the file
     again for tensors beyond its first mapping, and keeps the first one for the tensors still read from it."""
-    left, right = socket.socketpair()
-    sender = TensorLink(Connection(left.detach()), lends_shared_files=True)
-    receiver = TensorLink(Connection(right.detach()))
-    path = Path(f"/dev/shm/mdtriton-test-grow-{os.getpid()}")
-    try:
-        path.write_bytes(bytes(1 << 16))
-        with path.open("r+b") as file:
-            small = mmap.mmap(file.fileno(), 1 << 16)
-        first = torch.frombuffer(small, dtype=torch.float32)[:1024]
+    with lending_links_and_file("grow") as (sender, receiver, path):
+        first = torch.frombuffer(mapped(path, 1 << 16), dtype=torch.float32)[:1024]
         first.copy_(torch.arange(1024.0))
         sender.send({"id": 1}, {"x": first})
         early = receiver.receive()["tensors"]["x"]
-        with path.open("r+b") as file:
-            file.truncate(1 << 20)
-            large = mmap.mmap(file.fileno(), 1 << 20)
-        beyond = torch.frombuffer(large, dtype=torch.float32)[(1 << 18) - 2048:]  # past the first 64 KiB
+        beyond = torch.frombuffer(mapped(path, 1 << 20), dtype=torch.float32)[(1 << 18) - 2048:]  # past 64 KiB
         beyond.copy_(torch.full((2048,), 5.0))
         sender.send({"id": 2}, {"x": beyond})
         late = receiver.receive()["tensors"]["x"]
         assert torch.equal(late, torch.full((2048,), 5.0))
         assert torch.equal(early, torch.arange(1024.0))
-        del first, beyond
-    finally:
-        path.unlink()
-        sender.close()
-        receiver.close()
