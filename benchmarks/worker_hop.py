@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.tensor_transfer import TensorLink, layout
 from mdtriton.engine.dtypes import TRITON_TYPES
 
 # A stand-in worker: takes the inputs (as the worker does, in place) and answers with outputs of the asked sizes.
@@ -35,7 +35,7 @@ ECHO = """
 import sys
 import torch
 from multiprocessing.connection import Connection
-from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.tensor_transfer import TensorLink, layout
 from mdtriton.engine.dtypes import TORCH_DTYPES
 link = TensorLink(Connection(int(sys.argv[1])))
 # One thread: the stand-in computes nothing, and torch's pool would keep spinning after making the outputs, on the
@@ -101,16 +101,15 @@ def start_echo(lends_shared_files: bool) -> tuple[subprocess.Popen, TensorLink]:
 
 def in_shared_file(tensors: dict[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
     """Copies of tensors laid out in a /dev/shm file, as Triton's Python backend lays out a request's inputs."""
-    size = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values())
+    specs, size = layout(tensors)
     path.write_bytes(bytes(size))
     with path.open("r+b") as file:
         memory = mmap.mmap(file.fileno(), size)
-    data, placed, offset = torch.frombuffer(memory, dtype=torch.uint8), {}, 0
-    for name, tensor in tensors.items():
+    data, placed = torch.frombuffer(memory, dtype=torch.uint8), {}
+    for (name, _, _, offset), tensor in zip(specs, tensors.values()):
         end = offset + tensor.numel() * tensor.element_size()
         placed[name] = data[offset:end].view(tensor.dtype).view(tensor.shape)
         placed[name].copy_(tensor)
-        offset = -(-end // 64) * 64
     return placed, memory
 
 

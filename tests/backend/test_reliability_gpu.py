@@ -54,7 +54,7 @@ def test_gpu_killed_worker_heals_under_load_with_no_failed_request_and_gives_its
     """SIGKILL of a rank's worker while 6 clients stream requests, on NCCL: every request answered right (0 failed),
     the same stubs and server, one worker per rank after, and the dead worker's GPU memory given back (free memory
     per GPU after healing within 256 MiB of what it was while serving). NCCL has no error for a lost peer: the
-    other rank's worker, blocked in a collective, sees the process exit within 0.2 s and aborts its groups
+    other rank's worker, waiting for a collective, sees the process exit within 0.2 s and aborts its groups
     (JobRunner._abort_when_a_peer_exits), so it ends by itself instead of being killed by the dead worker's stub 2 s
     later; every request in flight runs again after the healing. Prints the time from the kill to a right answer."""
     server = serve(tmp_path, server_factory, model_control_mode="explicit", load_models=(MODEL,))
