@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.fp8 import FP8_DTYPE, fp8_linear
+from mdtriton.engine.fp8 import FP8_DTYPE, Fp8Rows, fp8_linear
+from mdtriton.engine.fused_activations import rows_to_fp8
 
 
 def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[int]:
@@ -63,20 +64,25 @@ class ParallelLinear(nn.Module):
         """x W^T + bias with this rank's weight (FP8 or not)."""
         return self.linear(x, self.weight, bias)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
-               accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+               accumulate: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
         """x weight^T + bias (+ accumulate), with this layer's weight or a block of its columns, FP8 or not; with
         gelu, the tanh GELU of that. Every GEMM of the layer runs here.
 
         Unquantized, an accumulation is the GEMM's own (C in C + A B), and on a GPU a GELU after a bias is applied
         in the GEMM's cuBLASLt epilogue, to the float32 sums: no pass over the output. torch.compile keeps both
-        calls as they are. An accumulating GEMM takes no bias (forward_segments adds it with the first one)."""
+        calls as they are. An accumulating GEMM takes no bias (forward_segments adds it with the first one).
+
+        FP8: x comes quantized per row (Fp8Rows, from the kernel that made it) or is quantized here in one pass.
+        The GELU's output is handed on quantized (its only reader is the next FP8 GEMM): GELU and quantization
+        in one pass over the GEMM's output."""
         if accumulate is not None and bias is not None:
             raise ValueError("an accumulating GEMM takes no bias: add it with the first GEMM")
         if self.fp8:
-            out = fp8_linear(x, weight, self.weight_scale, bias)
+            out = fp8_linear(x if isinstance(x, Fp8Rows) else rows_to_fp8(x), weight, self.weight_scale, bias)
             out = out if accumulate is None else accumulate + out
-        elif accumulate is not None:
+            return rows_to_fp8(out, gelu=True) if gelu else out
+        if accumulate is not None:
             rows = torch.addmm(accumulate.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
             out = rows.view(accumulate.shape)
         elif gelu and x.is_cuda and bias is not None:
@@ -101,8 +107,8 @@ class ColumnParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.local_linear(x, self.bias)
 
-    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
-        """tanh-GELU(forward(x)), on GPUs in the GEMM's epilogue (see linear)."""
+    def forward_gelu(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
+        """tanh-GELU(forward(x)), on GPUs in the GEMM's epilogue; in FP8 layers quantized for the next (see linear)."""
         return self.linear(x, self.weight, self.bias, gelu=True)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mdtriton.engine.attention import fa3
 from mdtriton.engine.comm import Communicator
 
-# Fastest first: on Hopper, cuDNN's attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate
+# Where FlashAttention-3 is available (Hopper, the fa3-fwd wheel) it runs bf16 attention instead of SDPA: faster on
+# an H200 at every FLUX length (docs/benchmarks.md). Otherwise fastest first: on Hopper, cuDNN's attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate
 # of flash attention (docs/benchmarks.md); the others are fallbacks for what cuDNN does not take.
 KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
@@ -16,8 +20,21 @@ KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBa
 LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def uses_fa3(q: torch.Tensor) -> bool:
+    """Whether attention of q (and keys and values like it) runs FlashAttention-3."""
+    return q.dtype == torch.bfloat16 and q.is_cuda and fa3_available(q.device.index)
+
+
+@functools.cache
+def fa3_available(device_index: int) -> bool:
+    return fa3.available(torch.device("cuda", device_index))
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """scaled_dot_product_attention [B, H, S, D], with the kernels tried in KERNEL_PRIORITY order."""
+    """Attention [B, H, S, D]: FlashAttention-3 where available (uses_fa3), else scaled_dot_product_attention with
+    the kernels tried in KERNEL_PRIORITY order."""
+    if uses_fa3(q):
+        return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     with sdpa_kernel(KERNEL_PRIORITY, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v)
 
@@ -31,9 +48,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32).
 
-    On CUDA in fp16/bf16 this is one cuDNN kernel (flash attention where cuDNN refuses the shape);
-    elsewhere it is computed explicitly in float32.
+    On CUDA in fp16/bf16 this is one kernel: FlashAttention-3 where available, else cuDNN's (flash attention where
+    cuDNN refuses the shape); elsewhere it is computed explicitly in float32.
     """
+    if uses_fa3(q):
+        out, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2), lse
     if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:
         try:
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]

@@ -15,7 +15,7 @@ from torch import nn
 from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
-from mdtriton.engine.models.flux_layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, layer_norm
+from mdtriton.engine.models.flux_layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
 from mdtriton.engine.models.flux_qkv import joint_qkv
 
 RMS_EPS = 1e-6
@@ -81,8 +81,9 @@ class FluxTransformerBlock(nn.Module):
         super().__init__()
         self.comm = comm
         self.attention = attention
-        self.norm1 = AdaLayerNormZero(dim)
-        self.norm1_context = AdaLayerNormZero(dim)
+        self.fp8 = fp8
+        self.norm1 = AdaLayerNormZero(dim, fp8)
+        self.norm1_context = AdaLayerNormZero(dim, fp8)
         self.attn = FluxAttention(dim, heads, head_dim, comm, joint=True, fp8=fp8)
         self.ff = FeedForward(dim, comm, fp8)
         self.ff_context = FeedForward(dim, comm, fp8)
@@ -104,10 +105,9 @@ class FluxTransformerBlock(nn.Module):
         text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
 
         image = image + gate[:, None] * self.attn.to_out[0](image_attn)
-        image = image + gate_mlp[:, None] * self.ff(layer_norm(image) * (1 + scale_mlp[:, None]) + shift_mlp[:, None])
+        image = image + gate_mlp[:, None] * self.ff(modulate(image, shift_mlp, scale_mlp, self.fp8))
         text = text + c_gate[:, None] * self.attn.to_add_out(text_attn)
-        text = text + c_gate_mlp[:, None] * self.ff_context(layer_norm(text) * (1 + c_scale_mlp[:, None])
-                                                            + c_shift_mlp[:, None])
+        text = text + c_gate_mlp[:, None] * self.ff_context(modulate(text, c_shift_mlp, c_scale_mlp, self.fp8))
         if text.dtype == torch.float16:
             text = text.clip(-65504, 65504)
         return image, text
@@ -122,7 +122,7 @@ class FluxSingleTransformerBlock(nn.Module):
         self.comm = comm
         self.attention = attention
         mlp_hidden = 4 * dim
-        self.norm = AdaLayerNormZeroSingle(dim)
+        self.norm = AdaLayerNormZeroSingle(dim, fp8)
         self.proj_mlp = ColumnParallelLinear(dim, mlp_hidden, comm, fp8=fp8)
         self.proj_out = RowParallelLinear(heads * head_dim + mlp_hidden, dim, comm,
                                           in_segments=[heads * head_dim, mlp_hidden], fp8=fp8)

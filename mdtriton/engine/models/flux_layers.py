@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.fp8 import Fp8Rows
+from mdtriton.engine.fused_activations import modulated_layer_norm, modulated_layer_norm_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
 
 TIMESTEP_CHANNELS = 256
@@ -52,33 +54,38 @@ class TimeTextEmbedding(nn.Module):
         return temb + self.text_embedder(pooled)
 
 
-def layer_norm(x: torch.Tensor) -> torch.Tensor:
-    """LayerNorm without weights (eps 1e-6), as every FLUX norm before a modulation."""
-    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, fp8: bool) -> torch.Tensor | Fp8Rows:
+    """LayerNorm(x) (no weights, eps 1e-6, as every FLUX norm) * (1 + scale) + shift, one pass on GPUs; fp8: quantized
+    per token for the FP8 GEMMs that read it."""
+    return modulated_layer_norm_fp8(x, shift, scale) if fp8 else modulated_layer_norm(x, shift, scale)
 
 
 class AdaLayerNormZero(nn.Module):
-    """Norm + shift/scale from temb, plus the gate/shift/scale/gate the rest of a double block uses."""
+    """Norm + shift/scale from temb, plus the gate/shift/scale/gate the rest of a double block uses.
 
-    def __init__(self, dim: int):
+    fp8: the normed input is handed on quantized (its readers are the block's FP8 q/k/v GEMMs)."""
+
+    def __init__(self, dim: int, fp8: bool = False):
         super().__init__()
         self.linear = nn.Linear(dim, 6 * dim)
+        self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, ...]:
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.linear(F.silu(temb)).chunk(6, dim=1)
-        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate, shift_mlp, scale_mlp, gate_mlp
+        return modulate(x, shift, scale, self.fp8), gate, shift_mlp, scale_mlp, gate_mlp
 
 
 class AdaLayerNormZeroSingle(nn.Module):
-    """Norm + shift/scale from temb, and the gate of a single block's output."""
+    """Norm + shift/scale from temb, and the gate of a single block's output (fp8: as AdaLayerNormZero)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, fp8: bool = False):
         super().__init__()
         self.linear = nn.Linear(dim, 3 * dim)
+        self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         shift, scale, gate = self.linear(F.silu(temb)).chunk(3, dim=1)
-        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate
+        return modulate(x, shift, scale, self.fp8), gate
 
 
 class AdaLayerNormContinuous(nn.Module):
@@ -90,7 +97,7 @@ class AdaLayerNormContinuous(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
-        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return modulate(x, shift, scale, fp8=False)
 
 
 class GeluProjection(nn.Module):
@@ -100,7 +107,7 @@ class GeluProjection(nn.Module):
         super().__init__()
         self.proj = ColumnParallelLinear(dim, hidden, comm, fp8=fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
         return self.proj.forward_gelu(x)
 
 
@@ -113,7 +120,7 @@ class FeedForward(nn.Module):
         self.net = nn.ModuleDict({"0": GeluProjection(dim, 4 * dim, comm, fp8),
                                   "2": RowParallelLinear(4 * dim, dim, comm, fp8=fp8)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.net["2"](self.net["0"](x))
 
 

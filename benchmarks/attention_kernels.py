@@ -1,0 +1,99 @@
+"""One attention call at FLUX.1-dev's shapes (batch 1, 24 heads of 128) by each kernel on this GPU: torch's
+cuDNN SDPA (what the engine ran until 2026-11-24), FlashAttention-3 in bf16 and FlashAttention-3 in FP8 (the
+`fa3-fwd` wheel, Hopper), timed with CUDA events, and each one's error against float32 attention.
+
+The error inputs are q, k and v as the engine makes them: q and k RMS-normed per head (then scaled, since
+trained norm weights are not all ones: --qk-scale), v as a projection gives it. FP8 attention quantizes q, k and
+v with the scales that mdtriton.engine.attention.fa3 uses.
+
+    python benchmarks/attention_kernels.py --tokens 4608,16896,66048
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mdtriton.bench import relative_error
+from mdtriton.engine.attention import fa3
+
+HEADS, HEAD_DIM = 24, 128
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """float32 attention [B, S, H, D] of [B, S, H, D] inputs, a chunk of queries at a time."""
+    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
+    out = torch.cat([torch.softmax(q[:, :, i:i + chunk] @ k.transpose(-1, -2) * HEAD_DIM ** -0.5, dim=-1) @ v
+                     for i in range(0, q.shape[2], chunk)], dim=2)
+    return out.transpose(1, 2)
+
+
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def engine_like_inputs(tokens: int, qk_scale: float, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    shape = (1, tokens, HEADS, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=generator, device="cuda") for _ in range(3))
+    q, k = (F.rms_norm(t, (HEAD_DIM,)) * qk_scale for t in (q, k))
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+
+def prepared(prepare, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (q, k, v) if prepare is None else prepare(q, k, v)
+
+
+def time_ms(call, iterations: int) -> float:
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="4608,16896,66048", help="joint sequence lengths, comma-separated")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--qk-scale", type=float, default=2.0, help="scale of the RMS-normed q and k (see above)")
+    parser.add_argument("--error-tokens", type=int, default=4608, help="length at which errors are measured")
+    args = parser.parse_args()
+    # name: (prepare the inputs, untimed; the kernel)
+    kernels = {"cuDNN SDPA (bf16)": (None, cudnn)}
+    if fa3.available(torch.device("cuda")):
+        kernels["FA3 bf16"] = (None, fa3.attention)
+        kernels["FA3 FP8 (kernel)"] = (fa3.quantize_qkv, fa3.attention)
+        kernels["FA3 FP8 + quantize"] = (None, lambda q, k, v: fa3.attention(*fa3.quantize_qkv(q, k, v)))
+    else:
+        print(f"FlashAttention-3 not usable here: {fa3.unavailable_reason(torch.device('cuda'))}")
+    generator = torch.Generator("cuda").manual_seed(0)
+    q, k, v = engine_like_inputs(args.error_tokens, args.qk_scale, generator)
+    expected = reference(q, k, v)
+    errors = {name: relative_error(kernel(*prepared(prepare, q, k, v)), expected)
+              for name, (prepare, kernel) in kernels.items()}
+    print(f"{torch.cuda.get_device_name()}, batch 1, {HEADS} heads x {HEAD_DIM}; error vs float32 at "
+          f"{args.error_tokens:,} tokens (q, k RMS-normed x {args.qk_scale})\n")
+    print("| tokens | kernel | median ms | TFLOP/s | vs cuDNN | rel. error vs float32 |\n|---|---|---|---|---|---|")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        q, k, v = engine_like_inputs(tokens, args.qk_scale, generator)
+        flops = 4 * tokens * tokens * HEADS * HEAD_DIM
+        base = None
+        for name, (prepare, kernel) in kernels.items():
+            inputs = prepared(prepare, q, k, v)
+            ms = time_ms(lambda: kernel(*inputs), args.iterations)
+            base = base or ms
+            print(f"| {tokens:,} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base / ms:.2f}x | {errors[name]:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
