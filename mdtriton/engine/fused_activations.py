@@ -44,7 +44,7 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
         return modulate_reference(x, shift, scale)
     x = x.contiguous()
     out = torch.empty_like(x)
-    _launch_modulated_norm(x, shift, scale, out, None)
+    launch_modulated_norm(x, shift, scale, out, None, *launch_config(x.shape[-1]))
     return out
 
 
@@ -60,7 +60,7 @@ def _modulated_layer_norm_fp8(x: torch.Tensor, shift: torch.Tensor,
         return quantize_rows(modulate_reference(x, shift, scale))
     x = x.contiguous()
     values, scales = torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
-    _launch_modulated_norm(x, shift, scale, values, scales)
+    launch_modulated_norm(x, shift, scale, values, scales, *launch_config(x.shape[-1]))
     return values, scales
 
 
@@ -80,10 +80,10 @@ def _rows_to_fp8(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tenso
         return quantize_rows(F.gelu(x, approximate="tanh") if gelu else x)
     x = x.contiguous()
     values, scales = torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
-    width = x.shape[-1]
-    block = triton.next_power_of_2(width)
-    _rows_to_fp8_kernel[(x.numel() // width,)](x, values, scales, width, FP8_MAX, SCALE_FLOOR, GELU=gelu, BLOCK=block,
-                                               num_warps=warps_for(block))
+    if gelu:
+        launch_gelu_rows_to_fp8(None, x, values, scales, GELU_WARPS)
+    else:
+        launch_rows_to_fp8(x, values, scales, *launch_config(x.shape[-1]))
     return values, scales
 
 
@@ -98,64 +98,150 @@ def rows_to_fp8(x: torch.Tensor, gelu: bool = False) -> Fp8Rows:
     return Fp8Rows(*_rows_to_fp8(x, gelu), x.dtype)
 
 
-def warps_for(block: int) -> int:
-    """Warps for a program that holds one row of `block` elements: about 32 elements per thread, 4 to 16 warps."""
-    return max(4, min(16, block // 1024))
+@torch.library.custom_op("mdtriton::attention_and_gelu_to_fp8", mutates_args=())
+def _attention_and_gelu_to_fp8(attention: torch.Tensor, mlp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not uses_triton(attention):
+        return quantize_rows(torch.cat((attention, F.gelu(mlp, approximate="tanh")), dim=-1))
+    attention, mlp = attention.contiguous(), mlp.contiguous()
+    values = attention.new_empty(*attention.shape[:-1], attention.shape[-1] + mlp.shape[-1], dtype=FP8_DTYPE)
+    scales = attention.new_empty(*attention.shape[:-1], 1, dtype=torch.float32)
+    launch_gelu_rows_to_fp8(attention, mlp, values, scales, GELU_WARPS)
+    return values, scales
 
 
-def _launch_modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                           scales: torch.Tensor | None) -> None:
+@_attention_and_gelu_to_fp8.register_fake
+def _(attention, mlp):
+    shape = (*attention.shape[:-1], attention.shape[-1] + mlp.shape[-1])
+    return attention.new_empty(shape, dtype=FP8_DTYPE), attention.new_empty(*shape[:-1], 1, dtype=torch.float32)
+
+
+def attention_and_gelu_to_fp8(attention: torch.Tensor, mlp: torch.Tensor) -> Fp8Rows:
+    """[attention | tanh-GELU(mlp)] ([..., A] and [..., M] -> [..., A + M]) quantized to e4m3 per row, one scale
+    for both parts: the one input of a FLUX single block's FP8 output projection, which then runs as one GEMM (no
+    concatenation in bf16, no second GEMM and sum)."""
+    return Fp8Rows(*_attention_and_gelu_to_fp8(attention, mlp), attention.dtype)
+
+
+def launch_config(width: int) -> tuple[int, int]:
+    """(rows per program, warps) for the kernels that hold whole rows (the modulated norm, quantizing attention
+    outputs), measured fastest on an H200 for FLUX's widths (benchmarks/fused_activations.py). Fixed, not
+    autotuned: the configuration decides the order of each row's sums, and every process must compute the same
+    bits."""
+    block = triton.next_power_of_2(width)
+    return max(1, 2048 // block), max(4, min(16, block // 1024))
+
+
+# Warps of the GELU kernel, which holds one MLP row (12,288 wide in FLUX.1-dev) and, in single blocks, the attention
+# output's row before it: 8 was the fastest on an H200 (benchmarks/fused_activations.py).
+GELU_WARPS = 8
+
+
+def launch_modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                          scales: torch.Tensor | None, rows_per_program: int, warps: int) -> None:
+    """The modulated norm kernel over contiguous x [B, S, N] into out (and with scales, quantized)."""
     batch, tokens, width = x.shape
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
         shift, scale = shift.contiguous(), scale.contiguous()
-    block = triton.next_power_of_2(width)
-    _modulated_norm_kernel[(batch * tokens,)](x, shift, scale, out, scales, tokens, width, shift.stride(0),
-                                              LAYER_NORM_EPS, FP8_MAX, SCALE_FLOOR, QUANTIZE=scales is not None,
-                                              BLOCK=block, num_warps=warps_for(block))
+    rows = batch * tokens
+    _modulated_norm_kernel[(triton.cdiv(rows, rows_per_program),)](
+        x, shift, scale, out, scales, rows, tokens, width, shift.stride(0), LAYER_NORM_EPS, FP8_MAX, 1 / FP8_MAX,
+        SCALE_FLOOR, QUANTIZE=scales is not None, ROWS=rows_per_program, BLOCK=triton.next_power_of_2(width),
+        num_warps=warps)
+
+
+def launch_rows_to_fp8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows_per_program: int,
+                       warps: int) -> None:
+    """The row quantization kernel over contiguous x [..., K] into values and scales."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    _rows_to_fp8_kernel[(triton.cdiv(rows, rows_per_program),)](
+        x, values, scales, rows, width, FP8_MAX, 1 / FP8_MAX, SCALE_FLOOR, ROWS=rows_per_program,
+        BLOCK=triton.next_power_of_2(width), num_warps=warps)
+
+
+def launch_gelu_rows_to_fp8(head: torch.Tensor | None, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                            warps: int) -> None:
+    """The GELU kernel: rows of [head | GELU(x)] (head may be None) from contiguous tensors into values and scales,
+    one program per row."""
+    width_head = 0 if head is None else head.shape[-1]
+    width = x.shape[-1]
+    rows = x.numel() // width
+    _gelu_rows_to_fp8_kernel[(rows,)](
+        x if head is None else head, x, values, scales, rows, width_head, width, FP8_MAX, 1 / FP8_MAX, SCALE_FLOOR,
+        HEAD=head is not None, BLOCK_HEAD=triton.next_power_of_2(max(width_head, 1)),
+        BLOCK=triton.next_power_of_2(width), num_warps=warps)
 
 
 if triton is not None:
     @triton.jit
-    def _store_row(out, scales, row, cols, mask, y, fp8_max, scale_floor, QUANTIZE: tl.constexpr):
-        """Store one row y (float32) at out: rounded to out's dtype, or, with QUANTIZE, as e4m3 with its scale
-        (amax / fp8_max) in scales[row]. The caller rounds y to the unfused layer input's dtype before quantizing."""
+    def _store_rows(out, scales, row, rows, offsets, mask, y, fp8_max, inverse_fp8_max, scale_floor,
+                    QUANTIZE: tl.constexpr):
+        """Store rows y [ROWS, BLOCK] (float32) at out + offsets: rounded to out's dtype, or, with QUANTIZE, as e4m3
+        with each row's scale (amax / fp8_max) in scales[row]. The caller rounds y to the unfused layer input's
+        dtype before quantizing."""
         if QUANTIZE:
-            scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0), scale_floor) / fp8_max
-            tl.store(scales + row, scale)
-            y = tl.clamp(y / scale, -fp8_max, fp8_max)
-        tl.store(out + cols, y.to(out.dtype.element_ty), mask=mask)
+            scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), scale_floor) * inverse_fp8_max
+            tl.store(scales + row, scale, mask=row < rows)
+            y = tl.clamp(y * (1 / scale)[:, None], -fp8_max, fp8_max)
+        tl.store(out + offsets, y.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _modulated_norm_kernel(x, shift, scale, out, scales, tokens, width, modulation_stride, eps, fp8_max,
-                               scale_floor, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
-        """One program: one row (token) of x [B * S, N]."""
-        row = tl.program_id(0)
-        sample = row // tokens
+    def _row_block(program, rows, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's rows, their elements' offsets in a [rows, width] tensor, and which of those exist."""
+        row = program * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        start = row.to(tl.int64) * width
-        values = tl.load(x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(values, axis=0) / width
-        centered = tl.where(mask, values - mean, 0.0)
-        normed = centered * tl.rsqrt(tl.sum(centered * centered, axis=0) / width + eps)
-        modulation = sample * modulation_stride + cols
+        mask = (row < rows)[:, None] & (cols < width)[None, :]
+        return row, cols, row.to(tl.int64)[:, None] * width + cols[None, :], mask
+
+    @triton.jit
+    def _modulated_norm_kernel(x, shift, scale, out, scales, rows, tokens, width, modulation_stride, eps, fp8_max,
+                               inverse_fp8_max, scale_floor, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """One program: ROWS rows (tokens) of x [B * S, N]."""
+        row, cols, offsets, mask = _row_block(tl.program_id(0), rows, width, ROWS, BLOCK)
+        values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(values, axis=1) / width
+        centered = tl.where(mask, values - mean[:, None], 0.0)
+        normed = centered * tl.rsqrt(tl.sum(centered * centered, axis=1) / width + eps)[:, None]
+        modulation = (row // tokens)[:, None] * modulation_stride + cols[None, :]
         scale_ = tl.load(scale + modulation, mask=mask, other=0.0).to(tl.float32)
         shift_ = tl.load(shift + modulation, mask=mask, other=0.0).to(tl.float32)
         y = normed * (1 + scale_) + shift_
         if QUANTIZE:
             y = y.to(x.dtype.element_ty).to(tl.float32)
-        _store_row(out + start, scales, row, cols, mask, y, fp8_max, scale_floor, QUANTIZE)
+        _store_rows(out, scales, row, rows, offsets, mask, y, fp8_max, inverse_fp8_max, scale_floor, QUANTIZE)
 
     @triton.jit
-    def _rows_to_fp8_kernel(x, out, scales, width, fp8_max, scale_floor, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        """One program: one row of x [rows, K]; with GELU, the tanh GELU of it, rounded to x's dtype."""
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        start = row.to(tl.int64) * width
-        values = tl.load(x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if GELU:
-            # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
-            values = values * tl.sigmoid(1.5957691216057308 * (values + 0.044715 * values * values * values))
-            values = values.to(x.dtype.element_ty).to(tl.float32)
-        _store_row(out + start, scales, row, cols, mask, values, fp8_max, scale_floor, True)
+    def _gelu(x):
+        """tanh GELU of float32 x: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)."""
+        return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+
+    @triton.jit
+    def _gelu_rows_to_fp8_kernel(head, x, out, scales, rows, width_head, width, fp8_max, inverse_fp8_max,
+                                 scale_floor, HEAD: tl.constexpr, BLOCK_HEAD: tl.constexpr, BLOCK: tl.constexpr):
+        """One program: one row of [head | GELU(x)] (head [rows, H] if HEAD, x [rows, K]) into out [rows, H + K] as
+        e4m3, one scale for the row. x's GELU is rounded to x's dtype first."""
+        row, cols, offsets, mask = _row_block(tl.program_id(0), rows, width, 1, BLOCK)
+        values = _gelu(tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32))
+        values = values.to(x.dtype.element_ty).to(tl.float32)
+        largest = tl.max(tl.where(mask, tl.abs(values), 0.0), axis=1)
+        out_row = row.to(tl.int64)[:, None] * (width_head + width)
+        if HEAD:
+            _, head_cols, head_offsets, head_mask = _row_block(tl.program_id(0), rows, width_head, 1, BLOCK_HEAD)
+            head_values = tl.load(head + head_offsets, mask=head_mask, other=0.0).to(tl.float32)
+            largest = tl.maximum(largest, tl.max(tl.where(head_mask, tl.abs(head_values), 0.0), axis=1))
+        scale = tl.maximum(largest, scale_floor) * inverse_fp8_max
+        tl.store(scales + row, scale, mask=row < rows)
+        inverse = (1 / scale)[:, None]
+        if HEAD:
+            tl.store(out + out_row + head_cols[None, :],
+                     tl.clamp(head_values * inverse, -fp8_max, fp8_max).to(out.dtype.element_ty), mask=head_mask)
+        tl.store(out + out_row + width_head + cols[None, :],
+                 tl.clamp(values * inverse, -fp8_max, fp8_max).to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rows_to_fp8_kernel(x, out, scales, rows, width, fp8_max, inverse_fp8_max, scale_floor, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """One program: ROWS rows of x [rows, K]."""
+        row, cols, offsets, mask = _row_block(tl.program_id(0), rows, width, ROWS, BLOCK)
+        values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        _store_rows(out, scales, row, rows, offsets, mask, values, fp8_max, inverse_fp8_max, scale_floor, True)

@@ -20,6 +20,14 @@ from mdtriton.engine.fp8 import FP8_DTYPE, Fp8Rows, fp8_linear
 from mdtriton.engine.fused_activations import rows_to_fp8
 
 
+@torch.library.custom_op("mdtriton::accumulate_matmul", mutates_args=("out",),
+                         schema="(Tensor(a!) out, Tensor x, Tensor weight) -> ()")
+def accumulate_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out += x weight^T for 2-D out and x, in the GEMM itself (out is its C operand). Written as
+    torch.addmm(out, ...) in a compiled region, the sum went to a new tensor, and out was first copied into it."""
+    out.addmm_(x, weight.t())
+
+
 def split_sizes(total: int, segments: list[int] | None, tp_size: int) -> list[int]:
     """Check that each segment divides by tp_size; return the segments (the whole dim if none)."""
     segments = list(segments) if segments else [total]
@@ -66,8 +74,9 @@ class ParallelLinear(nn.Module):
 
     def linear(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
                accumulate: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
-        """x weight^T + bias (+ accumulate), with this layer's weight or a block of its columns, FP8 or not; with
-        gelu, the tanh GELU of that. Every GEMM of the layer runs here.
+        """x weight^T + bias, with this layer's weight or a block of its columns, FP8 or not; with gelu, the tanh
+        GELU of that; with accumulate (bf16 layers only), added into accumulate in place and returned. Every GEMM
+        of the layer runs here.
 
         Unquantized, an accumulation is the GEMM's own (C in C + A B), and on a GPU a GELU after a bias is applied
         in the GEMM's cuBLASLt epilogue, to the float32 sums: no pass over the output. torch.compile keeps both
@@ -76,15 +85,14 @@ class ParallelLinear(nn.Module):
         FP8: x comes quantized per row (Fp8Rows, from the kernel that made it) or is quantized here in one pass.
         The GELU's output is handed on quantized (its only reader is the next FP8 GEMM): GELU and quantization
         in one pass over the GEMM's output."""
-        if accumulate is not None and bias is not None:
-            raise ValueError("an accumulating GEMM takes no bias: add it with the first GEMM")
+        if accumulate is not None and (bias is not None or self.fp8):
+            raise ValueError("an accumulating GEMM takes no bias (add it with the first GEMM) and is not FP8")
         if self.fp8:
             out = fp8_linear(x if isinstance(x, Fp8Rows) else rows_to_fp8(x), weight, self.weight_scale, bias)
-            out = out if accumulate is None else accumulate + out
             return rows_to_fp8(out, gelu=True) if gelu else out
         if accumulate is not None:
-            rows = torch.addmm(accumulate.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
-            out = rows.view(accumulate.shape)
+            accumulate_matmul(accumulate.view(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight)
+            out = accumulate
         elif gelu and x.is_cuda and bias is not None:
             rows = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
             return rows.view(*x.shape[:-1], weight.shape[0])
@@ -156,15 +164,18 @@ class RowParallelLinear(ParallelLinear):
 
     def split_segments(self) -> None:
         """Hold this rank's weight as one matrix per input segment (forward_segments then takes the segments'
-        inputs apart, with no concatenation); call once the weights are loaded. FP8 row scales stay shared."""
+        inputs apart, with no concatenation); call once the weights are loaded. bf16 layers only: an FP8 layer's
+        input is quantized per row into one tensor (mdtriton.engine.fused_activations) and runs one GEMM."""
+        if self.fp8:
+            raise ValueError("FP8 layers are not split by segments: give forward one quantized input")
         sizes = [size // self.comm.tp_size for size in self.in_segments]
         self.segment_weights = nn.ParameterList(
             nn.Parameter(part.contiguous()) for part in self.weight.split(sizes, dim=1))
         del self.weight
 
     def forward_segments(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """forward(torch.cat(parts, dim=-1)) without the concatenation: one GEMM per segment, accumulating into
-        one output (in bf16 the later GEMMs add into it in their epilogue), then one AllReduce.
+        """forward(torch.cat(parts, dim=-1)) without the concatenation: one GEMM per segment, the later ones adding
+        into the first's output in their epilogue, then one AllReduce.
 
         Written out, the concatenation was the slowest kernel of FLUX's single blocks (docs/benchmarks.md)."""
         bias = self.bias if self.comm.tp_rank == 0 else None

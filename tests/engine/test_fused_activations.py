@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from mdtriton.bench import relative_error
 from mdtriton.engine.fp8 import FP8_MAX, quantize_rows
-from mdtriton.engine.fused_activations import (modulate_reference, modulated_layer_norm, modulated_layer_norm_fp8,
-                                               rows_to_fp8)
+from mdtriton.engine.fused_activations import (attention_and_gelu_to_fp8, modulate_reference, modulated_layer_norm,
+                                               modulated_layer_norm_fp8, rows_to_fp8)
 
 # (batch, tokens, width)
 SHAPES = [(1, 4608, 3072), (2, 37, 1536), (3, 5, 100)]
@@ -55,9 +55,18 @@ def test_the_fp8_row_kernel_computes_what_pytorch_does(batch, tokens, width, gel
     expected = F.gelu(x, approximate="tanh") if gelu else x
     rows = rows_to_fp8(x, gelu=gelu)
     assert rows.values.shape == x.shape and rows.scale.shape == (batch, tokens, 1)
-    expected_values, expected_scales = quantize_rows(expected)
-    if gelu:
-        assert_same_quantization(rows.values, rows.scale, expected_values, expected_scales)
-    else:  # no rounding before the quantization: the same bits
-        assert torch.equal(rows.scale, expected_scales)
-        assert torch.equal(rows.values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert_same_quantization(rows.values, rows.scale, *quantize_rows(expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, tokens, attention_width, mlp_width", [(1, 4608, 3072, 12288), (2, 9, 1536, 6144),
+                                                                       (1, 3, 100, 30)])
+def test_the_joint_fp8_kernel_quantizes_attention_and_gelu_with_one_scale_per_row(batch, tokens, attention_width,
+                                                                                  mlp_width):
+    generator = torch.Generator("cuda").manual_seed(2)
+    attention = random(batch, tokens, attention_width, generator=generator)
+    mlp = random(batch, tokens, mlp_width, generator=generator, scale=3.0)
+    rows = attention_and_gelu_to_fp8(attention, mlp)
+    assert rows.values.shape == (batch, tokens, attention_width + mlp_width) and rows.dtype == attention.dtype
+    expected = torch.cat((attention, F.gelu(mlp, approximate="tanh")), dim=-1)
+    assert_same_quantization(rows.values, rows.scale, *quantize_rows(expected))

@@ -14,6 +14,7 @@ from torch import nn
 
 from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.fused_activations import attention_and_gelu_to_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.engine.models.flux_layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
 from mdtriton.engine.models.flux_qkv import joint_qkv
@@ -122,6 +123,7 @@ class FluxSingleTransformerBlock(nn.Module):
         self.comm = comm
         self.attention = attention
         mlp_hidden = 4 * dim
+        self.fp8 = fp8
         self.norm = AdaLayerNormZeroSingle(dim, fp8)
         self.proj_mlp = ColumnParallelLinear(dim, mlp_hidden, comm, fp8=fp8)
         self.proj_out = RowParallelLinear(heads * head_dim + mlp_hidden, dim, comm,
@@ -131,18 +133,23 @@ class FluxSingleTransformerBlock(nn.Module):
     def fuse_projections(self) -> None:
         """q, k and v as one GEMM. The MLP's first layer, which reads the same input, stays a GEMM of its own:
         so it can apply the GELU in its epilogue (on GPUs), which was measured faster than one GEMM for all four
-        and a GELU pass over its MLP part (docs/benchmarks.md). The output projection, over [attention | MLP],
-        becomes one GEMM per part, so the two are never concatenated."""
+        and a GELU pass over its MLP part (docs/benchmarks.md). In bf16 the output projection, over
+        [attention | MLP], becomes one GEMM per part, so the two are never concatenated; in FP8 it stays one GEMM,
+        whose quantized input the attention output and the GELU are written into together."""
         self.attn.fuse_projections()
-        self.proj_out.split_segments()
+        if not self.fp8:
+            self.proj_out.split_segments()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
         """x [B, S_local, dim] -> updated x."""
         norm_x, gate = self.norm(x, temb)
         q, k, v = self.attn.joint_qkv(norm_x, None, rope)
         attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
-        mlp = self.proj_mlp.forward_gelu(norm_x)
-        x = x + gate[:, None] * self.proj_out.forward_segments([attn, mlp])
+        if self.fp8:
+            out = self.proj_out(attention_and_gelu_to_fp8(attn, self.proj_mlp(norm_x)))
+        else:
+            out = self.proj_out.forward_segments([attn, self.proj_mlp.forward_gelu(norm_x)])
+        x = x + gate[:, None] * out
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x
