@@ -270,10 +270,10 @@ def gather_sequence(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def attention_case(ctx, tokens: int):
     """q, k, v for the whole sequence and full attention for this rank's queries (the reference)."""
-    from mdtriton.engine.attention.local import sdpa
+    from mdtriton.engine.attention.local import plain_attention
 
     q, k, v = attention_qkv(ctx.config, tokens, ctx.device, ctx.dtype)
-    return (q, k, v), sdpa(split_sequence(q, 2, ctx.rank, ctx.world_size), k, v)
+    return (q, k, v), plain_attention(split_sequence(q, 2, ctx.rank, ctx.world_size), k, v)
 
 
 def attention_row(ctx, impl: str, config: str, kernel: str, tokens: int, call, reference, layout: str = "bhsd"):
@@ -291,7 +291,7 @@ def attention_row(ctx, impl: str, config: str, kernel: str, tokens: int, call, r
 
 def attention_mdtriton(ctx) -> None:
     from mdtriton.engine.attention import attention_for
-    from mdtriton.engine.attention.local import sdpa
+    from mdtriton.engine.attention.local import cudnn_sdpa, plain_attention
 
     rank, ws = ctx.rank, ctx.world_size
     for name, plan in ctx.our_plans.items():
@@ -303,13 +303,13 @@ def attention_mdtriton(ctx) -> None:
                           (plan.tp_rank(rank) + 1) * q.shape[1] // plan.tp_size)
             local = [split_sequence(t[:, heads], 2, plan.cp_rank(rank), plan.cp_size) for t in (q, k, v)]
             if plan.tp_size > 1:  # this rank's heads of the whole sequence
-                reference = sdpa(local[0], k[:, heads], v[:, heads])
-            attention_row(ctx, "mdtriton", name, "sdpa, cuDNN first", tokens,
+                reference = plain_attention(local[0], k[:, heads], v[:, heads])
+            attention_row(ctx, "mdtriton", name, "FA3 where available, else SDPA (cuDNN first)", tokens,
                           lambda: attention(*local, comm, tokens), reference)
     if ws == 1:
         for tokens in ctx.joint_lengths:
             (q, k, v), reference = attention_case(ctx, tokens)
-            attention_row(ctx, "torch", "cuDNN SDPA", "cuDNN", tokens, lambda: sdpa(q, k, v), reference)
+            attention_row(ctx, "torch", "cuDNN SDPA", "cuDNN", tokens, lambda: cudnn_sdpa(q, k, v), reference)
 
 
 def attention_yunchang(ctx) -> None:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.attention import attention_for
-from mdtriton.engine.attention.local import sdpa
+from mdtriton.engine.attention.local import cudnn_sdpa
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import compile_and_warm_up
 from mdtriton.engine.engine import device_forward
@@ -235,7 +235,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             tokens = image_tokens + args.text_tokens
             q, k, v = attention_inputs(config, ParallelPlan(), tokens, device)
             with torch.inference_mode():
-                times, _ = time_calls(lambda: sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
+                times, _ = time_calls(lambda: cudnn_sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": 1, "method": "cuDNN SDPA", "image_tokens": image_tokens,
                                    "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
     if rank == 0:

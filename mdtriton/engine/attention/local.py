@@ -12,8 +12,9 @@ from mdtriton.engine.attention import fa3
 from mdtriton.engine.comm import Communicator
 
 # Where FlashAttention-3 is available (Hopper, the fa3-fwd wheel) it runs bf16 attention instead of SDPA: faster on
-# an H200 at every FLUX length (docs/benchmarks.md). Otherwise fastest first: on Hopper, cuDNN's attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate
-# of flash attention (docs/benchmarks.md); the others are fallbacks for what cuDNN does not take.
+# an H200 at every FLUX length (docs/benchmarks.md). Otherwise SDPA's kernels, fastest first: on Hopper, cuDNN's
+# attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate of torch's flash attention; the others
+# are fallbacks for what cuDNN does not take.
 KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
 # The kernels that return the log-sum-exp the ring method needs take these dtypes on CUDA.
@@ -30,9 +31,9 @@ def fa3_available(device_index: int) -> bool:
     return fa3.available(torch.device("cuda", device_index))
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention [B, H, S, D]: FlashAttention-3 where available (uses_fa3), else scaled_dot_product_attention with
-    the kernels tried in KERNEL_PRIORITY order."""
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention [B, H, S, D] of q over all of k and v: FlashAttention-3 where available (uses_fa3), else
+    scaled_dot_product_attention with the kernels tried in KERNEL_PRIORITY order."""
     if uses_fa3(q):
         return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     with sdpa_kernel(KERNEL_PRIORITY, set_priority=True):
@@ -42,7 +43,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Attention when this rank holds the whole sequence (cp_size 1); keys from valid_len on are dropped."""
-    return sdpa(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    return plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+
+
+def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's cuDNN attention [B, H, S, D] alone: the rate benchmarks hold the engine's attention against."""
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import sdpa
+from mdtriton.engine.attention.local import plain_attention
 from mdtriton.engine.comm import Communicator
 
 
@@ -18,5 +18,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
                          "use cp_method allgather_kv or ring")
     # One all-to-all for q, k and v: scatter heads (dim 2 of the stack), gather the sequence (dim 3).
     qkv = comm.cp_all_to_all(torch.stack((q, k, v)), scatter_dim=2, gather_dim=3)
-    out = sdpa(qkv[0], qkv[1, :, :, :valid_len], qkv[2, :, :, :valid_len])
+    out = plain_attention(qkv[0], qkv[1, :, :, :valid_len], qkv[2, :, :, :valid_len])
     return comm.cp_all_to_all(out, scatter_dim=2, gather_dim=1)
