@@ -3,8 +3,8 @@ cuDNN SDPA (what the engine ran until 2026-11-24), FlashAttention-3 in bf16 and 
 `fa3-fwd` wheel, Hopper), timed with CUDA events, and each one's error against float32 attention.
 
 The error inputs are q, k and v as the engine makes them: q and k RMS-normed per head (then scaled, since
-trained norm weights are not all ones: --qk-scale), v as a projection gives it. FP8 attention quantizes q, k and
-v with the scales that mdtriton.engine.attention.fa3 uses.
+trained norm weights are not all ones: --qk-scale), v as a projection gives it. FP8 attention takes q, k and v in
+e4m3 with one scale per sample and head (FlashAttention-3's descales), timed with and without that quantization.
 
     python benchmarks/attention_kernels.py --tokens 4608,16896,66048
 """
@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.bench import relative_error
 from mdtriton.engine.attention import fa3
+from mdtriton.engine.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
 HEADS, HEAD_DIM = 24, 128
 
@@ -34,6 +35,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 10
 def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, H, D] -> (e4m3 values, float32 descale [B, H]): x ~= values * descale, a scale per sample and head."""
+    scale = x.abs().amax(dim=(1, 3)).float().clamp(min=SCALE_FLOOR) / FP8_MAX
+    return (x.float() / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(q, k, v in e4m3, their descales) for fa3.attention(..., descales)."""
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
+    return q8, k8, v8, (q_scale, k_scale, v_scale)
 
 
 def engine_like_inputs(tokens: int, qk_scale: float, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -72,8 +85,8 @@ def main() -> None:
     kernels = {"cuDNN SDPA (bf16)": (None, cudnn)}
     if fa3.available(torch.device("cuda")):
         kernels["FA3 bf16"] = (None, fa3.attention)
-        kernels["FA3 FP8 (kernel)"] = (fa3.quantize_qkv, fa3.attention)
-        kernels["FA3 FP8 + quantize"] = (None, lambda q, k, v: fa3.attention(*fa3.quantize_qkv(q, k, v)))
+        kernels["FA3 FP8 (kernel)"] = (quantize_qkv, fa3.attention)
+        kernels["FA3 FP8 + quantize"] = (None, lambda q, k, v: fa3.attention(*quantize_qkv(q, k, v)))
     else:
         print(f"FlashAttention-3 not usable here: {fa3.unavailable_reason(torch.device('cuda'))}")
     generator = torch.Generator("cuda").manual_seed(0)

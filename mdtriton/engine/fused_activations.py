@@ -193,7 +193,9 @@ if triton is not None:
         mask = (row < rows)[:, None] & (cols < width)[None, :]
         return row, cols, row.to(tl.int64)[:, None] * width + cols[None, :], mask
 
-    @triton.jit
+    # Sizes that change with the request are not specialised on (Triton would compile a variant for sizes divisible
+    # by 16, say, at the first request of such a size: a compile after the warm-up).
+    @triton.jit(do_not_specialize=["rows", "tokens"])
     def _modulated_norm_kernel(x, shift, scale, out, scales, rows, tokens, width, modulation_stride, eps, fp8_max,
                                inverse_fp8_max, scale_floor, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """One program: ROWS rows (tokens) of x [B * S, N]."""
@@ -215,7 +217,7 @@ if triton is not None:
         """tanh GELU of float32 x: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)."""
         return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def _gelu_rows_to_fp8_kernel(head, x, out, scales, rows, width_head, width, fp8_max, inverse_fp8_max,
                                  scale_floor, HEAD: tl.constexpr, BLOCK_HEAD: tl.constexpr, BLOCK: tl.constexpr):
         """One program: one row of [head | GELU(x)] (head [rows, H] if HEAD, x [rows, K]) into out [rows, H + K] as
@@ -238,7 +240,7 @@ if triton is not None:
         tl.store(out + out_row + width_head + cols[None, :],
                  tl.clamp(values * inverse, -fp8_max, fp8_max).to(out.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def _rows_to_fp8_kernel(x, out, scales, rows, width, fp8_max, inverse_fp8_max, scale_floor, ROWS: tl.constexpr,
                             BLOCK: tl.constexpr):
         """One program: ROWS rows of x [rows, K]."""

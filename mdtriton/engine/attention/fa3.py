@@ -6,15 +6,13 @@ the [batch, tokens, heads, head_dim] layout the q/k/v kernel writes (no transpos
 log-sum-exp that ring attention needs. Where the wheel is missing or the GPU is not a Hopper, `available` says
 no and the engine keeps cuDNN's SDPA.
 
-FP8: q, k and v in e4m3 with one float32 scale per sample and head (FlashAttention-3's descales); the output is
-bf16. `quantize_qkv` makes them from bf16 tensors.
+FP8: q, k and v in e4m3 with one float32 descale per sample and head; the output is bf16. The engine does not use
+it (its error, docs/architecture.md); benchmarks/attention_kernels.py measures it.
 """
 
 from __future__ import annotations
 
 import torch
-
-from mdtriton.engine.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
 try:
     from fa3_fwd_interface import _flash_attn_forward
@@ -25,7 +23,6 @@ except (ImportError, OSError) as error:  # not installed, or its library does no
 
 # FlashAttention-3's kernels are Hopper's (wgmma, TMA).
 CAPABILITY = (9, 0)
-DTYPES = (torch.bfloat16, FP8_DTYPE)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -59,17 +56,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention output [B, Sq, H, D] (see attention_with_lse)."""
     return attention_with_lse(q, k, v, descales)[0]
-
-
-def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S, H, D] -> (e4m3 values, float32 descale [B, H]) with x ~= values * descale, one scale per sample
-    and head."""
-    scale = x.abs().amax(dim=(1, 3)).float().clamp(min=SCALE_FLOOR) / FP8_MAX
-    values = (x.float() / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return values, scale
-
-
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(q, k, v in e4m3, their descales) for attention(..., descales)."""
-    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
-    return q8, k8, v8, (q_scale, k_scale, v_scale)

@@ -98,7 +98,8 @@ if triton is not None:
         rotated = tl.reshape(tl.join(-imag, real), (TOKENS, HEAD_DIM))
         return normed * cos + rotated * sin
 
-    @triton.jit
+    # Request sizes are not specialised on: no compile after the warm-up (see fused_activations).
+    @triton.jit(do_not_specialize=["tokens", "first", "joint_len"])
     def _qkv_kernel(source, q_weight, k_weight, cos, sin, q_out, k_out, v_out, tokens, first, joint_len, heads,
                     eps, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
         """One program: TOKENS tokens of one head of one sample of one stream; the stream's token t goes to
