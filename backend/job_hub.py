@@ -129,9 +129,10 @@ class HubLink:
         with self._send_lock:
             send(self._connection, message)
 
-    def poll(self, timeout: float) -> bool:
-        """Whether a message (or the end of the connection) arrives within timeout seconds."""
-        return self._connection.poll(timeout)
+    def fileno(self) -> int:
+        """The connection's descriptor, to wait for its next message beside others
+        (multiprocessing.connection.wait)."""
+        return self._connection.fileno()
 
     def receive(self) -> dict:
         return receive(self._connection)

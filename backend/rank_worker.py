@@ -35,6 +35,7 @@ from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.request_check import RequestError
 from mdtriton.pipeline.serving import load_engine
 
 log = logging.getLogger("mdtriton.backend")
@@ -145,9 +146,13 @@ class RankWorker:
             job.result.add_done_callback(partial(self._answer, message["id"]))
 
     def _answer(self, job_id: str, result) -> None:
-        # A job that failed failed with its generation: the stub hands it to the next worker, so no answer here.
-        if result.exception() is None:
+        """Send the stub a job's outputs, or why its request is refused (inputs that are not finite). A job that
+        failed otherwise failed with its generation: the stub hands it to the next worker, so no answer here."""
+        error = result.exception()
+        if error is None:
             self.link.send({"type": "done", "id": job_id}, result.result())
+        elif isinstance(error, RequestError):
+            self.link.send({"type": "refused", "id": job_id, "reason": str(error)})
 
     def _report_serving(self, generation: Generation) -> None:
         self.link.send({"type": "serving", "generation": generation.number,
