@@ -3,7 +3,8 @@
 A JobRunner serves one *generation* of the ranks: its thread joins the rendezvous, forms the process group
 (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and runs the jobs the hub orders: the rank that
 received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
-receiving rank's waiting request.
+receiving rank's waiting request. A world of one rank has no hub: its jobs run in the order they come
+(job_hub.SingleRankLink), with the same checks, timeouts and endings.
 
 Before the rank that received a request submits its job to the hub, the runner thread copies the inputs to its
 device and checks there that they are finite (mdtriton.engine.request_check.check_finite): a request with NaN or
@@ -34,7 +35,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from mdtriton.backend.job_hub import HubLink, JobHub
+from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
@@ -115,7 +116,7 @@ class JobRunner:
         self._on_started = on_started
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, Job] = {}
-        self._link: HubLink | None = None
+        self._link: HubLink | SingleRankLink | None = None
         # The ids of the jobs this rank receives, for the runner thread to check and submit to the hub.
         self._arrivals, self._arrivals_writer = Pipe(duplex=False)
         self._end: GenerationEnd | None = None
@@ -193,9 +194,7 @@ class JobRunner:
         serving.set()
         try:
             self.comm.connect(generation.store_path, self.timeout)
-            if rank == 0:
-                self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
-            link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
+            link = self._connect_to_hub(generation)
             with self._lock:
                 self._link = link
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
@@ -231,6 +230,15 @@ class JobRunner:
             if watcher is not None:
                 watcher.join()
 
+    def _connect_to_hub(self, generation: Generation) -> HubLink | SingleRankLink:
+        """This rank's link to the job order of the generation: rank 0 starts the hub first. A world of one rank
+        has no order to agree on: its jobs come straight back to it (SingleRankLink), without a hub."""
+        if self.comm.plan.world_size == 1:
+            return SingleRankLink()
+        if self.comm.rank == 0:
+            self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
+        return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
+
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
         """NCCL only: abort this generation's groups as soon as another member's process has exited.
 
@@ -253,7 +261,7 @@ class JobRunner:
                 return
             time.sleep(WATCH_INTERVAL_S)
 
-    def _check_and_submit(self, job_id: str, link: HubLink) -> None:
+    def _check_and_submit(self, job_id: str, link: HubLink | SingleRankLink) -> None:
         """Copy the inputs of a job this rank received to its device, check that they are finite there, and submit
         the job to the hub. A job whose inputs are not fails with RequestError: no other rank hears of it."""
         with self._lock:
