@@ -3,7 +3,14 @@
 A JobRunner serves one *generation* of the ranks: its thread joins the rendezvous, forms the process group
 (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and runs the jobs the hub orders: the rank that
 received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
-receiving rank's waiting request.
+receiving rank's waiting request. A world of one rank has no hub: its jobs run in the order they come
+(job_hub.SingleRankLink), with the same checks, timeouts and endings.
+
+Before the rank that received a request submits its job to the hub, the runner thread copies the inputs to its
+device and checks there that they are finite (mdtriton.engine.request_check.check_finite): a request with NaN or
+infinity fails with RequestError before any other rank hears of it, and the generation goes on. The runner thread
+is the only one that uses the device while serving (while it captures a CUDA graph, another thread's device work
+could break the capture).
 
 The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
 NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
@@ -23,16 +30,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
 
 import torch
 
-from mdtriton.backend.job_hub import HubLink, JobHub
+from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
+from mdtriton.engine.request_check import RequestError, check_finite
 from mdtriton.pipeline.progress import ProgressListener, progress_to
 
 log = logging.getLogger("mdtriton.backend")
@@ -73,6 +83,7 @@ class Job:
     on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     result: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
+    on_device: dict[str, torch.Tensor] | None = None  # the inputs copied to this rank's device, once checked
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,9 @@ class JobRunner:
         self._on_started = on_started
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, Job] = {}
-        self._link: HubLink | None = None
+        self._link: HubLink | SingleRankLink | None = None
+        # The ids of the jobs this rank receives, for the runner thread to check and submit to the hub.
+        self._arrivals, self._arrivals_writer = Pipe(duplex=False)
         self._end: GenerationEnd | None = None
         self._ended = threading.Event()
         self._aborted = threading.Event()  # set by the peer watcher (NCCL) before it aborts the groups
@@ -123,20 +136,15 @@ class JobRunner:
         return self._end
 
     def submit(self, inputs: dict[str, torch.Tensor], job_id: str, on_progress: ProgressListener | None = None) -> Job:
-        """Queue a job for all ranks; its `result` future gets the outputs, or RanksUnavailable if the generation
-        ends first. Raises RanksUnavailable if the generation is not serving. on_progress: called, on the runner
-        thread, with the steps the engine reports (pipelines do)."""
+        """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
+        infinity, or RanksUnavailable if the generation ends first. Raises RanksUnavailable if the generation is not
+        serving. on_progress: called, on the runner thread, with the steps the engine reports (pipelines do)."""
         job = Job(inputs, deadline=time.monotonic() + self.timeout, id=job_id, on_progress=on_progress)
         with self._lock:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
-            link = self._link
-        header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in inputs.items()]
-        try:
-            link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
-        except OSError:
-            pass  # the hub has gone, so this generation is ending: the job fails with it
+            self._arrivals_writer.send_bytes(job.id.encode())
         return job
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -186,9 +194,7 @@ class JobRunner:
         serving.set()
         try:
             self.comm.connect(generation.store_path, self.timeout)
-            if rank == 0:
-                self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
-            link = HubLink(generation.hub_address, generation.token, rank, self.join_timeout)
+            link = self._connect_to_hub(generation)
             with self._lock:
                 self._link = link
             log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
@@ -198,9 +204,14 @@ class JobRunner:
                                            name="mdtriton-peer-watch", daemon=True)
                 watcher.start()
             while True:
-                if not link.poll(WATCH_INTERVAL_S):
+                ready = wait([self._arrivals, link], WATCH_INTERVAL_S)
+                if not ready:
                     if self._overdue():
                         return f"a job of rank {rank} got no turn from rank 0's job hub within {self.timeout:.0f} s"
+                    continue
+                if self._arrivals in ready:
+                    self._check_and_submit(self._arrivals.recv_bytes().decode(), link)
+                if link not in ready:
                     continue
                 message = link.receive()
                 if message["type"] == "stop":
@@ -218,6 +229,15 @@ class JobRunner:
             serving.clear()
             if watcher is not None:
                 watcher.join()
+
+    def _connect_to_hub(self, generation: Generation) -> HubLink | SingleRankLink:
+        """This rank's link to the job order of the generation: rank 0 starts the hub first. A world of one rank
+        has no order to agree on: its jobs come straight back to it (SingleRankLink), without a hub."""
+        if self.comm.plan.world_size == 1:
+            return SingleRankLink()
+        if self.comm.rank == 0:
+            self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
+        return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
 
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
         """NCCL only: abort this generation's groups as soon as another member's process has exited.
@@ -241,6 +261,38 @@ class JobRunner:
                 return
             time.sleep(WATCH_INTERVAL_S)
 
+    def _check_and_submit(self, job_id: str, link: HubLink | SingleRankLink) -> None:
+        """Copy the inputs of a job this rank received to its device, check that they are finite there, and submit
+        the job to the hub. A job whose inputs are not fails with RequestError: no other rank hears of it."""
+        with self._lock:
+            job = self._pending[job_id]
+        job.on_device = self._fresh_copy(job.inputs)
+        try:
+            check_finite(job.on_device)
+        except RequestError as error:
+            with self._lock:
+                del self._pending[job.id]
+            job.result.set_exception(error)
+            return
+        header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
+        try:
+            link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
+        except OSError:
+            pass  # the hub has gone, so this generation is ending: the job fails with it
+
+    def _fresh_copy(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs in fresh tensors on this rank's device.
+
+        Every rank runs a job on fresh tensors, the origin's included: the request's own memory has another
+        alignment, and CPU kernels round differently on differently aligned data (~1e-6 in float32), so the origin
+        would compute other bits than its peers. On a GPU the copy reads page-locked shared memory
+        (backend/tensor_transfer.py) asynchronously; check_finite waits for it."""
+        copies = {}
+        for name, tensor in inputs.items():
+            copies[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm.device)
+            copies[name].copy_(tensor, non_blocking=True)
+        return copies
+
     def _execute(self, message: dict) -> None:
         """Run one job with all ranks.
 
@@ -255,14 +307,9 @@ class JobRunner:
             self.timer.waited(time.monotonic() - job.submitted)
         inputs = {}
         for name, data_type, shape in message["inputs"]:
-            # A fresh tensor on every rank, the origin's included: the request's own memory has another alignment,
-            # and CPU kernels round differently on differently aligned data (~1e-6 in float32), so the origin would
-            # compute other bits than its peers.
-            # On a GPU the copy reads page-locked shared memory (backend/tensor_transfer.py) asynchronously: the
-            # job's inputs stay in place until it is done, after the stream has been synchronized below.
-            tensor = torch.empty(shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
-            if job is not None:
-                tensor.copy_(job.inputs[name], non_blocking=True)
+            # The origin broadcasts its checked copy; the others receive into fresh tensors of the same kind.
+            tensor = job.on_device[name] if job is not None else torch.empty(shape, dtype=TORCH_DTYPES[data_type],
+                                                                               device=self.comm.device)
             inputs[name] = self.comm.broadcast(tensor, src=origin)
         with progress_to(job.on_progress if job is not None else None):
             outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
@@ -297,6 +344,8 @@ class JobRunner:
         with self._lock:
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
+            self._arrivals.close()  # submit() writes no more: the generation no longer serves
+            self._arrivals_writer.close()
         if not self._stopping.is_set():
             log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
         for job in jobs:

@@ -48,8 +48,8 @@ class JobTimer:
             self._host_seconds += time.perf_counter() - started
 
     def waited(self, seconds: float) -> None:
-        """The job now running was received by this rank and waited `seconds` in its worker before it began (the
-        job hub's ordering, the other ranks' earlier jobs)."""
+        """The job now running was received by this rank and waited `seconds` in its worker before it began (its
+        inputs' copy to the device and their check, the job hub's ordering, earlier jobs)."""
         self._waited = seconds
 
     @contextmanager

@@ -11,7 +11,8 @@ every rank take part in every job and where its time goes:
   mdtriton_compute_seconds_total        the rest of each job's wall time (from the input broadcast until
                                         the outputs are ready)
   mdtriton_wait_seconds_total           how long the requests this rank received waited in its worker before
-                                        their jobs began (the job hub's ordering, earlier jobs)
+                                        their jobs began (their inputs' copy to the device and check, the job
+                                        hub's ordering, earlier jobs)
 The rank's worker process measures each job (backend/job_timer.py) and tells its stub, which owns these
 counters (only the stub can reach Triton's metrics API).
 """

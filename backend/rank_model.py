@@ -39,7 +39,6 @@ DEFAULT_REQUEST_TIMEOUT_S = "30"
 # heal_limit and heal_window_s).
 DEFAULT_HEAL_LIMIT = "10"
 DEFAULT_HEAL_WINDOW_S = "600"
-STUB_THREADS_ON_GPU = 4
 
 
 class TritonLogHandler(logging.Handler):
@@ -86,10 +85,10 @@ class RankModel:
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
-        # The stub only wraps and checks tensors. Torch's default pool (a thread per core) keeps spinning after each
-        # parallel operation (the request check's sums), on the cores a CPU rank's worker computes on: one thread
-        # there. A GPU rank's worker mostly waits for its GPU, so the check gets a few threads.
-        torch.set_num_threads(1 if self.placement.device.type == "cpu" else STUB_THREADS_ON_GPU)
+        # The stub only wraps tensors and checks their shapes (the worker reads their values): one torch thread.
+        # Torch's default pool (a thread per core) keeps spinning after each parallel operation, on the cores a CPU
+        # rank's worker computes on.
+        torch.set_num_threads(1)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
         # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
@@ -179,6 +178,8 @@ class RankModel:
             status = self.workers.status()
             return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "
                                   f"config.pbtxt){': ' + status if status else ''}", pb_utils.TritonError.UNAVAILABLE)
+        except RequestError as error:  # the worker found NaN or infinity in its inputs
+            return error_response(str(error), pb_utils.TritonError.INVALID_ARG)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
         except PoisonRequest as error:

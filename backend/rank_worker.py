@@ -35,6 +35,7 @@ from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.request_check import RequestError
 from mdtriton.pipeline.serving import load_engine
 
 log = logging.getLogger("mdtriton.backend")
@@ -69,7 +70,9 @@ class EngineThatCrashes(Engine):
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         first = next(iter(inputs.values())).reshape(-1)
         if first.numel() and float(first[0]) == self.value:
-            os.kill(os.getpid(), signal.SIGSEGV)
+            # Raised in this thread, as a kernel's segfault is: os.kill(getpid()) woke another thread to take it, and
+            # meanwhile this one could finish a small job and send its answer.
+            signal.raise_signal(signal.SIGSEGV)
         return self.engine.forward(inputs)
 
 
@@ -145,9 +148,13 @@ class RankWorker:
             job.result.add_done_callback(partial(self._answer, message["id"]))
 
     def _answer(self, job_id: str, result) -> None:
-        # A job that failed failed with its generation: the stub hands it to the next worker, so no answer here.
-        if result.exception() is None:
+        """Send the stub a job's outputs, or why its request is refused (inputs that are not finite). A job that
+        failed otherwise failed with its generation: the stub hands it to the next worker, so no answer here."""
+        error = result.exception()
+        if error is None:
             self.link.send({"type": "done", "id": job_id}, result.result())
+        elif isinstance(error, RequestError):
+            self.link.send({"type": "refused", "id": job_id, "reason": str(error)})
 
     def _report_serving(self, generation: Generation) -> None:
         self.link.send({"type": "serving", "generation": generation.number,

@@ -37,6 +37,7 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.request_check import RequestError
 from mdtriton.pipeline.progress import ProgressListener
 
 log = logging.getLogger("mdtriton.backend")
@@ -139,7 +140,8 @@ class WorkerKeeper:
         return self._problem or ""
 
     def submit(self, inputs: dict[str, torch.Tensor], on_progress: ProgressListener | None = None) -> Request:
-        """Queue a request; it runs as soon as the ranks serve. Raises RanksUnavailable if they never will again.
+        """Queue a request; it runs as soon as the ranks serve; its `answer` gets the outputs, or RequestError if the
+        worker finds NaN or infinity in its inputs. Raises RanksUnavailable if the ranks never serve again.
         on_progress: called, on the keeper thread, with the steps the engine reports (pipelines do)."""
         request = Request(inputs, deadline=time.monotonic() + self.timeout, on_progress=on_progress)
         with self._lock:
@@ -287,6 +289,11 @@ class WorkerKeeper:
                     request = self._requests.pop(message["id"], None)
                 if request is not None and not request.abandoned:
                     request.answer.set_result(message["tensors"])
+            elif kind == "refused":  # its inputs are not finite: it fails now and is never run again
+                with self._lock:
+                    request = self._requests.pop(message["id"], None)
+                if request is not None and not request.abandoned:
+                    request.answer.set_exception(RequestError(message["reason"]))
             elif kind == "progress":
                 with self._lock:
                     request = self._requests.get(message["id"])

@@ -6,9 +6,9 @@ Builds a FLUX engine into a model repository, serves it with the embedded Triton
    in the gRPC messages; through system shared memory (the client's default when the server is on this host); and,
    with a GPU and cuda-python, from inputs in GPU memory through CUDA shared memory;
 2. where a request's time goes (system shared memory): the rank worker's job (backend/job_timer.py, read from
-   the rank's Prometheus counters: the inputs' copy to the device, the forward, the outputs ready; and how much of
-   it the collectives took, by CUDA events around each on GPUs), the request's
-   wait in the worker before its job began (the job hub's ordering; the same counters), the stub around them
+   the rank's Prometheus counters: the forward, the outputs ready; and how much of it the collectives took, by
+   CUDA events around each on GPUs), the request's wait in the worker before its job began (the inputs' copy to
+   the device and their check for NaN/infinity, the job hub's ordering; the same counters), the stub around them
    (Triton's compute_infer statistic less both: the request check, the hop to the worker and back, the response),
    Triton's own steps (queue, compute_input, compute_output) and the rest (the client and gRPC);
 3. --concurrency clients at once: p50 / p99 latency and requests per second;
@@ -334,8 +334,9 @@ def report(rows: dict) -> None:
     print(f"| {engine:.1f} | {over(rows['system_shm_median_ms'])} | {over(rows['grpc_messages_median_ms'])} "
           f"| {cuda_shm} |")
     print(f"\nWhere a request's time goes (system shm, means of {rows['requests']}: {rows['served_mean_ms']:.1f} ms):\n")
-    print("| rank worker's job (input copy, forward, outputs) | of it in collectives "
-          "| in the worker before the job (job hub's order) | stub beyond those (check, hop both ways, response) "
+    print("| rank worker's job (forward, outputs) | of it in collectives "
+          "| in the worker before the job (input copy and check, job order) "
+          "| stub beyond those (shape check, hop both ways, response) "
           "| Triton (queue, inputs, outputs) | client and gRPC |")
     print("|---|---|---|---|---|---|")
     print(f"| {rows['worker_job_ms']:.1f} | {rows['worker_communication_ms']:.1f} | {rows['worker_wait_ms']:.2f} "

@@ -4,6 +4,7 @@ request never reaches the other ranks (no generation ends), and the next good re
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,8 @@ from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG as TINY_CONFIG
+from tests.backend.load_clients import Clients, Reference, send
+from tests.backend.test_metrics import scrape
 from tests.conftest import start_server
 from tests.engine.flux_cases import flux_inputs
 
@@ -162,3 +165,32 @@ def test_bad_requests_get_clear_errors_and_the_next_good_request_is_right(served
     print("\n".join(report))
     assert len(CASES) >= 20
     assert "generation 1 ended" not in log_file.read_text()  # no bad request disturbed the ranks' job order
+
+
+@pytest.mark.timeout(300)
+def test_nan_requests_among_good_ones_are_refused_before_any_job(served):
+    """The receiving rank's worker refuses NaN and infinity (on its device's copy of the inputs) before the job hub
+    orders a job: no rank runs one for them, no generation ends, and the good requests streaming beside them are
+    all answered right."""
+    server, log_file = served
+    jobs_before = scrape(server.metrics_url, "mdtriton_jobs_total")
+    clients = Clients(server.grpc_address, "tiny", Reference(2), count=2).start()
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    refused = []
+    for index in range(10):
+        array = with_value(TINY["hidden_states"], [np.nan, np.inf][index % 2])
+        refused.append(send(client, "tiny", array)[0])
+    outcomes = clients.stop()
+
+    assert all(o.status == INVALID and "1 NaN or infinite value(s); send finite numbers" in o.message
+               for o in refused), refused
+    assert outcomes and all(o.status is None and o.right for o in outcomes), outcomes
+    deadline = time.monotonic() + 10  # each rank reports a job's time just after its answer
+    while True:
+        jobs = {labels: value - jobs_before[labels] for labels, value
+                in scrape(server.metrics_url, "mdtriton_jobs_total").items() if dict(labels)["model"] == "tiny"}
+        if set(jobs.values()) == {len(outcomes)} or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(jobs) == 2 and set(jobs.values()) == {len(outcomes)}, (jobs, len(outcomes))  # good requests only
+    assert "generation 1 ended" not in log_file.read_text() and "healing" not in log_file.read_text()

@@ -27,27 +27,30 @@ POISON = 1234.5  # a request whose first value is this crashes every rank's engi
 HEALED_WITHIN_S = 30.0
 
 
-def serve(tmp_path, server_factory, request_timeout_s: float, **parameters):
-    version_dir = build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2),
-                                      "FP32", "cpu", seed=SEED, request_timeout_s=request_timeout_s, progress=False)
+def serve(tmp_path, server_factory, request_timeout_s: float, world_size: int = 2, **parameters):
+    """Serve the tiny transformer, tensor-parallel over world_size CPU ranks, with these config.pbtxt parameters;
+    the server, its stubs and rank -> worker pid."""
+    version_dir = build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG,
+                                      ParallelPlan(tp_size=world_size), "FP32", "cpu", seed=SEED,
+                                      request_timeout_s=request_timeout_s, progress=False)
     config = read_model_config(version_dir.parent / "config.pbtxt")
     for key, value in parameters.items():
         config.parameters[key].string_value = str(value)
     write_model_config(version_dir.parent / "config.pbtxt", config)
     server = server_factory(tmp_path / "repo", model_control_mode="explicit", load_models=(MODEL,))
-    stubs = wait_for_stubs(server.process.pid, 2)
-    return server, stubs, one_worker_per_rank(server)
+    stubs = wait_for_stubs(server.process.pid, world_size)
+    return server, stubs, one_worker_per_rank(server, world_size)
 
 
-def one_worker_per_rank(server, timeout: float = HEALED_WITHIN_S) -> dict[int, int]:
+def one_worker_per_rank(server, world_size: int = 2, timeout: float = HEALED_WITHIN_S) -> dict[int, int]:
     """rank -> worker pid, once every stub holds exactly one worker (fails the test if that does not happen)."""
     deadline = time.monotonic() + timeout
     while True:
         workers = rank_workers(server.process.pid)
-        if sorted(map(len, workers.values())) == [1, 1] or time.monotonic() > deadline:
+        if sorted(map(len, workers.values())) == [1] * world_size or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert sorted(map(len, workers.values())) == [1, 1], workers
+    assert sorted(map(len, workers.values())) == [1] * world_size, workers
     return {worker_rank(pids[0]): pids[0] for pids in workers.values()}
 
 

@@ -1,5 +1,5 @@
-"""The checks a request passes before any rank sees it: limits from the manifest, finite values, and the
-architecture's own consistency checks."""
+"""The checks a request passes before any rank sees it: limits from the manifest and the architecture's own
+consistency checks (check_request, in the stub: shapes only), and finite values (check_finite, in the worker)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mdtriton.engine.architectures import architecture as architecture_class
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.request_check import RequestError, check_request
+from mdtriton.engine.request_check import RequestError, check_finite, check_request
 from tests.engine.flux_cases import flux_inputs
 
 
@@ -35,11 +35,27 @@ def test_limits_are_inclusive():
 def test_only_real_nan_or_infinity_is_refused_not_an_overflowing_sum():
     large = torch.full((2, 16, 8), 60000.0, dtype=torch.float16)  # finite, but its float16 sum overflows
     assert not torch.isfinite(large.sum())
-    check_request(TINY, {"hidden_states": large})
+    check_finite({"hidden_states": large})
+    huge = torch.full((4,), 1e300, dtype=torch.float64)  # finite, but its float32 sum is not
+    check_finite({"hidden_states": huge})
     large[1, 2, 3] = float("inf")
     large[0, 0, 0] = float("nan")
     with pytest.raises(RequestError, match="'hidden_states' holds 2 NaN or infinite"):
-        check_request(TINY, {"hidden_states": large})
+        check_finite({"hidden_states": large})
+
+
+def test_check_finite_names_the_first_bad_input_and_skips_integers():
+    good = flux_inputs(Flux.default_config(), text_len=6, image_len=14, batch=2)
+    check_finite({**good, "seed": torch.tensor([7])})
+    bad = {**good, "timestep": torch.tensor([0.5, float("nan")]), "guidance": torch.tensor([float("inf")] * 2)}
+    with pytest.raises(RequestError, match="^input 'timestep' holds 1 NaN or infinite value\\(s\\); send finite numbers$"):
+        check_finite(bad)
+
+
+def test_check_request_reads_shapes_not_values():
+    """The stub's check leaves the values to the worker, whose device reads them in microseconds."""
+    nan = torch.full((2, 16, 8), float("nan"), dtype=torch.float16)
+    check_request(TINY, {"hidden_states": nan})
 
 
 def test_flux_inputs_must_agree_and_count_text_plus_image_tokens():
