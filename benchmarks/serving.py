@@ -146,9 +146,11 @@ def time_split(server: TritonServer, inputs: dict, warmup: int, requests: int) -
     with Client(server.grpc_address, timeout=600) as client:
         for _ in range(warmup):
             client.infer(MODEL, inputs)
+        # The stub records its worker's job times once the worker has been quiet for 0.2 s: let the warm-up's in.
+        time.sleep(0.5)
         triton_before, ranks_before = triton_statistics(client), rank_counters(server)
         latencies, _ = sequential_latencies(client, inputs, 0, requests)
-        # The worker reports each job's time just after its answer: wait until the counters hold every job.
+        # Wait until the counters hold every job.
         deadline = time.monotonic() + 10
         while True:
             triton_after, ranks_after = triton_statistics(client), rank_counters(server)

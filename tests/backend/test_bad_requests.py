@@ -20,7 +20,7 @@ from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG as TINY_CONFIG
 from tests.backend.load_clients import Clients, Reference, send
-from tests.backend.test_metrics import scrape
+from tests.backend.test_metrics import scrape, settled
 from tests.conftest import start_server
 from tests.engine.flux_cases import flux_inputs
 
@@ -173,7 +173,7 @@ def test_nan_requests_among_good_ones_are_refused_before_any_job(served):
     orders a job: no rank runs one for them, no generation ends, and the good requests streaming beside them are
     all answered right."""
     server, log_file = served
-    jobs_before = scrape(server.metrics_url, "mdtriton_jobs_total")
+    jobs_before = settled(server.metrics_url, "mdtriton_jobs_total")
     clients = Clients(server.grpc_address, "tiny", Reference(2), count=2).start()
     client = grpcclient.InferenceServerClient(server.grpc_address)
     refused = []

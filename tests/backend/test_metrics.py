@@ -28,6 +28,18 @@ def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
     return values
 
 
+def settled(metrics_url: str, name: str, quiet: float = 0.5) -> dict[tuple, float]:
+    """scrape(), once two scrapes `quiet` seconds apart agree: a stub records its worker's job times once the worker
+    has been quiet for 0.2 s (or when its next job starts), so the jobs just answered may not be counted yet."""
+    values = scrape(metrics_url, name)
+    while True:
+        time.sleep(quiet)
+        again = scrape(metrics_url, name)
+        if again == values:
+            return values
+        values = again
+
+
 def flux_ranks(values: dict) -> dict[str, float]:
     return {dict(labels)["rank"]: value for labels, value in values.items() if dict(labels)["model"] == "flux"}
 

@@ -14,16 +14,15 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.backend.load_clients import Clients, Reference, ask, large_input, send
-from tests.backend.test_metrics import scrape
+from tests.backend.test_metrics import settled
 from tests.backend.test_rank_faults import (HEALED_WITHIN_S, MODEL, SEED, healed_in, one_worker_per_rank,
                                             poison_input, serve, wait_for_an_answer)
 from tests.backend.triton_processes import memory_capped, stub_processes
 
 
-def counter(server, name: str) -> float:
-    """The one rank's value of an mdtriton counter."""
-    (value,) = scrape(server.metrics_url, name).values()
-    return value
+def counters(server, names: tuple[str, ...]) -> dict[str, float]:
+    """The one rank's values of mdtriton counters, once its stub has recorded every job answered so far."""
+    return {name: sum(settled(server.metrics_url, name).values()) for name in names}
 
 
 @pytest.mark.timeout(240)
@@ -33,7 +32,7 @@ def test_one_rank_runs_its_jobs_without_a_hub_refuses_nan_and_counts_every_job(t
     reference = Reference(SEED)
     client = grpcclient.InferenceServerClient(server.grpc_address)
     names = ("mdtriton_jobs_total", "mdtriton_wait_seconds_total", "mdtriton_compute_seconds_total")
-    before = {name: counter(server, name) for name in names}
+    before = counters(server, names)
     outcomes = [ask(client, MODEL, reference, index) for index in range(6)]
     nan = reference.inputs[0].copy()
     nan.flat[5] = np.nan
@@ -43,10 +42,8 @@ def test_one_rank_runs_its_jobs_without_a_hub_refuses_nan_and_counts_every_job(t
     assert all(o.status is None and o.right for o in outcomes), outcomes
     assert refused.status == "StatusCode.INVALID_ARGUMENT", refused
     assert refused.message.endswith("input 'hidden_states' holds 1 NaN or infinite value(s); send finite numbers")
-    deadline = time.monotonic() + 10  # the worker reports a job's time just after its answer
-    while counter(server, "mdtriton_jobs_total") - before["mdtriton_jobs_total"] < 9 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    delta = {name: counter(server, name) - before[name] for name in names}
+    after = counters(server, names)
+    delta = {name: after[name] - before[name] for name in names}
     assert delta["mdtriton_jobs_total"] == 9, delta  # the good requests' jobs, none for the refused one
     assert delta["mdtriton_wait_seconds_total"] > 0 and delta["mdtriton_compute_seconds_total"] > 0, delta
     generations = [path for path in rendezvous_root.rglob("gen*") if path.is_dir()]

@@ -10,7 +10,7 @@ import torch
 
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import Client, ClientError
-from tests.backend.test_metrics import scrape
+from tests.backend.test_metrics import scrape, settled
 from tests.conftest import start_server
 from tests.served_models import build_tiny_versions, tiny_reference
 
@@ -31,8 +31,8 @@ def answer(client: Client, version: str, x: np.ndarray) -> np.ndarray:
 
 def test_warm_up_ran_on_every_rank_during_the_load(explicit_server):
     """Each instance's warm-up request ran as a job on both ranks before the model turned READY."""
-    jobs = scrape(explicit_server.metrics_url, "mdtriton_jobs_total")
     received = scrape(explicit_server.metrics_url, "mdtriton_requests_received_total")
+    jobs = settled(explicit_server.metrics_url, "mdtriton_jobs_total")
     for version in ("1", "2"):
         for rank in ("0", "1"):
             labels = (("model", "versioned"), ("rank", rank), ("version", version))
