@@ -144,6 +144,8 @@ class JobRunner:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
+            # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below what
+            # the pipe holds (64 KiB, 36 bytes a job).
             self._arrivals_writer.send_bytes(job.id.encode())
         return job
 
