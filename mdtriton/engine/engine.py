@@ -9,6 +9,7 @@ with the same inputs, together; each gets the full outputs.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
@@ -19,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mdtriton.engine.architectures import architecture, loaded_module
+from mdtriton.engine.attention import fa3
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import CompileCache, compile_and_warm_up
 from mdtriton.engine.cuda_graphs import GraphedForward
@@ -26,6 +28,9 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import check_fits
+
+
+log = logging.getLogger(__name__)
 
 
 class Engine(ABC):
@@ -80,6 +85,9 @@ class TorchEngine(Engine):
         path = manifest.weight_file(engine_dir, comm.rank)
         if comm.device.type == "cuda":
             check_fits(manifest, comm.device.index, torch.cuda.mem_get_info(comm.device)[0], "free")
+            reason = fa3.unavailable_reason(comm.device)
+            log.info("rank %d: attention by %s", comm.rank,
+                     "FlashAttention-3" if reason is None else f"torch's SDPA (not FlashAttention-3: {reason})")
         try:
             weights = load_file(path, device=str(comm.device))
         except SafetensorError as error:
