@@ -32,6 +32,14 @@ def uses_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
+def empty_fp8_rows(x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised e4m3 values [..., width] (x's last size by default) and float32 row scales [..., 1], on x's
+    device: what the FP8 ops here return."""
+    rows = x.shape[:-1]
+    return (x.new_empty(*rows, x.shape[-1] if width is None else width, dtype=FP8_DTYPE),
+            x.new_empty(*rows, 1, dtype=torch.float32))
+
+
 def modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """LayerNorm of x [B, S, N] (no weights), times 1 + scale, plus shift (both [B, N]), as diffusers computes it."""
     return F.layer_norm(x, x.shape[-1:], eps=LAYER_NORM_EPS) * (1 + scale[:, None]) + shift[:, None]
@@ -59,14 +67,14 @@ def _modulated_layer_norm_fp8(x: torch.Tensor, shift: torch.Tensor,
     if not uses_triton(x):
         return quantize_rows(modulate_reference(x, shift, scale))
     x = x.contiguous()
-    values, scales = torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+    values, scales = empty_fp8_rows(x)
     launch_modulated_norm(x, shift, scale, values, scales, *launch_config(x.shape[-1]))
     return values, scales
 
 
 @_modulated_layer_norm_fp8.register_fake
 def _(x, shift, scale):
-    return torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+    return empty_fp8_rows(x)
 
 
 def modulated_layer_norm_fp8(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> Fp8Rows:
@@ -79,7 +87,7 @@ def _rows_to_fp8(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tenso
     if not uses_triton(x):
         return quantize_rows(F.gelu(x, approximate="tanh") if gelu else x)
     x = x.contiguous()
-    values, scales = torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+    values, scales = empty_fp8_rows(x)
     if gelu:
         launch_gelu_rows_to_fp8(None, x, values, scales, GELU_WARPS)
     else:
@@ -89,7 +97,7 @@ def _rows_to_fp8(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tenso
 
 @_rows_to_fp8.register_fake
 def _(x, gelu):
-    return torch.empty_like(x, dtype=FP8_DTYPE), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+    return empty_fp8_rows(x)
 
 
 def rows_to_fp8(x: torch.Tensor, gelu: bool = False) -> Fp8Rows:
@@ -103,16 +111,14 @@ def _attention_and_gelu_to_fp8(attention: torch.Tensor, mlp: torch.Tensor) -> tu
     if not uses_triton(attention):
         return quantize_rows(torch.cat((attention, F.gelu(mlp, approximate="tanh")), dim=-1))
     attention, mlp = attention.contiguous(), mlp.contiguous()
-    values = attention.new_empty(*attention.shape[:-1], attention.shape[-1] + mlp.shape[-1], dtype=FP8_DTYPE)
-    scales = attention.new_empty(*attention.shape[:-1], 1, dtype=torch.float32)
+    values, scales = empty_fp8_rows(attention, attention.shape[-1] + mlp.shape[-1])
     launch_gelu_rows_to_fp8(attention, mlp, values, scales, GELU_WARPS)
     return values, scales
 
 
 @_attention_and_gelu_to_fp8.register_fake
 def _(attention, mlp):
-    shape = (*attention.shape[:-1], attention.shape[-1] + mlp.shape[-1])
-    return attention.new_empty(shape, dtype=FP8_DTYPE), attention.new_empty(*shape[:-1], 1, dtype=torch.float32)
+    return empty_fp8_rows(attention, attention.shape[-1] + mlp.shape[-1])
 
 
 def attention_and_gelu_to_fp8(attention: torch.Tensor, mlp: torch.Tensor) -> Fp8Rows:
