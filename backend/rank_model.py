@@ -15,7 +15,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
-from mdtriton.backend.freeze_watchdog import FreezeWatchdog
+from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.job_runner import RanksUnavailable
 from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
@@ -108,7 +108,7 @@ class RankModel:
                                     heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
                                     heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
                                     on_job_timed=self.metrics.job_done).start()
-        self.freeze_watchdog = FreezeWatchdog(self._on_freeze).start()
+        self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()
         if not self.workers.wait_serving(INITIALIZE_JOIN_WAIT_S):
             if self.workers.given_up:
                 # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance
@@ -132,7 +132,7 @@ class RankModel:
         return self.workers.serving
 
     def execute(self, requests: list) -> list | None:
-        self.freeze_watchdog.check()
+        self.watchdog.check()
         senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = [self._submit(request, sender) for request, sender in zip(requests, senders)]
@@ -193,6 +193,10 @@ class RankModel:
                   self.placement.rank, seconds)
         os._exit(1)
 
+    def _on_server_gone(self) -> None:
+        # No log: Triton's log and the server's stderr may be gone with it. The rank worker dies with this process.
+        os._exit(1)
+
     def finalize(self) -> None:
-        self.freeze_watchdog.stop()
+        self.watchdog.stop()
         self.workers.stop()

@@ -1,5 +1,5 @@
-"""Telling a stopped rank from an exited one (/proc), and the freeze watchdog that ends a stub coming back from
-SIGSTOP."""
+"""Telling a stopped rank from an exited one (/proc), and the stub watchdog that ends a stub coming back from SIGSTOP
+or outliving its server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from mdtriton.backend.process_state import ProcessState, describe_ranks, process
 
 WATCHED = """
 import os, sys, time
-from mdtriton.backend.freeze_watchdog import FreezeWatchdog
-FreezeWatchdog(lambda seconds: os._exit(3)).start()
+from mdtriton.backend.stub_watchdog import StubWatchdog
+StubWatchdog(lambda seconds: os._exit(3), lambda: os._exit(4)).start()
 print("watching", flush=True)
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
@@ -48,7 +48,7 @@ def test_running_stopped_and_exited_processes_are_told_apart():
 
 
 @pytest.mark.timeout(60)
-def test_freeze_watchdog_ends_a_process_continued_after_a_stop_but_not_a_busy_one():
+def test_stub_watchdog_ends_a_process_continued_after_a_stop_but_not_a_busy_one():
     busy = subprocess.Popen([sys.executable, "-c", WATCHED, "3"], stdout=subprocess.PIPE, text=True)
     assert busy.stdout.readline().strip() == "watching"
     assert busy.wait(30) == 0
@@ -63,3 +63,27 @@ def test_freeze_watchdog_ends_a_process_continued_after_a_stop_but_not_a_busy_on
     finally:
         frozen.kill()
         frozen.wait()
+
+
+PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], "60"], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "watching"
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stub_watchdog_ends_a_process_whose_parent_was_killed():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, WATCHED], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert process_state(child) is ProcessState.RUNNING
+        parent.kill()
+        parent.wait()
+        # Busy for 60 s otherwise; reparented, it is reaped by init (or a subreaper) once it exits.
+        assert wait_for_state(child, ProcessState.EXITED, timeout=5) is ProcessState.EXITED
+    finally:
+        parent.kill()
+        parent.wait()
