@@ -104,11 +104,13 @@ class RankModel:
                           request_timeout=self.request_timeout,
                           join_timeout=float(parameters.get("join_timeout_s", "600")),
                           threads=self._cpu_threads(), crash_on_first_value=None if crash_on is None else float(crash_on))
+        # Started before the worker keeper, whose thread messages the server: the watchdog takes this process's parent,
+        # now, as the server to watch (a stub whose server died before that would never see it go).
+        self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()
         self.workers = WorkerKeeper(spec, self.placement.world_size, self.request_timeout,
                                     heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
                                     heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
                                     on_job_timed=self.metrics.job_done).start()
-        self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()
         if not self.workers.wait_serving(INITIALIZE_JOIN_WAIT_S):
             if self.workers.given_up:
                 # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance
