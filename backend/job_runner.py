@@ -42,8 +42,8 @@ from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous
 from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
+from mdtriton.engine.progress import ProgressListener, progress_to
 from mdtriton.engine.request_check import RequestError, check_finite
-from mdtriton.pipeline.progress import ProgressListener, progress_to
 
 log = logging.getLogger("mdtriton.backend")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -15,16 +16,16 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
-from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.job_runner import RanksUnavailable
 from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import rendezvous_dir
+from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.pipeline.serving import check_request
+from mdtriton.engine.serving import check_request
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -73,6 +74,15 @@ def send_progress(sender, done: int, total: int) -> None:
     send(sender, pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("step", to_dlpack(step))]))
 
 
+def see_python_path() -> None:
+    """Put PYTHONPATH's entries on this stub's sys.path, after its own: Triton 2.51's stub embeds Python without
+    reading PYTHONPATH, where its rank worker (a plain `python`) and the build do. So the stub finds the same
+    packages as they, e.g. a model family installed there (mdtriton.families: entry points)."""
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and entry not in sys.path:
+            sys.path.append(entry)
+
+
 def read_parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
@@ -82,6 +92,7 @@ class RankModel:
         if not log.handlers:
             log.addHandler(TritonLogHandler())
             log.setLevel(logging.INFO)
+        see_python_path()
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
         self.placement = placement_from_args(args, config)
@@ -163,7 +174,7 @@ class RankModel:
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
         """The request's inputs by name, in the manifest's order. (request.inputs() once: pb_utils's
-        get_input_tensor_by_name calls it once per name, which took 45 µs instead of 18 for FLUX's 7 inputs.)"""
+        get_input_tensor_by_name calls it once per name, which took 45 µs instead of 18 for 7 inputs.)"""
         given = {tensor.name(): tensor for tensor in request.inputs()}
         return {spec.name: torch.from_dlpack(given[spec.name].to_dlpack())
                 for spec in self.manifest.inputs if spec.name in given}

@@ -36,7 +36,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.pipeline.serving import load_engine
+from mdtriton.engine.serving import load_engine
 
 log = logging.getLogger("mdtriton.backend")
 

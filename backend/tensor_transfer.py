@@ -4,14 +4,14 @@ Each end of a link sends tensors through *regions* of its own: anonymous memory 
 /dev/shm, so no crash can leave it behind), mapped once by both processes (its descriptor crosses the socket, by
 SCM_RIGHTS, beside the first message that uses it) and reused by later messages. A fresh memfd per message cost
 far more than the copy itself (new pages zeroed, mapped and unmapped every time: 3 ms against 0.15 ms for
-FLUX.1-dev's 5 MiB of inputs on a 2-core box). A region holds one message's tensors and is lent to the receiver,
+a 5 MiB request's inputs (a 1024x1024 image's transformer call) on a 2-core box). A region holds one message's tensors and is lent to the receiver,
 which reads them in place; once the receiver has dropped every tensor of that message, it names the region in its
 next message to the sender, which then reuses it. Only small JSON headers go through the socket.
 
 Tensors that already lie in a shared memory file of /dev/shm need no region: a request's inputs do, in the stub,
 where Triton's Python backend keeps them in its own region of /dev/shm until the request is answered. An end made
 with `lends_shared_files` (the stub's) names such a tensor's file and offset (found in /proc/self/maps), and the
-receiver maps that file and reads the tensor in place: FLUX.1-dev's 5 MiB of inputs are then not copied by the
+receiver maps that file and reads the tensor in place: a 5 MiB request's inputs are then not copied by the
 stub at all (a 1 ms copy on the GPU hosts). The sender must keep those tensors unchanged until the receiver is
 done with them (the stub holds each request until it is answered).
 
@@ -170,7 +170,7 @@ class TensorLink:
                 end = offset + tensor.numel() * tensor.element_size()
                 if tensor.device.type == "cpu":
                     # A plain memcpy: torch's copy runs on its thread pool, whose threads keep spinning afterwards on
-                    # the cores the other process needs (it made FLUX.1-dev's hop 8-16 ms instead of 0.8 on 2 cores).
+                    # the cores the other process needs (it made a 5 MiB hop 8-16 ms instead of 0.8 on 2 cores).
                     region.memory[offset:end] = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
                 else:  # a copy from the GPU, straight into the region
                     region.data[offset:end].view(tensor.dtype).view(tensor.shape).copy_(tensor)

@@ -37,8 +37,8 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.progress import ProgressListener
 from mdtriton.engine.request_check import RequestError
-from mdtriton.pipeline.progress import ProgressListener
 
 log = logging.getLogger("mdtriton.backend")
 

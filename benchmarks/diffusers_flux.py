@@ -18,7 +18,7 @@ from diffusers import FluxTransformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.bench import flux_inputs, time_calls
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 
 
 def main() -> None:

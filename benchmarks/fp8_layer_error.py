@@ -35,12 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from mdtriton.bench import bench_weights, relative_error
-from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device, fp8_linear, quantize_rows, quantize_weight
 from mdtriton.engine.layers import ParallelLinear
-from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import example_inputs
 
 BLOCK_KINDS = {"transformer_blocks": "double", "single_transformer_blocks": "single"}
 
@@ -102,7 +103,7 @@ def measure(config: dict, image_tokens: int, text_tokens: int, device: torch.dev
     for name, layer in model.named_modules():
         if isinstance(layer, ParallelLinear):
             layer.linear = recording(name, layer)  # every GEMM of a layer runs through its linear()
-    inputs = Flux.example_inputs(config, text_tokens, image_tokens, torch.bfloat16)
+    inputs = example_inputs(config, text_tokens, image_tokens, torch.bfloat16)
     with torch.inference_mode():
         model(**{name: tensor.to(device) for name, tensor in inputs.items()})
     return rows
@@ -133,7 +134,7 @@ def table(kinds: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()))
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(FLUX.presets()))
     parser.add_argument("--image-tokens", type=int, default=4096)
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--device", default="cuda:0", help="cuda:N (FP8 by torch._scaled_mm on 8.9+) or cpu")
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         scaled_mm = True
     except Fp8Unsupported:
         scaled_mm = False
-    config = Flux.presets()[args.preset]
+    config = FLUX.presets()[args.preset]
     rows = measure(config, args.image_tokens, args.text_tokens, device, scaled_mm)
     kinds = summary(rows)
     worst = max(rows, key=lambda row: row["ratio"])

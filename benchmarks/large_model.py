@@ -27,8 +27,8 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.reassemble import streamed_reference
 from mdtriton.client.grpc_client import Client, to_torch
 from mdtriton.engine.manifest import EngineError
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 from mdtriton.server import TritonServer
 
 MODEL = "flux_large"
@@ -42,7 +42,7 @@ def gpu_memory_used_gib() -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="flux-80b", choices=sorted(Flux.presets()))
+    parser.add_argument("--preset", default="flux-80b", choices=sorted(FLUX.presets()))
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--image-tokens", type=int, default=4096)
     parser.add_argument("--text-tokens", type=int, default=512)
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("bench-results/large_model.json"))
     args = parser.parse_args()
 
-    config = Flux.presets()[args.preset]
+    config = FLUX.presets()[args.preset]
     result = {"preset": args.preset, "tp": args.tp, "image_tokens": args.image_tokens, "text_tokens": args.text_tokens}
     try:
         build_model_version(args.repository, f"{MODEL}_1gpu", "flux", config, ParallelPlan(), "BF16", "gpu",

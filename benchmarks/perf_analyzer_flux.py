@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, TINY_CONFIG
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG
 from mdtriton.server import TritonServer
 
 

@@ -7,11 +7,11 @@ engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transf
 components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name into
 diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
 
-- mdtriton served: the pipeline built into a model repository (`build_pipeline_version`, the transformer's random
+- mdtriton served: the pipeline built into a model repository (`build_model_version`, the transformer's random
   weights generated on the device) and served by Triton on one rank, called with `mdtriton.client.pipeline.generate`
   (gRPC stream, a progress response per step); its memory is the GPU memory in use after its images, as
   seen from outside the server (not a peak);
-- mdtriton in-process: `FluxPipelineEngine.forward` in this process on the same engine (what the served rank
+- mdtriton in-process: `PipelineEngine.forward` in this process on the same engine (what the served rank
   runs per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);
 - diffusers eager: FluxPipeline with diffusers' FluxTransformer2DModel;
 - diffusers compiled: the same with `torch.compile` of its transformer (first call, compile included, reported
@@ -48,18 +48,18 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes  # noqa: E402
-from mdtriton.build_tools.pipeline_builder import MODEL_INDEX, build_pipeline_version  # noqa: E402
+from mdtriton.build_tools.build import MODEL_INDEX, build_model_version  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.engine import TorchEngine  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.pipeline.flux_pipeline import EngineTransformer, FluxPipelineEngine  # noqa: E402
+from mdtriton.families.family import TRANSFORMER_DIR  # noqa: E402
+from mdtriton.families.flux import FLUX  # noqa: E402
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.pipeline.engine import PipelineEngine  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
-from mdtriton.pipeline.signature import TRANSFORMER_DIR  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 
@@ -216,10 +216,10 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     """The table's rows (label, repeat times, first time, GiB) and the parts of our image."""
     start = time.perf_counter()
     pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
-    version_dir = build_pipeline_version(
-        workdir / "repository", "flux", pipeline_dir, ParallelPlan(), data_type, "cpu" if args.tiny else "gpu",
-        limits=EngineLimits(max_tokens=1 << 20), transformer_weights=RandomWeights(full_shapes("flux", config), 0,
-                                                                                     device.type))
+    version_dir = build_model_version(
+        workdir / "repository", "flux", "flux-pipeline", None, ParallelPlan(), data_type, "cpu" if args.tiny else "gpu",
+        weights_path=pipeline_dir, limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
+        random_device=device.type)
     print(f"built the pipeline in {time.perf_counter() - start:.1f} s ({version_dir})", flush=True)
     rows = []
     if not args.no_served:
@@ -234,9 +234,10 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     comm = Communicator.single(device)
     transformer_dir = version_dir / ENGINE_DIR / TRANSFORMER_DIR
     engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
-    ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=EngineTransformer(engine), **components)
+    ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=FLUX.pipeline.transformer(engine),
+                        **components)
     ours.set_progress_bar_config(disable=True)
-    in_process = FluxPipelineEngine(Manifest.read(version_dir / ENGINE_DIR), ours, engine.warm_up_seconds)
+    in_process = PipelineEngine(Manifest.read(version_dir / ENGINE_DIR), FLUX.pipeline, ours, engine.warm_up_seconds)
     request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),
                "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0]),

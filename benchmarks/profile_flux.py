@@ -15,11 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from mdtriton.bench import bench_weights, flux_inputs
-from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import compile_and_warm_up
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
+from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 
 KINDS = (("attention", ("attention", "fmha", "flash", "cudnn")), ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "gemv")),
          ("fused (Triton)", ("triton_",)))

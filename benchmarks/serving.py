@@ -49,16 +49,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from mdtriton.bench import time_calls
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.client.shared_memory import cuda_shared_memory_available
-
-from mdtriton.bench import time_calls
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, example_inputs
 from mdtriton.server import TritonServer, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
@@ -239,7 +240,7 @@ def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU ranks, FLUX.1-dev's input/output sizes, no blocks, width 16")
-    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()), help="GPU runs' model")
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(FLUX.presets()), help="GPU runs' model")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
@@ -255,9 +256,9 @@ def main() -> None:
     args = parser.parse_args()
 
     plan = ParallelPlan(args.tp, args.cp, args.cp_method)
-    config = TINY_CONFIG if args.tiny else Flux.presets()[args.preset]
+    config = TINY_CONFIG if args.tiny else FLUX.presets()[args.preset]
     cuda = not args.tiny
-    inputs = Flux.example_inputs(config, args.text_tokens, args.image_tokens, torch.bfloat16)
+    inputs = example_inputs(config, args.text_tokens, args.image_tokens, torch.bfloat16)
     rows = {"plan": str(plan), "device": "cpu" if args.tiny else torch.cuda.get_device_name(0),
             "model": "tiny (FLUX.1-dev inputs/outputs, no blocks, width 16)" if args.tiny else args.preset,
             "image_tokens": args.image_tokens, "text_tokens": args.text_tokens, "requests": args.requests}

@@ -79,8 +79,8 @@ if str(REPO) not in sys.path:  # `python benchmarks/xdit_flux.py` from anywhere
     sys.path.insert(0, str(REPO))
 
 from mdtriton.bench import attention_flops, flux_inputs, plans_for, relative_error, time_calls  # noqa: E402
-from mdtriton.engine.models.flux import Flux  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
+from mdtriton.families.flux import FLUX  # noqa: E402
 from mdtriton.server import free_port  # noqa: E402
 
 IMPLS = ("xdit", "mdtriton", "yunchang+diffusers")
@@ -394,9 +394,9 @@ class OurModels:
         compiled and warmed up at load, short requests replayed as CUDA graphs); eager mode the same module
         uncompiled."""
         from mdtriton.build_tools.engine_builder import random_shard
-        from mdtriton.engine.architectures import loaded_module
         from mdtriton.engine.compile import compile_and_warm_up
         from mdtriton.engine.engine import device_forward
+        from mdtriton.engine.modules import loaded_module
 
         ctx, comm = self.ctx, self.ctx.comm(name)
         weights = self.weights if plan.tp_size == 1 else random_shard(
@@ -623,7 +623,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     # comment says NCCL's device-bound rendezvous breaks its new_group() calls.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
-    config = {**Flux.presets()[args.preset], **json.loads(args.config)}
+    config = {**FLUX.presets()[args.preset], **json.loads(args.config)}
     ctx = types.SimpleNamespace(
         args=args, rank=rank, local_rank=rank, world_size=world_size, device=device, cuda=cuda, backend=backend,
         dtype=torch.bfloat16 if cuda else torch.float32, config=config,
@@ -780,7 +780,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="compiled (default): our engine as served and xDiT with torch.compile as xfuser's "
                              "--use_torch_compile sets it; eager: both uncompiled (yunchang+diffusers always runs "
                              "eagerly)")
-    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()))
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(FLUX.presets()))
     parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3, help="timed forwards (default 3)")
@@ -844,7 +844,7 @@ def main(argv=None) -> int:
     (args.output_dir / "rows.jsonl").unlink(missing_ok=True)
     environment = versions()
     print(json.dumps({"environment": environment}), flush=True)
-    config = {**Flux.presets()[args.preset], **json.loads(args.config)}
+    config = {**FLUX.presets()[args.preset], **json.loads(args.config)}
     problems = []
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as work_dir:

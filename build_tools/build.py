@@ -1,9 +1,10 @@
-"""Build one model version: engine + model.py + config.pbtxt, written into a Triton model repository."""
+"""Build one model version: engine (or pipeline) + model.py + config.pbtxt, written into a Triton model repository."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,20 +12,21 @@ from pathlib import Path
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
-from mdtriton.build_tools.checkpoint import Checkpoint
+from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
 from mdtriton.build_tools.model_config import model_config, version_policy
 from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
                                               new_version_dir)
-from mdtriton.engine.architectures import architecture, check_quantization
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
-from mdtriton.engine.manifest import EngineLimits, Manifest
+from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
-
+from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.families.family import TRANSFORMER_DIR
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s) unless the build says otherwise.
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
+MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
 
 
 class BuildInterrupted(Exception):
@@ -34,57 +36,132 @@ class BuildInterrupted(Exception):
 def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, progress: bool = True, random_device: str = "cpu",
-                        policy: str | None = None, limits: EngineLimits = EngineLimits()) -> Path:
-    """Write repository/name/version/ and return its path.
+                        request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
+                        policy: str | None = None, limits: EngineLimits = EngineLimits(),
+                        random_transformer: bool = False) -> Path:
+    """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
+    transformer engines and pipelines alike.
+
+    architecture_name: a family's (a transformer engine) or `<family>-pipeline` (the family's whole diffusers
+    pipeline, from the diffusers directory at weights_path: its transformer becomes the engine, in
+    `engine/transformer/`, its other components are copied beside it unchanged, and `engine/manifest.json`
+    describes the served pipeline).
 
     policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
     current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
-    hand (e.g. EXECUTION_ENV_PATH) are kept.
+    hand (e.g. EXECUTION_ENV_PATH) are kept. request_timeout_s: None is the default (a pipeline's is longer:
+    a request is a whole image).
 
     data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
     only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
 
-    Weights: a checkpoint at weights_path (its config.json, if any, fills the config under `config`), or
-    random from seed, generated on random_device. The version is assembled in a hidden folder named after
-    the build's inputs (Triton ignores names that are not numbers) and renamed into place at the end, so a
-    failed build never leaves a half version, and the same build run again resumes from that folder.
+    Weights: a checkpoint at weights_path (a pipeline's: its transformer folder; its config.json fills the config
+    under `config`), or random from seed, generated on random_device (a pipeline's with random_transformer). The
+    version is assembled in a hidden folder named after the build's inputs (Triton ignores names that are not
+    numbers) and renamed into place at the end, so a failed build never leaves a half version, and the same build
+    run again resumes from that folder.
     """
-    arch = architecture(architecture_name)
+    model_family = family(architecture_name)
+    part = pipeline_part(architecture_name)
+    pipeline_dir = None
+    if part is not None:
+        if weights_path is None:
+            raise CheckpointError(f"{architecture_name} builds from a diffusers {part.diffusers_class} directory: "
+                                  "give it with --weights DIR")
+        pipeline_dir = Path(weights_path)
+        check_pipeline_dir(pipeline_dir, part)
+        weights_path = None if random_transformer else pipeline_dir / TRANSFORMER_DIR
+        from_checkpoint = model_family.config_from_diffusers(
+            json.loads((pipeline_dir / TRANSFORMER_DIR / "config.json").read_text()))
     checkpoint = Checkpoint(weights_path) if weights_path else None
-    known = arch.default_config()
-    from_checkpoint = {k: v for k, v in checkpoint.config().items() if k in known} if checkpoint else {}
-    config = {**known, **from_checkpoint, **(config or {})}
-    arch.check_plan(config, plan)
+    if part is None:
+        from_checkpoint = model_family.config_from_diffusers(checkpoint.config()) if checkpoint else {}
+    config = {**model_family.default_config(), **from_checkpoint, **(config or {})}
+    model_family.check_plan(config, plan)
     quantization = "fp8" if data_type == "FP8" else None
     if quantization:
         data_type = "BF16"
-        check_quantization(architecture_name, quantization)
+        if not model_family.supports_fp8:
+            raise EngineError(f"architecture {architecture_name!r} has no FP8 weights; build it with --dtype BF16")
         if device != "gpu":
             raise Fp8Unsupported("FP8 engines run on GPUs of compute capability 8.9 or newer; build with "
                                  "--device gpu, or with --dtype FP32 for CPU instances")
-    inputs, outputs = arch.signature(config, data_type)
-    probe = Manifest(architecture_name, config, plan, data_type, inputs, outputs, quantization=quantization)
-    triton_config = model_config(name, probe, device, gpus, request_timeout_s)
+    inputs, outputs = model_family.signature(config, data_type)
+    transformer = Manifest(model_family.name, config, plan, data_type, inputs, outputs, quantization=quantization)
+    served = transformer
+    if part is not None:
+        inputs, outputs = part.signature()
+        served = Manifest(architecture_name, {"transformer": config, **part.pipeline_config(pipeline_dir)}, plan,
+                          data_type, inputs, outputs, limits=limits)
+    if request_timeout_s is None:
+        request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
+    triton_config = model_config(name, served, device, gpus, request_timeout_s)
+    if part is not None:
+        serve_as_pipeline(triton_config, part)
     model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
-        check_gpus_fit(probe, gpus)
+        check_gpus_fit(transformer, gpus)
         if quantization and torch.cuda.is_available():
             for gpu in gpus:
                 if gpu < torch.cuda.device_count():
                     check_fp8_device(torch.device("cuda", gpu))
-    shapes = full_shapes(architecture_name, config)
+    shapes = full_shapes(model_family.name, config)
     if checkpoint:
         checkpoint.check(shapes)
     source = checkpoint or RandomWeights(shapes, seed, random_device)
-    staging = staging_dir(model_dir, {"architecture": architecture_name, "config": config, "plan": plan.to_dict(),
-                                      "data_type": data_type, "quantization": quantization,
+    staging = staging_dir(model_dir, {"architecture": architecture_name, "config": served.config,
+                                      "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,
                                       "weights": source.fingerprint()})
+    engine_dir = staging / ENGINE_DIR
     with resumable(staging):
-        build_engine(staging / ENGINE_DIR, architecture_name, config, plan, data_type, source, progress, limits,
-                     quantization)
+        build_engine(engine_dir / TRANSFORMER_DIR if part else engine_dir, model_family.name, config, plan,
+                     data_type, source, progress, limits, quantization)
+        if part is not None:
+            copy_components(pipeline_dir, engine_dir)
+            served.write(engine_dir)
     return finish_version(Path(repository), name, version, staging, triton_config)
+
+
+def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> None:
+    """Raise CheckpointError, saying what to pass, unless pipeline_dir is a diffusers directory of part's pipeline
+    with every component its model_index.json lists."""
+    index_path = pipeline_dir / MODEL_INDEX
+    if not index_path.is_file():
+        raise CheckpointError(f"{pipeline_dir}: no {MODEL_INDEX}; pass a diffusers {part.diffusers_class} directory")
+    index = json.loads(index_path.read_text())
+    if index.get("_class_name") != part.diffusers_class:
+        raise CheckpointError(f"{index_path}: a {index.get('_class_name')!r}, not a {part.diffusers_class} directory")
+    missing = [folder for folder in components(index) + [TRANSFORMER_DIR] if not (pipeline_dir / folder).is_dir()]
+    if missing:
+        raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; its {MODEL_INDEX} lists "
+                              f"{', '.join(components(index) + [TRANSFORMER_DIR])}")
+
+
+def components(index: dict) -> list[str]:
+    """The component folders a model_index.json lists, the transformer's aside (components set to null, e.g. an
+    optional image encoder, have none)."""
+    return sorted(name for name, value in index.items()
+                  if not name.startswith("_") and name != TRANSFORMER_DIR and isinstance(value, list)
+                  and value[0] is not None)
+
+
+def copy_components(pipeline_dir: Path, engine_dir: Path) -> None:
+    """Copy every component but the transformer, and model_index.json, into the pipeline's engine directory."""
+    for folder in components(json.loads((pipeline_dir / MODEL_INDEX).read_text())):
+        shutil.copytree(pipeline_dir / folder, engine_dir / folder, dirs_exist_ok=True)
+    shutil.copyfile(pipeline_dir / MODEL_INDEX, engine_dir / MODEL_INDEX)
+
+
+def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart) -> None:
+    """A pipeline model is decoupled (one progress response per step, then the result), and has no warm-up.
+
+    A warm-up request would need a data file per input and run the whole pipeline at load; instead the ranks
+    meet at the first request, which waits for them (up to the request timeout)."""
+    triton_config.ClearField("model_warmup")
+    triton_config.model_transaction_policy.decoupled = True
+    for model_input in triton_config.input:
+        model_input.optional = model_input.name in part.optional_inputs()
 
 
 def prepare_model_dir(repository: Path, name: str, version: int | None, triton_config: mc.ModelConfig,

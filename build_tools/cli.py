@@ -7,11 +7,25 @@ import json
 from pathlib import Path
 
 from mdtriton.build_tools.build import DEFAULT_REQUEST_TIMEOUT_S, build_model_version
-from mdtriton.build_tools.pipeline_builder import PIPELINE_REQUEST_TIMEOUT_S, build_pipeline_version
-from mdtriton.engine.architectures import ARCHITECTURES
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
-from mdtriton.pipeline.signature import ARCHITECTURE as PIPELINE
+from mdtriton.families import PIPELINE_SUFFIX, PipelinePart, architecture_names, families, family
+
+
+def architectures_help() -> str:
+    """What each registered architecture builds, for --architecture's help."""
+    lines = []
+    for name, item in families().items():
+        lines.append(f"{name}: {item.description}")
+        if item.pipeline is not None:
+            lines.append(f"{name}{PIPELINE_SUFFIX}: the whole diffusers {item.pipeline.diffusers_class} (prompt in, "
+                         "the denoising loop on the server), from its diffusers directory given by --weights")
+    return "; ".join(lines)
+
+
+def presets_help() -> str:
+    return "; ".join(f"{name}: {', '.join(item.presets())} (default {next(iter(item.presets()))})"
+                     for name, item in families().items())
 
 
 def add_parser(subparsers) -> None:
@@ -23,11 +37,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("repository", type=Path, help="model repository directory (created if missing)")
     parser.add_argument("--name", required=True, help="model name")
     parser.add_argument("--version", type=int, help="version number (default: the next free one)")
-    parser.add_argument("--architecture", default="tiny_transformer", choices=sorted(ARCHITECTURES) + [PIPELINE],
-                        help=f"what to build; {PIPELINE}: a whole FLUX pipeline (prompt to image) from a diffusers "
-                             "FLUX directory given by --weights")
-    parser.add_argument("--preset", help="a named config of the architecture: flux: tiny (default), flux.1-dev, flux-80b; "
-                                         "tiny_transformer: small (default)")
+    parser.add_argument("--architecture", default="tiny_transformer", choices=architecture_names(),
+                        help=f"what to build (default tiny_transformer): {architectures_help()}")
+    parser.add_argument("--preset", help=f"a named config of the architecture's family: {presets_help()}")
     parser.add_argument("--config", default="{}",
                         help="architecture config as JSON, overriding the preset, or @FILE to read it from a file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -45,15 +57,15 @@ def add_parser(subparsers) -> None:
     weights.add_argument("--weights", type=Path,
                          help="a safetensors checkpoint: one file, a sharded checkpoint's *.safetensors.index.json, or "
                               "a directory with either (diffusers' layout: its config.json fills the config); "
-                              "weight names as the architecture's (diffusers' for flux); for flux-pipeline, the "
-                              "diffusers FLUX pipeline directory (model_index.json, transformer/, vae/, ...)")
+                              "weight names as the architecture's (diffusers' for flux); for a *-pipeline "
+                              "architecture, the diffusers pipeline directory (model_index.json, transformer/, vae/, ...)")
     parser.add_argument("--random-device", default="cpu", choices=("cpu", "cuda"),
                         help="where random weights are generated (cuda: much faster for big models; the same seed "
                              "gives other weights than on cpu)")
     parser.add_argument("--request-timeout", type=float,
                         help="seconds a request may wait for all ranks before it fails, and the longest a collective "
-                             f"may wait for a stopped or stuck rank (default {DEFAULT_REQUEST_TIMEOUT_S:.0f}; {PIPELINE}: "
-                             f"{PIPELINE_REQUEST_TIMEOUT_S:.0f}, a request being a whole image)")
+                             f"may wait for a stopped or stuck rank (default {DEFAULT_REQUEST_TIMEOUT_S:.0f}; a pipeline's: "
+                             f"{PipelinePart.request_timeout_s:.0f}, a request being a whole image)")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help=f"largest batch a request may carry (default {DEFAULT_MAX_BATCH_SIZE})")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -69,27 +81,18 @@ def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     limits = EngineLimits(args.max_batch_size, args.max_tokens)
-    if args.architecture == PIPELINE:
-        if args.weights is None:
-            raise SystemExit(f"error: {PIPELINE} builds from a diffusers FLUX directory: give it with --weights DIR")
-        version_dir = build_pipeline_version(args.repository, args.name, args.weights, plan, args.dtype, args.device,
-                                             gpus, args.version, args.request_timeout or PIPELINE_REQUEST_TIMEOUT_S,
-                                             policy=args.version_policy, limits=limits)
-        print(f"built {PIPELINE} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
-        return 0
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
     try:
         config = json.loads(config_text)
     except json.JSONDecodeError as error:
         raise SystemExit(f"error: --config is not valid JSON: {error}") from None
     if args.preset:
-        presets = ARCHITECTURES[args.architecture].presets()
+        presets = family(args.architecture).presets()
         if args.preset not in presets:
             raise SystemExit(f"error: {args.architecture} has no preset {args.preset!r}; its presets: {', '.join(presets)}")
         config = {**presets[args.preset], **config}
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
-                                      args.device, gpus, args.seed, args.weights, args.version,
-                                      args.request_timeout or DEFAULT_REQUEST_TIMEOUT_S,
+                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
                                       random_device=args.random_device, policy=args.version_policy, limits=limits)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

@@ -19,14 +19,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mdtriton.build_tools.checkpoint import Split
-from mdtriton.engine.architectures import architecture, loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import quantize_weight
 from mdtriton.engine.layers import parallel_specs, take_shard
-from mdtriton.engine.manifest import (RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256,
-                                      rank_file_label)
+from mdtriton.engine.manifest import RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256, rank_file_label
+from mdtriton.engine.modules import loaded_module, meta_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families import family
 
 PROGRESS_FILE = "build-progress.json"
 
@@ -130,8 +130,8 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
     The manifest is written only after every weight file, so an interrupted build never looks complete;
     run again into the same engine_dir, it keeps the rank files already finished and verified.
     """
-    arch = architecture(architecture_name)
-    arch.check_plan(config, plan)
+    model_family = family(architecture_name)
+    model_family.check_plan(config, plan)
     engine_dir = Path(engine_dir)
     engine_dir.mkdir(parents=True, exist_ok=True)
     finished = _finished_files(engine_dir)
@@ -156,7 +156,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
             del shard
             files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
             (engine_dir / PROGRESS_FILE).write_text(json.dumps([vars(f) for f in files]))
-    inputs, outputs = arch.signature(config, data_type)
+    inputs, outputs = model_family.signature(config, data_type)
     manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits,
                         quantization)
     manifest.write(engine_dir)

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mdtriton.engine.architectures import meta_module
 from mdtriton.engine.layers import parallel_specs
 from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import EngineError, Manifest
-from mdtriton.pipeline.signature import ARCHITECTURE as PIPELINE
-from mdtriton.pipeline.signature import TRANSFORMER_DIR
+from mdtriton.families import pipeline_part
+from mdtriton.families.family import TRANSFORMER_DIR
 
 
 def weights_engine_dir(version_dir: Path) -> Path:
     """The engine directory of a model version that holds rank files: a pipeline keeps them in its transformer's."""
     engine_dir = Path(version_dir) / ENGINE_DIR
-    return engine_dir / TRANSFORMER_DIR if Manifest.read(engine_dir).architecture == PIPELINE else engine_dir
+    return engine_dir / TRANSFORMER_DIR if pipeline_part(Manifest.read(engine_dir).architecture) else engine_dir
 
 
 def verify_version(version_dir: Path) -> list[str]:

@@ -29,15 +29,16 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.engine_builder import random_shard
-from mdtriton.engine.architectures import loaded_module
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import cudnn_sdpa
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import compile_and_warm_up
 from mdtriton.engine.engine import device_forward
 from mdtriton.engine.fp8 import check_fp8_device
-from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import example_inputs
 from mdtriton.server import free_port
 
 METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
@@ -66,7 +67,7 @@ def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
 def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {name: t.to(device) for name, t in Flux.example_inputs(config, text_tokens, image_tokens, dtype).items()}
+    return {name: t.to(device) for name, t in example_inputs(config, text_tokens, image_tokens, dtype).items()}
 
 
 def is_modulation(name: str) -> bool:
@@ -174,7 +175,7 @@ def add_errors(rows: list[dict], work_dir: str) -> None:
 
 
 def bench_config(args: argparse.Namespace) -> dict:
-    return {**Flux.presets()[args.preset], **json.loads(args.config)}
+    return {**FLUX.presets()[args.preset], **json.loads(args.config)}
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
@@ -314,7 +315,7 @@ def add_parser(subparsers) -> None:
                              f"8.9+) (default {','.join(VARIANTS)})")
     parser.add_argument("--image-tokens", default="4096,16384,65536", help="image sequence lengths")
     parser.add_argument("--text-tokens", type=int, default=512)
-    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(Flux.presets()),
+    parser.add_argument("--preset", default="flux.1-dev", choices=sorted(FLUX.presets()),
                         help="FLUX size (default flux.1-dev)")
     parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
     parser.add_argument("--warmup", type=int, default=1)

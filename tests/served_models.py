@@ -14,8 +14,8 @@ import torch
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
-from mdtriton.engine.models.flux import TINY_CONFIG as FLUX_CONFIG
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux.transformer import TINY_CONFIG as FLUX_CONFIG
 
 TINY_CONFIG = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}
 TINY_SEEDS = {"1": 11, "2": 12}

@@ -1,11 +1,11 @@
 """Compiling an engine on its GPU at load, so that no request waits for a compile.
 
-The architecture names the regions worth compiling (FLUX: its blocks); each is compiled with torch.compile
+The module names the regions worth compiling (FLUX: its blocks); each is compiled with torch.compile
 with symbolic sizes, its attention and collectives running eagerly in between (graph breaks). Every block of
 a kind shares one compiled code. The warm-up runs the whole model alone, before the ranks meet
-(Communicator.rehearsal), at two request shapes: batch 7 first, whose graphs serve every batch of 2 or more
-and any length, then batch 1 (a size-1 dimension is always specialised), whose graphs serve any length.
-After that no request compiles. A CompileCache keeps what was compiled in the engine directory, per torch
+(Communicator.rehearsal), on the family's warm-up requests: for FLUX, batch 7 first, whose graphs serve every
+batch of 2 or more and any length, then batch 1 (a size-1 dimension is always specialised), whose graphs serve
+any length. After that no request compiles. A CompileCache keeps what was compiled in the engine directory, per torch
 version and GPU model.
 """
 
@@ -19,32 +19,27 @@ from pathlib import Path
 
 import torch
 
-from mdtriton.engine.architectures import architecture
 from mdtriton.engine.comm import Communicator
+from mdtriton.families import family
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "compile-cache"
-# (batch, text tokens, image tokens) of the warm-up requests; see the module's docstring for the order. Every
-# size is prime, so that none equals a model dimension (heads per rank, say): Dynamo would take two equal sizes
-# for one and specialise the request's to the model's. Batch-1 graphs, which serve most requests, are tuned for
-# the sizes they first see, so theirs are a typical request's (FLUX at 1024x1024: 4,096 + 512 tokens).
-WARM_UP_SHAPES = ((7, 127, 1021), (1, 509, 4093))
 
 
 def compile_and_warm_up(module: torch.nn.Module, architecture_name: str, config: dict, dtype: torch.dtype,
                         comm: Communicator) -> float:
     """Compile each of the module's compiled_regions() in place (symbolic batch and sequence sizes), then run the
-    module on this rank alone at the warm-up shapes, which compiles them; return the seconds the warm-up took."""
+    module on this rank alone on its family's warm-up requests, which compiles them; return the seconds the warm-up
+    took."""
     for region in module.compiled_regions():
         region.compile(dynamic=True)
     start = time.perf_counter()
-    arch = architecture(architecture_name)
+    requests = family(architecture_name).warm_up_requests(config, dtype)
     # Deterministic: Inductor picks its kernels' configurations without timing them on the device, so every
     # process (a healed worker, a later load) runs the same kernels and computes the same bits for the same inputs.
     with comm.rehearsal(), torch.inference_mode(), torch._inductor.config.patch(deterministic=True):
-        for batch, text_tokens, image_tokens in WARM_UP_SHAPES:
-            inputs = arch.example_inputs(config, text_tokens, image_tokens, dtype, batch)
+        for inputs in requests:
             module(**{name: tensor.to(comm.device) for name, tensor in inputs.items()})
     if comm.device.type == "cuda":
         torch.cuda.synchronize(comm.device)

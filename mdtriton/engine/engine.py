@@ -1,6 +1,6 @@
 """The engine interface the backend serves, and its PyTorch implementation.
 
-An engine is loaded by its class's `load(engine_dir, manifest, comm)` (mdtriton.pipeline.serving.load_engine picks
+An engine is loaded by its class's `load(engine_dir, manifest, comm)` (mdtriton.engine.serving.load_engine picks
 the class by the manifest's architecture); the caller has read the manifest and made the rank's Communicator, which
 it keeps (the backend forms the groups and broadcasts inputs and answers with it). After that the backend needs only
 `manifest` and `forward`; a TensorRT runner can implement the same class. Every rank of the plan calls `forward`
@@ -10,7 +10,6 @@ with the same inputs, together; each gets the full outputs.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -19,7 +18,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mdtriton.engine.architectures import architecture, loaded_module
 from mdtriton.engine.attention import fa3
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import CompileCache, compile_and_warm_up
@@ -28,7 +26,8 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import check_fits
-
+from mdtriton.engine.modules import loaded_module
+from mdtriton.families import family
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class TorchEngine(Engine):
         engine_dir = Path(engine_dir)
         if manifest.plan != comm.plan:
             raise EngineError(f"{engine_dir}: engine was built for {manifest.plan}, but is being loaded on {comm.plan}")
-        architecture(manifest.architecture)
+        family(manifest.architecture)
         if manifest.quantization == "fp8":
             try:
                 check_fp8_device(comm.device)
@@ -119,6 +118,11 @@ def device_forward(module: torch.nn.Module, architecture_name: str, config: dict
     graphs (GraphedForward), collectives included (every rank captures the same job's graph together); otherwise
     as it is. mdtriton bench times this too."""
     if compiled and next(module.parameters()).is_cuda:
-        arch = architecture(architecture_name)
-        return GraphedForward(module, lambda inputs: math.prod(arch.check_request(config, inputs)))
+        model_family = family(architecture_name)
+
+        def request_size(inputs: dict[str, torch.Tensor]) -> int:
+            size = model_family.check_request(config, inputs)
+            return size.batch * size.tokens
+
+        return GraphedForward(module, request_size)
     return lambda inputs: module(**inputs)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.architectures import architecture, meta_module
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import FP8_DTYPE
 from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families import family
 
 GIB = 1 << 30
 # Beside its weights a rank needs activations, kernel workspaces, NCCL buffers and the CUDA context.
@@ -31,11 +32,11 @@ def rank_weight_bytes(architecture_name: str, config: dict, plan: ParallelPlan, 
 
 def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
     """The smallest tensor-parallel size (same context parallelism) whose ranks fit in memory_bytes, if any."""
-    arch = architecture(manifest.architecture)
+    model_family = family(manifest.architecture)
     for tp_size in range(1, LARGEST_TP_SIZE + 1):
         plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method)
         try:
-            arch.check_plan(manifest.config, plan)
+            model_family.check_plan(manifest.config, plan)
         except ValueError:
             continue
         weights = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type,

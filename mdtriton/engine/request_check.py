@@ -4,7 +4,7 @@ Triton already refuses a wrong data type, a wrong number of dimensions, a wrong 
 missing input (they are in config.pbtxt). What only the engine knows is checked here, in two parts:
 
 - `check_request`, in the Triton stub that received the request: no empty tensor, inputs that fit together
-  (the architecture's own check, e.g. FLUX's position ids), and the limits recorded in the manifest. It reads
+  (the family's own check, e.g. FLUX's position ids), and the limits recorded in the manifest. It reads
   shapes only.
 - `check_finite`, no NaN or infinity, in the rank's worker on the copy of the inputs it makes on its device
   anyway (backend/job_runner.py), before the job is ordered: on a GPU, reading every value (5 MB for FLUX.1-dev)
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.architectures import architecture
 from mdtriton.engine.manifest import Manifest
+from mdtriton.families import family
 
 
 class RequestError(ValueError):
@@ -38,10 +38,11 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
             raise RequestError(f"input {spec.name!r} is empty (shape {list(tensor.shape)}); "
                                "every dimension must be at least 1")
     try:
-        batch, tokens = architecture(manifest.architecture).check_request(manifest.config, inputs)
+        size = family(manifest.architecture).check_request(manifest.config, inputs)
     except ValueError as error:
         raise RequestError(str(error)) from None
     limits = manifest.limits
+    batch, tokens = size.batch, size.tokens
     if batch > limits.max_batch_size:
         raise RequestError(f"batch size {batch} is over this engine's maximum of {limits.max_batch_size}; send at most "
                            f"{limits.max_batch_size} samples per request (the limit is set at build time: "

@@ -16,15 +16,15 @@ from tritonclient.utils import InferenceServerException
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.engine.manifest import EngineLimits
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 from tests.backend.load_clients import CONFIG as TINY_CONFIG
 from tests.backend.load_clients import Clients, Reference, send
 from tests.backend.test_metrics import scrape, settled
 from tests.conftest import start_server
 from tests.engine.flux_cases import flux_inputs
 
-FLUX_CONFIG = Flux.default_config()
+FLUX_CONFIG = FLUX.default_config()
 LIMITS = EngineLimits(max_batch_size=4, max_tokens=64)
 INVALID = "StatusCode.INVALID_ARGUMENT"
 

@@ -6,18 +6,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
+from mdtriton.bench import relative_error
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
-
-from mdtriton.bench import relative_error
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 from tests.engine.flux_cases import flux_inputs
 
 pytestmark = pytest.mark.gpu
 # FLUX.1-dev's head size and rotary axes (the kernels the real model uses), fewer and narrower layers.
-CONFIG = {**Flux.presets()["flux.1-dev"], "num_layers": 2, "num_single_layers": 4, "num_attention_heads": 8,
+CONFIG = {**FLUX.presets()["flux.1-dev"], "num_layers": 2, "num_single_layers": 4, "num_attention_heads": 8,
           "joint_attention_dim": 512}
 PLANS = {
     "allgather_kv": ParallelPlan(cp_size=2, cp_method="allgather_kv"),

@@ -11,17 +11,17 @@ from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
-from mdtriton.engine.architectures import meta_module
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.layers import shard_state_dict
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import Flux
+from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 from tests.engine.flux_cases import flux_inputs, max_relative_error
 
 # Not the tiny preset: the build must take these sizes from the checkpoint's config.json.
-CONFIG = {**Flux.default_config(), "num_layers": 1, "num_single_layers": 3, "joint_attention_dim": 40}
+CONFIG = {**FLUX.default_config(), "num_layers": 1, "num_single_layers": 3, "joint_attention_dim": 40}
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import shard_state_dict
 from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256, rank_file_label
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import Flux
 
 
 def flux_inputs(config: dict, text_len: int, image_len: int, batch: int = 2, seed: int = 0,
@@ -68,6 +69,6 @@ def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: di
         path = engine_dir / f"rank{rank}.safetensors"
         save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
         files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
-    inputs, outputs = Flux.signature(config, "FP32")
+    inputs, outputs = FLUX.signature(config, "FP32")
     Manifest("flux", config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)
     return engine_dir

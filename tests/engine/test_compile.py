@@ -13,10 +13,10 @@ from mdtriton.engine.compile import CACHE_DIR
 from mdtriton.engine.cuda_graphs import GRAPH_MAX_TOKENS, MAX_GRAPHS
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import flux_inputs, random_weights, max_relative_error, write_engine
+from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, write_engine
 
 # (batch, text tokens, image tokens): none of them the warm-up's, and batch sizes on both sides of 1.
 CASES = [(1, 5, 10), (3, 4, 12), (2, 7, 30)]
@@ -31,13 +31,13 @@ def compiled_against_eager(rank: int, world_size: int, engine_dir: str) -> tuple
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     errors = []
     for seed, (batch, text_len, image_len) in enumerate(CASES):
-        inputs = flux_inputs(Flux.default_config(), text_len, image_len, batch=batch, seed=seed)
+        inputs = flux_inputs(FLUX.default_config(), text_len, image_len, batch=batch, seed=seed)
         errors.append(max_relative_error(compiled.forward(inputs)["sample"], eager.forward(inputs)["sample"]))
     return errors, counters["stats"]["unique_graphs"] - graphs_after_warm_up, compiled.warm_up_seconds
 
 
 def test_compiled_tensor_parallel_engine_matches_eager_and_never_compiles_after_load(tmp_path):
-    config = Flux.default_config()
+    config = FLUX.default_config()
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(tp_size=2), random_weights(config, seed=3))
     results = run_ranks(2, compiled_against_eager, str(engine_dir), timeout=540)
     for errors, new_graphs, warm_up_seconds in results:
@@ -73,7 +73,7 @@ def test_a_rehearsal_communicates_nothing_and_keeps_every_shape():
 def test_a_gpu_engine_replays_short_requests_as_cuda_graphs_with_the_same_answers(tmp_path):
     """A compiled engine on a GPU captures a graph at the first request of each short shape and replays it; the
     answers equal the compiled module's own, bit for bit, and requests over GRAPH_MAX_TOKENS run without graphs."""
-    config = Flux.default_config()
+    config = FLUX.default_config()
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), random_weights(config, seed=3))
     comm = Communicator.single(torch.device("cuda", 0))
     engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), comm)

@@ -8,10 +8,11 @@ import torch
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import Flux, JointSlice
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import Flux, JointSlice
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import flux_inputs, random_weights, max_relative_error, write_engine
+from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, write_engine
 
 # (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
 # 4 ranks the last rank holds only padding and the one before it a real token and padding.
@@ -38,7 +39,7 @@ def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_engines_match_one_rank(tmp_path, world_size):
-    config = Flux.default_config()
+    config = FLUX.default_config()
     weights = random_weights(config, seed=1)
     cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
 
@@ -65,15 +66,15 @@ def test_parallel_engines_match_one_rank(tmp_path, world_size):
 def test_ulysses_with_indivisible_heads_says_what_to_use(tp_size, cp_size):
     plan = ParallelPlan(tp_size=tp_size, cp_size=cp_size, cp_method="ulysses")
     with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"):
-        Flux.check_plan(Flux.default_config(), plan)
+        FLUX.check_plan(FLUX.default_config(), plan)
     with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"), torch.device("meta"):
-        Flux(Flux.default_config(), Communicator(plan, 0, torch.device("cpu")))
-    Flux.check_plan(Flux.default_config(), ParallelPlan(tp_size=tp_size, cp_size=cp_size, cp_method="ring"))
+        Flux(FLUX.default_config(), Communicator(plan, 0, torch.device("cpu")))
+    FLUX.check_plan(FLUX.default_config(), ParallelPlan(tp_size=tp_size, cp_size=cp_size, cp_method="ring"))
 
 
 def test_heads_indivisible_by_tp_size_is_refused():
     with pytest.raises(ValueError, match="num_attention_heads 4 does not divide by tp_size 3"):
-        Flux.check_plan(Flux.default_config(), ParallelPlan(tp_size=3))
+        FLUX.check_plan(FLUX.default_config(), ParallelPlan(tp_size=3))
 
 
 @pytest.mark.parametrize("text_len, image_len", [(5, 10), (4, 12), (2, 3), (7, 0)])

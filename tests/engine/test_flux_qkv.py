@@ -1,4 +1,4 @@
-"""FLUX's q/k/v step (mdtriton.engine.models.flux_qkv): the Triton kernel on a GPU computes what the PyTorch
+"""FLUX's q/k/v step (mdtriton.families.flux.qkv): the Triton kernel on a GPU computes what the PyTorch
 implementation does, for double blocks (text first) and single blocks, tensor- and context-parallel shapes
 alike (any heads, any split of the tokens, none of a stream on this rank)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdtriton.engine.models.flux_layers import rotary_embedding
-from mdtriton.engine.models.flux_qkv import stream_qkv
+from mdtriton.families.flux.layers import rotary_embedding
+from mdtriton.families.flux.qkv import stream_qkv
 
 # (batch, text tokens, image tokens, heads): FLUX.1-dev's heads, a tensor-parallel rank's, odd lengths, a rank
 # holding no text tokens.

@@ -10,10 +10,11 @@ from diffusers import FluxTransformer2DModel
 
 from mdtriton.bench import MODULATION_SCALE, is_modulation
 from mdtriton.bench import relative_error as norm_error
-from mdtriton.engine.architectures import loaded_module, meta_module
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
+from mdtriton.engine.modules import loaded_module, meta_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, Flux, example_inputs
 from tests.engine.flux_cases import flux_inputs, max_relative_error
 
 
@@ -29,7 +30,7 @@ def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:
 
 @pytest.mark.parametrize("guidance_embeds", [True, False])
 def test_matches_diffusers_float32(guidance_embeds):
-    config = {**Flux.default_config(), "guidance_embeds": guidance_embeds}
+    config = {**FLUX.default_config(), "guidance_embeds": guidance_embeds}
     reference, ours = diffusers_and_ours(config)
     assert set(meta_module("flux", config, ParallelPlan(), 0).state_dict()) == set(reference.state_dict())
     inputs = flux_inputs(config, text_len=5, image_len=11)
@@ -44,7 +45,7 @@ def test_matches_diffusers_float16():
     """Nearly the same kernels in the same order: a different rounding order (say a bias added after the GEMM,
     or RoPE in half precision) shows here at the size of one bf16 step, ~4e-3. The one change of order we make
     (the single blocks' output projection as two accumulating GEMMs) stays below 1e-3 in float16."""
-    config = Flux.default_config()
+    config = FLUX.default_config()
     reference, ours = diffusers_and_ours(config)
     reference.to(torch.float16)
     ours.to(torch.float16)
@@ -63,7 +64,7 @@ def test_bfloat16_error_within_diffusers_own(seed):
     (issue 11's accuracy measure at a tiny size: trained-like modulation scales, conditioning bf16 holds exactly).
     Measured: ratios 0.99-1.02; splitting the single blocks' output projection rounds its first part once more,
     which moves our output ~2e-3 from diffusers' but not further from float32."""
-    config = Flux.default_config()
+    config = FLUX.default_config()
     torch.manual_seed(seed)
     reference = FluxTransformer2DModel(**{**config, "axes_dims_rope": tuple(config["axes_dims_rope"])}).eval()
     with torch.no_grad():
@@ -74,7 +75,7 @@ def test_bfloat16_error_within_diffusers_own(seed):
     reference.to(torch.bfloat16)
     ours = loaded_module("flux", config, Communicator.single(), reference.state_dict())
     exact = copy.deepcopy(reference).float()
-    inputs = Flux.example_inputs(config, text_tokens=5, image_tokens=11, dtype=torch.bfloat16, batch=2)
+    inputs = example_inputs(config, text_tokens=5, image_tokens=11, dtype=torch.bfloat16, batch=2)
     with torch.inference_mode():
         expected = exact(**{name: t.float() for name, t in inputs.items()}).sample
         diffusers_error = norm_error(reference(**inputs).sample, expected)
@@ -93,10 +94,10 @@ def test_dev_config_matches_diffusers_defaults():
 
 
 def test_signature_names_the_forward_inputs():
-    config = Flux.default_config()
-    inputs, outputs = Flux.signature(config, "BF16")
+    config = FLUX.default_config()
+    inputs, outputs = FLUX.signature(config, "BF16")
     assert {spec.name for spec in inputs} == set(flux_inputs(config, 3, 4))
     assert {spec.name: spec.data_type for spec in inputs}["img_ids"] == "FP32"
     assert outputs[0].name == "sample" and outputs[0].shape == (-1, -1, config["in_channels"])
-    without_guidance, _ = Flux.signature({**config, "guidance_embeds": False}, "BF16")
+    without_guidance, _ = FLUX.signature({**config, "guidance_embeds": False}, "BF16")
     assert "guidance" not in {spec.name for spec in without_guidance}

@@ -14,8 +14,8 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.fp8 import FP8_DTYPE, Fp8Unsupported, check_fp8_device, fp8_linear, quantize_weight
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import rank_weight_bytes
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
 
 GIB = 1 << 30
 
@@ -34,7 +34,7 @@ def test_fp8_linear_is_the_product_within_e4m3_rounding():
 
 
 def test_each_rank_quantizes_its_own_shard():
-    config = Flux.default_config()
+    config = FLUX.default_config()
     full = random_weights("flux", config, 5)
     plan = ParallelPlan(tp_size=2)
     shards = [random_shard("flux", config, plan, rank, seed=5, quantization="fp8") for rank in range(2)]
@@ -71,7 +71,7 @@ def test_an_fp8_engine_loaded_on_cpu_fails_naming_the_engine_and_what_to_build(t
 
 
 def test_fp8_weights_take_about_two_thirds_of_bf16_and_flux_80b_fits_one_h200():
-    presets = Flux.presets()
+    presets = FLUX.presets()
     dev_bf16 = rank_weight_bytes("flux", presets["flux.1-dev"], ParallelPlan(), "BF16")
     dev_fp8 = rank_weight_bytes("flux", presets["flux.1-dev"], ParallelPlan(), "BF16", "fp8")
     assert 0.6 < dev_fp8 / dev_bf16 < 0.68  # the modulations (a third of the parameters) stay in bf16

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from mdtriton.engine.memory import GIB, WORKING_MEMORY_BYTES, check_fits, rank_weight_bytes
 from mdtriton.engine.manifest import EngineError, Manifest
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG, Flux
+from mdtriton.engine.memory import GIB, WORKING_MEMORY_BYTES, check_fits, rank_weight_bytes
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 
 
 def dev_manifest(plan: ParallelPlan) -> Manifest:
-    inputs, outputs = Flux.signature(FLUX_DEV_CONFIG, "BF16")
+    inputs, outputs = FLUX.signature(FLUX_DEV_CONFIG, "BF16")
     return Manifest("flux", FLUX_DEV_CONFIG, plan, "BF16", inputs, outputs)
 
 
@@ -47,10 +48,10 @@ def test_nothing_fits_says_so():
 
 
 def test_80b_preset_needs_more_than_one_h200():
-    from mdtriton.engine.models.flux import FLUX_80B_CONFIG
+    from mdtriton.families.flux.transformer import FLUX_80B_CONFIG
 
     h200 = 143771 * (1 << 20)
-    inputs, outputs = Flux.signature(FLUX_80B_CONFIG, "BF16")
+    inputs, outputs = FLUX.signature(FLUX_80B_CONFIG, "BF16")
     manifest = Manifest("flux", FLUX_80B_CONFIG, ParallelPlan(), "BF16", inputs, outputs)
     assert rank_weight_bytes("flux", FLUX_80B_CONFIG, ParallelPlan(), "BF16") > 150e9
     with pytest.raises(EngineError, match="build it with --tp 2"):

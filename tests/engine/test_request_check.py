@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdtriton.engine.architectures import architecture as architecture_class
 from mdtriton.engine.manifest import EngineLimits, Manifest
-from mdtriton.engine.models.flux import Flux
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError, check_finite, check_request
+from mdtriton.families import family
+from mdtriton.families.flux.transformer import TINY_CONFIG
 from tests.engine.flux_cases import flux_inputs
 
 
 def manifest(architecture: str, config: dict, limits: EngineLimits, data_type: str = "FP32") -> Manifest:
-    inputs, outputs = architecture_class(architecture).signature(config, data_type)
+    inputs, outputs = family(architecture).signature(config, data_type)
     return Manifest(architecture, config, ParallelPlan(), data_type, inputs, outputs, limits=limits)
 
 
 TINY = manifest("tiny_transformer", {"hidden_size": 8, "num_heads": 2, "mlp_ratio": 2, "num_layers": 1},
                 EngineLimits(max_batch_size=2, max_tokens=16), data_type="FP16")
-FLUX = manifest("flux", Flux.default_config(), EngineLimits(max_batch_size=2, max_tokens=20))
+FLUX = manifest("flux", TINY_CONFIG, EngineLimits(max_batch_size=2, max_tokens=20))
 
 
 def test_limits_are_inclusive():
@@ -45,7 +45,7 @@ def test_only_real_nan_or_infinity_is_refused_not_an_overflowing_sum():
 
 
 def test_check_finite_names_the_first_bad_input_and_skips_integers():
-    good = flux_inputs(Flux.default_config(), text_len=6, image_len=14, batch=2)
+    good = flux_inputs(TINY_CONFIG, text_len=6, image_len=14, batch=2)
     check_finite({**good, "seed": torch.tensor([7])})
     bad = {**good, "timestep": torch.tensor([0.5, float("nan")]), "guidance": torch.tensor([float("inf")] * 2)}
     with pytest.raises(RequestError, match="^input 'timestep' holds 1 NaN or infinite value\\(s\\); send finite numbers$"):
@@ -59,10 +59,10 @@ def test_check_request_reads_shapes_not_values():
 
 
 def test_flux_inputs_must_agree_and_count_text_plus_image_tokens():
-    good = flux_inputs(Flux.default_config(), text_len=6, image_len=14, batch=2)
+    good = flux_inputs(TINY_CONFIG, text_len=6, image_len=14, batch=2)
     check_request(FLUX, good)
     with pytest.raises(RequestError, match="21 tokens"):
-        check_request(FLUX, flux_inputs(Flux.default_config(), text_len=7, image_len=14, batch=2))
+        check_request(FLUX, flux_inputs(TINY_CONFIG, text_len=7, image_len=14, batch=2))
     with pytest.raises(RequestError, match="img_ids has 13 rows but hidden_states has 14 image tokens"):
         check_request(FLUX, {**good, "img_ids": good["img_ids"][:13]})
     with pytest.raises(RequestError, match="guidance has batch size 1 but hidden_states has 2"):

@@ -11,23 +11,31 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
-from mdtriton.build_tools.pipeline_builder import build_pipeline_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.models.flux import FLUX_DEV_CONFIG
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.pipeline.flux_pipeline import FluxPipelineEngine
-from mdtriton.pipeline.progress import progress_to
-from mdtriton.pipeline.signature import TRANSFORMER_DIR
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
+from mdtriton.engine.progress import progress_to
+from mdtriton.engine.serving import load_engine
+from mdtriton.families.family import TRANSFORMER_DIR
+from mdtriton.pipeline.engine import PipelineEngine
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.pipeline.pipelines import max_level_difference, mean_level_difference, reference_image, save_pipelines
 
 
-def load_pipeline(engine_dir) -> FluxPipelineEngine:
-    return FluxPipelineEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+def load_pipeline(engine_dir) -> PipelineEngine:
+    engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single())
+    assert isinstance(engine, PipelineEngine)
+    return engine
+
+
+def build_pipeline(repository, name, pipeline_dir, data_type="FP32", **options):
+    return build_model_version(repository, name, "flux-pipeline", None, ParallelPlan(), data_type, "cpu",
+                               weights_path=pipeline_dir, progress=False, **options)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +44,7 @@ def engines(tmp_path_factory):
     pipelines = save_pipelines(root)
     built = {}
     for layout, pipeline_dir in pipelines.items():
-        version_dir = build_pipeline_version(root / "repository", layout, pipeline_dir, ParallelPlan(), "FP32", "cpu",
-                                             progress=False)
+        version_dir = build_pipeline(root / "repository", layout, pipeline_dir)
         built[layout] = (load_pipeline(version_dir / ENGINE_DIR), pipeline_dir)
     return built
 
@@ -74,7 +81,7 @@ def test_a_bf16_pipeline_is_as_close_to_float32_as_diffusers_in_bf16(engines, tm
     GEMMs), so its image is not diffusers' bf16 image (up to 9 levels apart, seeds 2-4), but it is as close to the
     float32 image: mean differences 0.90 / 0.86 / 0.98 levels against diffusers' 0.90 / 0.86 / 1.00."""
     _, pipeline_dir = engines["dev"]
-    version_dir = build_pipeline_version(tmp_path, "bf16", pipeline_dir, ParallelPlan(), "BF16", "cpu", progress=False)
+    version_dir = build_pipeline(tmp_path, "bf16", pipeline_dir, "BF16")
     engine = load_pipeline(version_dir / ENGINE_DIR)
     image = engine.forward(request(["a cat"], 64, 64, 3, 3.5, 2))["image"].numpy()
     exact = reference_image(pipeline_dir, ["a cat"], 64, 64, 3, 3.5, 2)
@@ -84,7 +91,7 @@ def test_a_bf16_pipeline_is_as_close_to_float32_as_diffusers_in_bf16(engines, tm
 
 def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
     _, pipeline_dir = engines["dev"]
-    version_dir = build_pipeline_version(tmp_path, "v", pipeline_dir, ParallelPlan(), "FP32", "cpu", progress=False)
+    version_dir = build_pipeline(tmp_path, "v", pipeline_dir)
     assert main(["verify", str(version_dir)]) == 0
     rank_file = version_dir / ENGINE_DIR / TRANSFORMER_DIR / "rank0.safetensors"
     assert capsys.readouterr().out.split() == ["ok", str(rank_file)]
@@ -107,8 +114,8 @@ def test_random_transformer_weights_for_a_directory_without_them(engines, tmp_pa
         weights.unlink()
     config = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
     source = RandomWeights(full_shapes("flux", {key: config[key] for key in FLUX_DEV_CONFIG}), seed=4)
-    version_dir = build_pipeline_version(tmp_path / "repository", "random", tmp_path / "no_weights", ParallelPlan(),
-                                         "FP32", "cpu", progress=False, transformer_weights=source)
+    version_dir = build_pipeline(tmp_path / "repository", "random", tmp_path / "no_weights", seed=4,
+                                 random_transformer=True)
     engine = load_pipeline(version_dir / ENGINE_DIR)
     image = engine.forward(request(["a cat"], 32, 32, 2, 3.5, 1))["image"].numpy()
 

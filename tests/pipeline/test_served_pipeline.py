@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from mdtriton.build_tools.pipeline_builder import build_pipeline_version
+from mdtriton.build_tools.build import build_model_version
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
 from mdtriton.client.pipeline import generate, pipeline_inputs
@@ -31,7 +31,7 @@ MODELS = {
     "dev_ulysses2": ("dev", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "schnell_tp2": ("schnell", ParallelPlan(tp_size=2)),
 }
-CLI_BUILT = "schnell_tp2"  # built by `mdtriton build`, the others by build_pipeline_version
+CLI_BUILT = "schnell_tp2"  # built by `mdtriton build`, the others by build_model_version
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=600)
 GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5, seed=5)
 
@@ -46,8 +46,8 @@ def served(tmp_path_factory):
                          "--weights", str(pipelines[layout]), "--tp", str(plan.tp_size), "--max-batch-size",
                          str(LIMITS.max_batch_size), "--max-tokens", str(LIMITS.max_tokens)]) == 0
         else:
-            build_pipeline_version(root / "repository", name, pipelines[layout], plan, "FP32", "cpu", progress=False,
-                                   limits=LIMITS)
+            build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
+                                weights_path=pipelines[layout], progress=False, limits=LIMITS)
     server = start_server(root / "repository", root / "server.log")
     yield server, pipelines
     server.stop()

@@ -1,4 +1,4 @@
-"""Engine architecture "flux": the FLUX.1 diffusion transformer (diffusers' FluxTransformer2DModel),
+"""The FLUX.1 diffusion transformer (diffusers' FluxTransformer2DModel),
 tensor-parallel by heads and context-parallel by tokens of the joint [text; image] sequence.
 
 Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint loads without conversion.
@@ -6,7 +6,6 @@ Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint load
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -16,10 +15,9 @@ from torch import nn
 
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.manifest import TensorSpec
-from mdtriton.engine.models.flux_blocks import FluxSingleTransformerBlock, FluxTransformerBlock
-from mdtriton.engine.models.flux_layers import AdaLayerNormContinuous, TimeTextEmbedding, rotary_embedding
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux.blocks import FluxSingleTransformerBlock, FluxTransformerBlock
+from mdtriton.families.flux.layers import AdaLayerNormContinuous, TimeTextEmbedding, rotary_embedding
 
 # FLUX.1-dev's transformer, as its diffusers config (out_channels None means in_channels).
 FLUX_DEV_CONFIG = {
@@ -101,11 +99,9 @@ class Flux(nn.Module):
     modulations and norms stay in the engine's data type.
     """
 
-    supports_fp8 = True
-
     def __init__(self, config: dict, comm: Communicator, fp8: bool = False):
         super().__init__()
-        Flux.check_plan(config, comm.plan)
+        check_plan(config, comm.plan)
         self.comm = comm
         self.axes_dims = list(config["axes_dims_rope"])
         self.guidance_embeds = bool(config["guidance_embeds"])
@@ -173,90 +169,46 @@ class Flux(nn.Module):
         Attention and collectives inside them run eagerly (graph breaks), the regions between them compiled."""
         return [*self.transformer_blocks, *self.single_transformer_blocks]
 
-    @staticmethod
-    def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
-                       batch: int = 1) -> dict[str, torch.Tensor]:
-        """One request's inputs (CPU, seeded): random latents and text, image ids on a square-ish grid.
 
-        Timestep 0.5 and guidance 4.0 scale (x 1000) to values bf16 holds exactly, so a float32 forward of the
-        same inputs sees the same conditioning (3.5 would become 3504 in bf16 and 3500 in float32)."""
-        generator = torch.Generator().manual_seed(0)
-        side = math.isqrt(image_tokens)
-        positions = torch.arange(image_tokens)
-        inputs = {
-            "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=generator),
-            "encoder_hidden_states": torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=generator),
-            "pooled_projections": torch.randn(batch, config["pooled_projection_dim"], generator=generator),
-            "timestep": torch.full((batch,), 0.5),
-        }
-        if config["guidance_embeds"]:
-            inputs["guidance"] = torch.full((batch,), 4.0)
-        inputs = {name: tensor.to(dtype) for name, tensor in inputs.items()}
-        inputs["img_ids"] = torch.stack((torch.zeros(image_tokens), positions // side, positions % side), dim=1).float()
-        inputs["txt_ids"] = torch.zeros(text_tokens, 3)
-        return inputs
+def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
+                batch: int = 1) -> dict[str, torch.Tensor]:
+    """One request's inputs (CPU, seeded): random latents and text, image ids on a square-ish grid.
 
-    @staticmethod
-    def default_config() -> dict:
-        return copy.deepcopy(TINY_CONFIG)
+    Timestep 0.5 and guidance 4.0 scale (x 1000) to values bf16 holds exactly, so a float32 forward of the
+    same inputs sees the same conditioning (3.5 would become 3504 in bf16 and 3500 in float32)."""
+    generator = torch.Generator().manual_seed(0)
+    side = math.isqrt(image_tokens)
+    positions = torch.arange(image_tokens)
+    inputs = {
+        "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=generator),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=generator),
+        "pooled_projections": torch.randn(batch, config["pooled_projection_dim"], generator=generator),
+        "timestep": torch.full((batch,), 0.5),
+    }
+    if config["guidance_embeds"]:
+        inputs["guidance"] = torch.full((batch,), 4.0)
+    inputs = {name: tensor.to(dtype) for name, tensor in inputs.items()}
+    inputs["img_ids"] = torch.stack((torch.zeros(image_tokens), positions // side, positions % side), dim=1).float()
+    inputs["txt_ids"] = torch.zeros(text_tokens, 3)
+    return inputs
 
-    @staticmethod
-    def presets() -> dict[str, dict]:
-        return {"tiny": copy.deepcopy(TINY_CONFIG), "flux.1-dev": copy.deepcopy(FLUX_DEV_CONFIG),
-                "flux-80b": copy.deepcopy(FLUX_80B_CONFIG)}
 
-    @staticmethod
-    def check_plan(config: dict, plan: ParallelPlan) -> None:
-        """Raise ValueError saying what to change if config is not a FLUX config or plan cannot split it."""
-        missing = [key for key in CONFIG_KEYS if key not in config]
-        if missing:
-            raise ValueError(f"FLUX config lacks {', '.join(missing)} "
-                             "(its keys are those of diffusers' FluxTransformer2DModel config)")
-        heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-        axes_dims = list(config["axes_dims_rope"])
-        if sum(axes_dims) != head_dim or any(d % 2 for d in axes_dims):
-            raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to "
-                             f"attention_head_dim {head_dim}")
-        if heads % plan.tp_size:
-            raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
-                             "choose a tp_size that divides the head count")
-        local_heads = heads // plan.tp_size
-        if plan.cp_size > 1 and plan.cp_method == "ulysses" and local_heads % plan.cp_size:
-            raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
-                             f"{plan.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
-                             "or a cp_size that divides the heads per tensor-parallel rank")
-
-    @staticmethod
-    def check_request(config: dict, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """(batch size, text + image tokens); ValueError if the inputs disagree on the batch or the token counts."""
-        batch, image_len = inputs["hidden_states"].shape[:2]
-        text_len = inputs["encoder_hidden_states"].shape[1]
-        per_sample = ["encoder_hidden_states", "pooled_projections", "timestep"]
-        per_sample += ["guidance"] if config["guidance_embeds"] else []
-        for name in per_sample:
-            if inputs[name].shape[0] != batch:
-                raise ValueError(f"{name} has batch size {inputs[name].shape[0]} but hidden_states has {batch}; "
-                                 "every per-sample input needs the same batch size")
-        for ids, tokens, kind, length in (("img_ids", "hidden_states", "image", image_len),
-                                          ("txt_ids", "encoder_hidden_states", "text", text_len)):
-            if inputs[ids].shape[0] != length:
-                raise ValueError(f"{ids} has {inputs[ids].shape[0]} rows but {tokens} has {length} {kind} tokens; "
-                                 f"give one position-id row per {kind} token")
-        return batch, text_len + image_len
-
-    @staticmethod
-    def signature(config: dict, data_type: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-        """Inputs and outputs as diffusers' forward; position ids are FP32 (diffusers turns them to float32)."""
-        axes = len(config["axes_dims_rope"])
-        inputs = [
-            TensorSpec("hidden_states", data_type, (-1, -1, config["in_channels"])),
-            TensorSpec("encoder_hidden_states", data_type, (-1, -1, config["joint_attention_dim"])),
-            TensorSpec("pooled_projections", data_type, (-1, config["pooled_projection_dim"])),
-            TensorSpec("timestep", data_type, (-1,)),
-        ]
-        if config["guidance_embeds"]:
-            inputs.append(TensorSpec("guidance", data_type, (-1,)))
-        inputs += [TensorSpec("img_ids", "FP32", (-1, axes)), TensorSpec("txt_ids", "FP32", (-1, axes))]
-        out_channels = config["out_channels"] or config["in_channels"]
-        outputs = (TensorSpec("sample", data_type, (-1, -1, config["patch_size"] ** 2 * out_channels)),)
-        return tuple(inputs), outputs
+def check_plan(config: dict, plan: ParallelPlan) -> None:
+    """Raise ValueError saying what to change if config is not a FLUX config or plan cannot split it."""
+    missing = [key for key in CONFIG_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"FLUX config lacks {', '.join(missing)} "
+                         "(its keys are those of diffusers' FluxTransformer2DModel config)")
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    axes_dims = list(config["axes_dims_rope"])
+    if sum(axes_dims) != head_dim or any(d % 2 for d in axes_dims):
+        raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to "
+                         f"attention_head_dim {head_dim}")
+    if heads % plan.tp_size:
+        raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
+                         "choose a tp_size that divides the head count")
+    local_heads = heads // plan.tp_size
+    if plan.cp_size > 1 and plan.cp_method == "ulysses" and local_heads % plan.cp_size:
+        raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
+                         f"{plan.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
+                         "or a cp_size that divides the heads per tensor-parallel rank")

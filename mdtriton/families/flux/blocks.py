@@ -16,8 +16,8 @@ from mdtriton.engine.attention import Attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fused_activations import attention_and_gelu_to_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
-from mdtriton.engine.models.flux_layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
-from mdtriton.engine.models.flux_qkv import joint_qkv
+from mdtriton.families.flux.layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
+from mdtriton.families.flux.qkv import joint_qkv
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Engine architecture v0: a small stack of pre-norm transformer blocks, tensor-parallel by heads.
+"""Family "tiny_transformer": a small stack of pre-norm transformer blocks, tensor-parallel by heads.
 
 It exists to exercise the whole serving path (ranks, communicator, weights, Triton) with a model
 small enough for CI; the FLUX transformer is the real architecture.
@@ -14,6 +14,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.family import Family, RequestSize, Signature
 
 DEFAULT_CONFIG = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}
 
@@ -68,44 +69,48 @@ class TinyTransformer(nn.Module):
     def compiled_regions(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    @staticmethod
-    def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
-                       batch: int = 1) -> dict[str, torch.Tensor]:
-        """A request of text_tokens + image_tokens tokens (the model has one sequence)."""
-        generator = torch.Generator().manual_seed(0)
-        return {"hidden_states": torch.randn(batch, text_tokens + image_tokens, config["hidden_size"],
-                                             generator=generator).to(dtype)}
-
     def forward(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         for block in self.blocks:
             hidden_states = block(hidden_states)
         return {"output": self.norm_out(hidden_states)}
 
-    @staticmethod
-    def default_config() -> dict:
-        return dict(DEFAULT_CONFIG)
 
-    @staticmethod
-    def presets() -> dict[str, dict]:
+class TinyTransformerFamily(Family):
+    name = "tiny_transformer"
+    description = "a small stack of transformer blocks, tensor-parallel only (tests and demos)"
+    module_class = TinyTransformer
+
+    def presets(self) -> dict[str, dict]:
         return {"small": dict(DEFAULT_CONFIG)}
 
-    @staticmethod
-    def check_plan(config: dict, plan: ParallelPlan) -> None:
+    def check_plan(self, config: dict, plan: ParallelPlan) -> None:
         if plan.cp_size > 1:
-            raise ValueError("tiny_transformer supports tensor parallelism only (cp_size 1); use the flux architecture for context parallelism")
+            raise ValueError("tiny_transformer supports tensor parallelism only (cp_size 1); use the flux "
+                             "architecture for context parallelism")
         if config["num_heads"] % plan.tp_size:
             raise ValueError(f"num_heads {config['num_heads']} does not divide by tp_size {plan.tp_size}")
         if config["hidden_size"] % config["num_heads"]:
             raise ValueError(f"hidden_size {config['hidden_size']} does not divide by num_heads {config['num_heads']}")
 
-    @staticmethod
-    def check_request(config: dict, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """(batch size, tokens) of a request: its one input is [batch, tokens, hidden]."""
-        batch, tokens = inputs["hidden_states"].shape[:2]
-        return batch, tokens
-
-    @staticmethod
-    def signature(config: dict, data_type: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    def signature(self, config: dict, data_type: str) -> Signature:
         hidden = config["hidden_size"]
         return ((TensorSpec("hidden_states", data_type, (-1, -1, hidden)),),
                 (TensorSpec("output", data_type, (-1, -1, hidden)),))
+
+    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+        """Its one input is [batch, tokens, hidden]."""
+        batch, tokens = inputs["hidden_states"].shape[:2]
+        return RequestSize(batch, tokens)
+
+    def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """Batch 7 first (its graphs serve every batch of 2 or more), then batch 1; prime lengths (see
+        mdtriton.engine.compile)."""
+        return [self.example_request(config, 1148, dtype, batch=7), self.example_request(config, 4602, dtype)]
+
+    def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
+                        batch: int = 1) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        return {"hidden_states": torch.randn(batch, tokens, config["hidden_size"], generator=generator).to(dtype)}
+
+
+TINY_TRANSFORMER = TinyTransformerFamily()

@@ -1,0 +1,148 @@
+"""What a model family declares, once, for the build, the load and the server to use.
+
+A family is a diffusers transformer (FLUX, the tiny test transformer, a user's own) split rank by rank:
+`Family` says how its module is built and configured, which plans can split it, what a request to its
+transformer engine looks like and how big it is, and what warms it up. A family that serves a whole diffusers
+pipeline (prompt in, image or video out) adds a `PipelinePart`. Families are registered by name
+(mdtriton.families); an engine's manifest names its architecture: the family's name for its transformer engine,
+`<name>-pipeline` for its pipeline.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import EngineError, TensorSpec
+from mdtriton.engine.plan import ParallelPlan
+
+if TYPE_CHECKING:
+    from mdtriton.engine.engine import TorchEngine
+    from mdtriton.engine.manifest import Manifest
+
+# The folder of a pipeline's engine directory that holds its transformer engine (diffusers' name for it).
+TRANSFORMER_DIR = "transformer"
+Signature = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]  # (inputs, outputs)
+
+
+@dataclass(frozen=True)
+class RequestSize:
+    """How big a request is, as the engine's limits count it: samples, and tokens in the sequence its attention
+    runs over (the family says what a token is: FLUX's text plus image tokens, a video's patches)."""
+
+    batch: int
+    tokens: int
+
+
+class TransformerModule(Protocol):
+    """One rank's module of a family (an nn.Module), built as `module_class(config, comm)` (with `fp8=True` too
+    where the family supports FP8): forward takes the inputs by name and returns the full (unsplit) outputs by
+    name on every rank."""
+
+    def fuse_projections(self) -> None:
+        """Arrange the loaded weights for speed (e.g. q, k and v in one GEMM); called once, after the load."""
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """The modules worth compiling on GPUs (blocks between collectives)."""
+
+
+class Family(ABC):
+    """A transformer family: its module, config, plans, requests and warm-up. Subclass it and register an instance
+    (mdtriton.families: built in, or a user's package through the `mdtriton.families` entry point group)."""
+
+    name: ClassVar[str]  # the architecture name of its transformer engines (--architecture)
+    description: ClassVar[str]  # one line for `mdtriton build --help`
+    module_class: ClassVar[type[nn.Module]]  # implements TransformerModule
+    supports_fp8: ClassVar[bool] = False  # module_class takes fp8=True: its linear weights in e4m3
+    pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
+
+    @abstractmethod
+    def presets(self) -> dict[str, dict]:
+        """Named configs, the first being the default (tests' size)."""
+
+    def default_config(self) -> dict:
+        return next(iter(self.presets().values()))
+
+    def config_from_diffusers(self, config_json: dict) -> dict:
+        """The config of a diffusers checkpoint's `config.json`: its keys that this family's configs have, over the
+        default config's."""
+        known = self.default_config()
+        return {**known, **{key: value for key, value in config_json.items() if key in known}}
+
+    @abstractmethod
+    def check_plan(self, config: dict, plan: ParallelPlan) -> None:
+        """Raise ValueError, saying what to change, if config is not one of this family's or plan cannot split it."""
+
+    @abstractmethod
+    def signature(self, config: dict, data_type: str) -> Signature:
+        """The transformer engine's inputs and outputs (data_type: the engine's, e.g. BF16)."""
+
+    @abstractmethod
+    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+        """The request's size; ValueError, saying what to send instead, if its inputs (already of the signature's
+        types and ranks, no value read) do not fit together. It must take the warm-up request Triton sends at load
+        (zeros, every variable dimension of the signature cp_size: build_tools.model_config.warmup)."""
+
+    @abstractmethod
+    def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """The requests a GPU load runs, in order, to compile every graph later requests need (mdtriton.engine.compile)."""
+
+    @abstractmethod
+    def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
+                        batch: int = 1) -> dict[str, torch.Tensor]:
+        """A seeded request of `tokens` tokens (as check_request counts them), laid out as a typical one: for
+        benchmarks and tests."""
+
+    def new_module(self, config: dict, comm: Communicator, quantization: str | None = None) -> nn.Module:
+        """Rank's module, its weights not yet loaded (made on the current default device)."""
+        if quantization is None:
+            return self.module_class(config, comm)
+        if not self.supports_fp8:
+            raise EngineError(f"architecture {self.name!r} has no {quantization} weights; build it with --dtype BF16")
+        return self.module_class(config, comm, fp8=True)
+
+
+class PipelinePart(ABC):
+    """A family's whole diffusers pipeline, served as one model: the denoising loop on the server, the transformer
+    our multi-rank engine, every other component loaded by diffusers from the pipeline's directory.
+
+    The served model's inputs become the pipeline's call (`call_arguments`), its result the outputs (`outputs`).
+    """
+
+    diffusers_class: ClassVar[str]  # model_index.json's _class_name, e.g. "FluxPipeline"
+    request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
+
+    @abstractmethod
+    def signature(self) -> Signature:
+        """The served model's inputs and outputs; progress responses carry the `step` output only."""
+
+    @abstractmethod
+    def optional_inputs(self) -> tuple[str, ...]:
+        """Inputs a request may leave out (their defaults are the pipeline's)."""
+
+    def pipeline_config(self, pipeline_dir: Path) -> dict:
+        """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's
+        scale factor); kept in the pipeline's manifest."""
+        return {}
+
+    @abstractmethod
+    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+        """Raise RequestError, saying what to send instead, if the inputs are not a request the pipeline can run."""
+
+    @abstractmethod
+    def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
+        """The diffusers pipeline's call arguments for a request (not its callbacks nor output_type)."""
+
+    @abstractmethod
+    def outputs(self, result: Any) -> dict[str, torch.Tensor]:
+        """The served outputs of the pipeline's result (called with output_type "pt")."""
+
+    @abstractmethod
+    def transformer(self, engine: TorchEngine) -> nn.Module:
+        """The transformer engine, called as the pipeline calls its diffusers transformer."""

@@ -1,0 +1,186 @@
+"""The FLUX pipeline served as one model ("flux-pipeline"): diffusers' FluxPipeline, prompt to image.
+
+Inputs are named after `FluxPipeline.__call__` (prompts as UTF-8 rows: mdtriton.pipeline.prompts), the output is
+the image as UINT8; progress responses carry `step` (steps finished) only. diffusers runs the pipeline (CLIP and
+T5, the initial noise from a CPU generator seeded with `seed`, the scheduler loop with FLUX's resolution-dependent
+shift, the VAE), so an image equals diffusers' for the same components; its transformer is our engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.manifest import Manifest, TensorSpec
+from mdtriton.engine.request_check import RequestError
+from mdtriton.families.family import PipelinePart, Signature
+from mdtriton.pipeline.prompts import read_prompts
+
+if TYPE_CHECKING:
+    from mdtriton.engine.engine import TorchEngine
+
+# FluxPipeline's default and largest T5 sequence length.
+MAX_SEQUENCE_LENGTH = 512
+MAX_STEPS = 1000
+
+
+class EngineTransformer(torch.nn.Module):
+    """FluxPipeline's `transformer`: a transformer engine called as FluxTransformer2DModel is."""
+
+    def __init__(self, engine: TorchEngine):
+        super().__init__()
+        self.engine = engine
+        config = engine.manifest.config
+        self.config = SimpleNamespace(in_channels=config["in_channels"], guidance_embeds=config["guidance_embeds"])
+        self._dtype = TORCH_DTYPES[engine.manifest.data_type]
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.comm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def cache_context(self, name: str):
+        """FluxPipeline names each transformer call's cache context; the engine keeps no cache."""
+        return nullcontext()
+
+    def forward(self, hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids, img_ids,
+                joint_attention_kwargs=None, return_dict=False):
+        inputs = {
+            "hidden_states": hidden_states.to(self._dtype),
+            "encoder_hidden_states": encoder_hidden_states.to(self._dtype),
+            "pooled_projections": pooled_projections.to(self._dtype),
+            "timestep": timestep.to(self._dtype),
+            "img_ids": img_ids.float(),
+            "txt_ids": txt_ids.float(),
+        }
+        if self.config.guidance_embeds:
+            inputs["guidance"] = guidance.to(self._dtype)
+        return (self.engine.forward(inputs)["sample"],)
+
+
+class FluxPipelinePart(PipelinePart):
+    diffusers_class = "FluxPipeline"
+
+    def signature(self) -> Signature:
+        inputs = (
+            TensorSpec("prompt", "UINT8", (-1, -1)),
+            TensorSpec("height", "INT32", (1,)),
+            TensorSpec("width", "INT32", (1,)),
+            TensorSpec("num_inference_steps", "INT32", (1,)),
+            TensorSpec("guidance_scale", "FP32", (1,)),
+            TensorSpec("seed", "INT64", (1,)),
+            TensorSpec("prompt_2", "UINT8", (-1, -1)),
+            TensorSpec("max_sequence_length", "INT32", (1,)),
+        )
+        outputs = (TensorSpec("image", "UINT8", (-1, -1, -1, 3)), TensorSpec("step", "INT32", (1,)))
+        return inputs, outputs
+
+    def optional_inputs(self) -> tuple[str, ...]:
+        return ("prompt_2", "max_sequence_length")
+
+    def pipeline_config(self, pipeline_dir: Path) -> dict:
+        """The VAE's scale factor (8 for FLUX.1), as FluxPipeline derives it."""
+        vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
+        return {"vae_scale_factor": 2 ** (len(vae_config["block_out_channels"]) - 1)}
+
+    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+        """Prompts that are not UTF-8, sizes the VAE and the patching cannot take, a token count over the engine's
+        limit (naming the largest size that fits), step counts, a guidance that is not finite, a batch over the
+        limit."""
+        prompts = _prompts(inputs, "prompt")
+        if "prompt_2" in inputs and len(_prompts(inputs, "prompt_2")) != len(prompts):
+            raise RequestError(f"prompt_2 has {inputs['prompt_2'].shape[0]} rows, prompt {len(prompts)}; send one "
+                               "prompt_2 per prompt, or none")
+        batch = len(prompts)
+        if batch > manifest.limits.max_batch_size:
+            raise RequestError(f"{batch} prompts is over this model's maximum of {manifest.limits.max_batch_size} "
+                               "images per request; send fewer (the limit is set at build time: mdtriton build "
+                               "--max-batch-size)")
+        multiple = size_multiple(manifest)
+        height, width = int(inputs["height"][0]), int(inputs["width"][0])
+        for name, side in (("height", height), ("width", width)):
+            if side < multiple or side % multiple:
+                below = side // multiple * multiple
+                nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
+                raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of "
+                                   f"{nearest} (sides are multiples of {multiple}: the VAE's {multiple // 2}x "
+                                   "compression times FLUX's 2x2 patches)")
+        text_tokens = text_length(inputs)
+        if not 1 <= text_tokens <= MAX_SEQUENCE_LENGTH:
+            raise RequestError(f"max_sequence_length {text_tokens} is out of range; send 1 to {MAX_SEQUENCE_LENGTH} "
+                               f"(default {MAX_SEQUENCE_LENGTH})")
+        tokens = image_tokens(manifest, height, width) + text_tokens
+        if tokens > manifest.limits.max_tokens:
+            side = largest_square(manifest, text_tokens)
+            fits = (f"the largest square image that fits is {side}x{side}" if side
+                    else "no image fits with that text length")
+            raise RequestError(f"{height}x{width} with {text_tokens} text tokens is {tokens} tokens, over this "
+                               f"engine's maximum of {manifest.limits.max_tokens}; {fits} (or send a shorter "
+                               "max_sequence_length; the limit is set at build time: mdtriton build --max-tokens)")
+        steps = int(inputs["num_inference_steps"][0])
+        if not 1 <= steps <= MAX_STEPS:
+            raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
+        guidance = float(inputs["guidance_scale"][0])
+        if not math.isfinite(guidance):
+            raise RequestError(f"guidance_scale {guidance} is not finite; send a finite number (FLUX.1-dev: 3.5)")
+
+    def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
+        return {
+            "prompt": read_prompts(inputs["prompt"], "prompt"),
+            "prompt_2": read_prompts(inputs["prompt_2"], "prompt_2") if "prompt_2" in inputs else None,
+            "height": int(inputs["height"][0]),
+            "width": int(inputs["width"][0]),
+            "num_inference_steps": int(inputs["num_inference_steps"][0]),
+            "guidance_scale": float(inputs["guidance_scale"][0]),
+            "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
+            "max_sequence_length": text_length(inputs),
+        }
+
+    def outputs(self, result: Any) -> dict[str, torch.Tensor]:
+        """{"image": UINT8 [batch, height, width, 3]}."""
+        return {"image": to_uint8(result.images)}
+
+    def transformer(self, engine: TorchEngine) -> torch.nn.Module:
+        return EngineTransformer(engine)
+
+
+def text_length(inputs: dict[str, torch.Tensor]) -> int:
+    return int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else MAX_SEQUENCE_LENGTH
+
+
+def size_multiple(manifest: Manifest) -> int:
+    """Image sides must be multiples of this: the VAE's compression times FLUX's 2x2 patches."""
+    return 2 * manifest.config["vae_scale_factor"]
+
+
+def image_tokens(manifest: Manifest, height: int, width: int) -> int:
+    multiple = size_multiple(manifest)
+    return (height // multiple) * (width // multiple)
+
+
+def largest_square(manifest: Manifest, text_tokens: int) -> int:
+    """The largest square side (pixels) whose image tokens plus text_tokens fit the engine's token limit."""
+    room = manifest.limits.max_tokens - text_tokens
+    return math.isqrt(max(room, 0)) * size_multiple(manifest)
+
+
+def _prompts(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
+    try:
+        return read_prompts(inputs[name], name)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[B, 3, H, W] in [0, 1] -> UINT8 [B, H, W, 3], rounded as diffusers' numpy_to_pil (in float32)."""
+    return (images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu()

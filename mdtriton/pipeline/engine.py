@@ -1,0 +1,72 @@
+"""The pipeline engine: a family's diffusers pipeline on every rank, its transformer split across the ranks.
+
+diffusers loads every component but the transformer from the engine directory, as the pipeline's
+`model_index.json` lists them (tokenizers, text encoders, scheduler, VAE), and the pipeline runs as diffusers
+runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
+behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
+replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
+the ranks in step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.engine import Engine, TorchEngine
+from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.progress import report_progress
+from mdtriton.families import PipelinePart
+from mdtriton.families.family import TRANSFORMER_DIR
+
+
+class PipelineEngine(Engine):
+    """One rank's pipeline: the replicated components and its shard of the transformer."""
+
+    def __init__(self, manifest: Manifest, part: PipelinePart, pipeline: DiffusionPipeline, warm_up_seconds: float):
+        self.manifest = manifest
+        self.part = part
+        self.pipeline = pipeline
+        self.warm_up_seconds = warm_up_seconds
+
+    @classmethod
+    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator, part: PipelinePart) -> "PipelineEngine":
+        """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here)."""
+        # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
+        diffusers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()
+        engine_dir = Path(engine_dir)
+        try:
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, transformer=None,
+                                                         dtype=TORCH_DTYPES[manifest.data_type], local_files_only=True)
+        except (OSError, ValueError, TypeError) as error:
+            raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
+        if type(pipeline).__name__ != part.diffusers_class:
+            raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
+                              f"{manifest.architecture} serves")
+        pipeline.to(comm.device)
+        # The transformer last: its load checks that its shard fits the memory the other components left free.
+        transformer_dir = engine_dir / TRANSFORMER_DIR
+        engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
+        pipeline = type(pipeline)(**{**pipeline.components, "transformer": part.transformer(engine)})
+        pipeline.set_progress_bar_config(disable=True)  # the server reports progress
+        return cls(manifest, part, pipeline, engine.warm_up_seconds)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The request's outputs (the family's PipelinePart says which), progress reported after each step."""
+        result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
+                               callback_on_step_end=step_done)
+        return self.part.outputs(result)
+
+
+def step_done(pipeline: DiffusionPipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+    """A diffusers pipeline's step-end callback: report the step, change nothing."""
+    report_progress(step + 1, pipeline.num_timesteps)
+    return callback_kwargs
