@@ -49,3 +49,23 @@ def test_a_directory_missing_a_component_is_refused_naming_it(pipeline_dir, tmp_
     assert build(tmp_path / "repository", tmp_path / "partial") == 1
     assert "component folder(s) ['text_encoder_2'] missing" in capsys.readouterr().err
     assert not (tmp_path / "repository" / "flux").exists()
+
+
+def test_an_fp8_pipeline_for_cpu_instances_is_refused_for_the_gpu_reason(pipeline_dir, tmp_path, capsys):
+    """The one build path: the pipeline's FP8 build is refused as the transformer's is (it needs a GPU of compute
+    capability 8.9+), not for a data type its signature cannot hold."""
+    for architecture in ("flux", "flux-pipeline"):
+        assert main(["build", str(tmp_path), "--name", architecture, "--architecture", architecture, "--dtype", "FP8",
+                     "--weights", str(pipeline_dir if architecture == "flux-pipeline" else
+                                      pipeline_dir / "transformer")]) == 1
+        assert "FP8 engines run on GPUs of compute capability 8.9 or newer" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_fp8_pipeline_for_gpu_instances_builds_its_transformer_in_fp8(pipeline_dir, tmp_path):
+    """On a host without GPUs (the build checks no device there), as for a deployment elsewhere."""
+    assert build(tmp_path, pipeline_dir, "--dtype", "FP8", "--device", "gpu") == 0
+    engine_dir = tmp_path / "flux" / "1" / "engine"
+    transformer = json.loads((engine_dir / "transformer" / "manifest.json").read_text())
+    assert (transformer["quantization"], transformer["data_type"]) == ("fp8", "BF16")
+    assert json.loads((engine_dir / "manifest.json").read_text())["data_type"] == "BF16"
