@@ -24,7 +24,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import quantize_weight
 from mdtriton.engine.layers import parallel_specs, take_shard
 from mdtriton.engine.manifest import RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256, rank_file_label
-from mdtriton.engine.modules import loaded_module, meta_module
+from mdtriton.engine.modules import loaded_module, meta_module, stored_dtype
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
 
@@ -78,7 +78,8 @@ def random_weights(architecture_name: str, config: dict, seed: int) -> dict[str,
 
 def rank_weights(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, source,
                  dtype: torch.dtype, quantization: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rank's weights, one at a time, read from source (RandomWeights or a Checkpoint) and cast to dtype.
+    """Rank's weights, one at a time, read from source (RandomWeights or a Checkpoint) and cast to dtype (those the
+    family keeps in float32 to float32).
 
     With quantization "fp8", each weight that has a `weight_scale` beside it is quantized from this rank's
     slice (so each rank's row scales fit its own columns) and followed by its scale."""
@@ -98,7 +99,7 @@ def rank_weights(architecture_name: str, config: dict, plan: ParallelPlan, rank:
             yield name, values
             yield scale_name, scale
         else:
-            yield name, tensor.to(dtype)
+            yield name, tensor.to(stored_dtype(module, name, dtype))
 
 
 def random_shard(architecture_name: str, config: dict, plan: ParallelPlan, rank: int, seed: int,

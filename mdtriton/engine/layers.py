@@ -189,10 +189,12 @@ class RowParallelLinear(ParallelLinear):
 
 
 def parallel_specs(model: nn.Module) -> dict[str, tuple[int, list[int], int, int]]:
-    """For each split parameter of model (built for one rank): (dim, segments, tp_rank, tp_size)."""
+    """For each split parameter of model (built for one rank): (dim, segments, tp_rank, tp_size). A split module
+    says how with `shard_specs()` and holds the rank's Communicator as `comm` (ColumnParallelLinear,
+    RowParallelLinear, ColumnParallelRMSNorm)."""
     specs = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if hasattr(module, "shard_specs"):
             for name, (dim, segments) in module.shard_specs().items():
                 specs[f"{prefix}.{name}" if prefix else name] = (dim, segments, module.comm.tp_rank, module.comm.tp_size)
     return specs
@@ -215,3 +217,36 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> d
             raise ValueError(f"weight {name!r} has shape {tuple(full.shape)}, expected {tuple(expected.shape)}")
         local[name] = full
     return local
+
+
+class ColumnParallelRMSNorm(nn.Module):
+    """RMSNorm over the features of a column-parallel layer's output (e.g. q across all heads, as Wan normalises
+    it): each rank holds the weight of its own columns, and the mean square is over every rank's features, from
+    sums of squares that the caller has added up across the tensor-parallel group (sums_of_squares: one AllReduce
+    for several norms)."""
+
+    def __init__(self, features: int, comm: Communicator, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(features // comm.tp_size))
+        self.comm = comm
+        self.features = features
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """x [..., local features] normalised by its row's sum of squares over all ranks [..., 1] (float32), in
+        float32 as torch's rms_norm computes, then scaled by the weight."""
+        normed = (x.float() * torch.rsqrt(sum_of_squares / self.features + self.eps)).to(x.dtype)
+        return normed * self.weight.to(x.dtype)
+
+    def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
+        return {"weight": (0, [self.features])}
+
+
+def sums_of_squares(comm: Communicator, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Each part's per-row sum of squares [..., 1] (float32) over the whole feature dimension, the parts' columns
+    being split across the tensor-parallel group: one AllReduce for all of them."""
+    sums = [part.float().pow(2).sum(-1, keepdim=True) for part in parts]
+    if comm.tp_size == 1:
+        return sums
+    summed = comm.tp_all_reduce(torch.cat([local.reshape(-1) for local in sums]))
+    return [piece.view_as(local) for piece, local in zip(summed.split([local.numel() for local in sums]), sums)]

@@ -8,7 +8,7 @@ import torch
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import FP8_DTYPE
 from mdtriton.engine.manifest import EngineError, Manifest
-from mdtriton.engine.modules import meta_module
+from mdtriton.engine.modules import meta_module, stored_dtype
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
 
@@ -21,11 +21,14 @@ LARGEST_TP_SIZE = 64
 def rank_weight_bytes(architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
                       quantization: str | None = None) -> int:
     """Bytes of the weights each rank of plan holds (replicated weights in full, split ones in part); with
-    quantization, the quantized weights and their scales at their own sizes, the rest in data_type."""
-    element = torch.empty((), dtype=TORCH_DTYPES[data_type]).element_size()
+    quantization, the quantized weights and their scales at their own sizes, the rest in data_type (or float32 where
+    the family keeps them so)."""
+    dtype = TORCH_DTYPES[data_type]
+    module = meta_module(architecture_name, config, plan, 0, quantization)
     total = 0
-    for name, tensor in meta_module(architecture_name, config, plan, 0, quantization).state_dict().items():
-        stored = tensor.element_size() if tensor.dtype == FP8_DTYPE or name.endswith(".weight_scale") else element
+    for name, tensor in module.state_dict().items():
+        kept = tensor.dtype == FP8_DTYPE or name.endswith(".weight_scale")
+        stored = tensor.element_size() if kept else stored_dtype(module, name, dtype).itemsize
         total += stored * tensor.numel()
     return total
 

@@ -36,3 +36,11 @@ def loaded_module(architecture: str, config: dict, comm: Communicator, weights: 
         raise EngineError(f"weights do not fit architecture {architecture!r}: {error}") from error
     module.fuse_projections()
     return module.eval()
+
+
+def stored_dtype(module: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype weight `name` of module is stored in for an engine of dtype: float32 for the modules the family
+    keeps in float32 (its module's `keep_in_float32`, names matched as diffusers' _keep_in_fp32_modules are: any
+    dotted part of the weight's name), else dtype."""
+    kept = getattr(module, "keep_in_float32", ())
+    return torch.float32 if any(part in kept for part in name.split(".")) else dtype

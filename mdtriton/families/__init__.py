@@ -18,7 +18,8 @@ from mdtriton.families.family import Family, PipelinePart, RequestSize
 __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names"]
 
 ENTRY_POINT_GROUP = "mdtriton.families"
-BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX")
+BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
+            "mdtriton.families.wan:WAN")
 PIPELINE_SUFFIX = "-pipeline"
 
 

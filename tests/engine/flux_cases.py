@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import shard_state_dict
 from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256, rank_file_label
+from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families.flux import FLUX
+from mdtriton.families import family
 from mdtriton.families.flux.transformer import Flux
 
 
@@ -59,16 +60,16 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: dict[str, torch.Tensor]) -> Path:
-    """A float32 "flux" engine directory for plan, with each rank's shard cut from the full weights."""
+def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: dict[str, torch.Tensor],
+                 architecture: str = "flux") -> Path:
+    """A float32 engine directory of architecture for plan, with each rank's shard cut from the full weights."""
     engine_dir.mkdir(parents=True)
     files = []
     for rank in range(plan.world_size):
-        with torch.device("meta"):
-            module = Flux(config, Communicator(plan, rank, torch.device("cpu")))
+        module = meta_module(architecture, config, plan, rank)
         path = engine_dir / f"rank{rank}.safetensors"
         save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
         files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
-    inputs, outputs = FLUX.signature(config, "FP32")
-    Manifest("flux", config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)
+    inputs, outputs = family(architecture).signature(config, "FP32")
+    Manifest(architecture, config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)
     return engine_dir

@@ -1,0 +1,119 @@
+"""The Wan transformer engine against diffusers' WanTransformer3DModel (float32, the same weights): on one rank and
+on every plan of 2, 3 and 4 real gloo ranks, with token counts that do not divide by the ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.modules import meta_module
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.wan import WAN
+from mdtriton.families.wan.transformer import TINY_CONFIG
+from tests.distributed import run_ranks
+from tests.engine.flux_cases import max_relative_error, write_engine
+
+# Latent sizes (frames, height, width): 3 x 3 x 5 = 45 tokens divide by 3 but not by 2 or 4; 2 x 1 x 2 = 4 tokens
+# leave a rank of 3 with one real token and padding; a cross_attn_norm-free variant is checked on one rank.
+LATENTS = [(3, 6, 10), (2, 2, 4)]
+CP_METHODS = ("allgather_kv", "ring", "ulysses")
+PLANS = {
+    2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
+    3: [ParallelPlan(cp_size=3, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=3)],
+    4: [ParallelPlan(cp_size=4, cp_method=m) for m in ("allgather_kv", "ring")]
+       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in ("allgather_kv", "ring")],
+}
+
+
+def diffusers_model(config: dict, seed: int) -> WanTransformer3DModel:
+    """diffusers' model with random weights, its norms and modulation tables moved off their initial values (so a
+    norm weight applied on the wrong columns shows)."""
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**{**config, "patch_size": tuple(config["patch_size"])}).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "scale_shift_table" in name or name.endswith("bias"):
+                parameter.add_(0.2 * torch.randn_like(parameter))
+    return model
+
+
+def wan_inputs(config: dict, latent: tuple[int, int, int], seed: int, batch: int = 2,
+               text_len: int = 7) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"hidden_states": torch.randn(batch, config["in_channels"], *latent, generator=generator),
+            "timestep": 1000 * torch.rand(batch, generator=generator),
+            "encoder_hidden_states": torch.randn(batch, text_len, config["text_dim"], generator=generator)}
+
+
+def expected_samples(model: WanTransformer3DModel, cases: list[dict]) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [model(**inputs, return_dict=False)[0] for inputs in cases]
+
+
+def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
+    results = {}
+    for name, engine_dir in engine_dirs.items():
+        manifest = Manifest.read(engine_dir)
+        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
+        comm.join_groups()
+        engine = TorchEngine.load(engine_dir, manifest, comm)
+        results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
+    return results
+
+
+def test_weight_names_and_shapes_are_diffusers():
+    reference = WanTransformer3DModel(**{**TINY_CONFIG, "patch_size": tuple(TINY_CONFIG["patch_size"])})
+    ours = meta_module("wan", TINY_CONFIG, ParallelPlan(), 0).state_dict()
+    assert {name: tuple(t.shape) for name, t in ours.items()} == {
+        name: tuple(t.shape) for name, t in reference.state_dict().items()}
+
+
+@pytest.mark.parametrize("cross_attn_norm", [True, False])
+def test_one_rank_equals_diffusers(tmp_path, cross_attn_norm):
+    config = {**TINY_CONFIG, "cross_attn_norm": cross_attn_norm}
+    model = diffusers_model(config, seed=1)
+    cases = [wan_inputs(config, latent, seed=i) for i, latent in enumerate(LATENTS)]
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), model.state_dict(), "wan")
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+    for inputs, want in zip(cases, expected_samples(model, cases)):
+        got = engine.forward(inputs)["sample"]
+        assert got.shape == want.shape
+        assert max_relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_plan_equals_diffusers(tmp_path, world_size):
+    model = diffusers_model(TINY_CONFIG, seed=2)
+    cases = [wan_inputs(TINY_CONFIG, latent, seed=i) for i, latent in enumerate(LATENTS)]
+    expected = expected_samples(model, cases)
+    engine_dirs = {}
+    for plan in PLANS[world_size]:
+        name = f"tp{plan.tp_size}_cp{plan.cp_size}" + (f"_{plan.cp_method}" if plan.cp_size > 1 else "")
+        engine_dirs[name] = str(write_engine(tmp_path / name, TINY_CONFIG, plan, model.state_dict(), "wan"))
+    for rank, results in enumerate(run_ranks(world_size, run_engines, engine_dirs, cases)):
+        for name, samples in results.items():
+            for latent, sample, want in zip(LATENTS, samples, expected):
+                error = max_relative_error(torch.from_numpy(sample), want)
+                assert error < 1e-4, f"{name}, rank {rank}, latent {latent}: error {error:.2e}"
+
+
+def test_requests_that_do_not_fit_say_what_to_send():
+    inputs = wan_inputs(TINY_CONFIG, (3, 5, 10), seed=0)
+    with pytest.raises(ValueError, match="5 latent height, not a multiple of the patch size 2"):
+        WAN.check_request(TINY_CONFIG, inputs)
+    inputs = wan_inputs(TINY_CONFIG, (3, 6, 10), seed=0)
+    assert WAN.check_request(TINY_CONFIG, inputs).tokens == 45
+    inputs["timestep"] = inputs["timestep"][:1]
+    with pytest.raises(ValueError, match="timestep has batch size 1 but hidden_states has 2"):
+        WAN.check_request(TINY_CONFIG, inputs)
+
+
+def test_ulysses_with_indivisible_heads_says_what_to_use():
+    with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"):
+        WAN.check_plan(TINY_CONFIG, ParallelPlan(cp_size=4, cp_method="ulysses"))
+    with pytest.raises(ValueError, match="image-to-video"):
+        WAN.check_plan({**TINY_CONFIG, "image_dim": 1280}, ParallelPlan())
