@@ -55,7 +55,6 @@ from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.engine import TorchEngine  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.family import TRANSFORMER_DIR  # noqa: E402
 from mdtriton.families.flux import FLUX  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.pipeline.engine import PipelineEngine  # noqa: E402
@@ -153,8 +152,8 @@ def save_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
     for name, component in components.items():
         component.save_pretrained(directory / name)
         index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
-    (directory / TRANSFORMER_DIR).mkdir(parents=True, exist_ok=True)
-    (directory / TRANSFORMER_DIR / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel",
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel",
                                                                           **config}))
     (directory / MODEL_INDEX).write_text(json.dumps(index))
     return directory
@@ -232,7 +231,7 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
             components[name].to(device)
 
     comm = Communicator.single(device)
-    transformer_dir = version_dir / ENGINE_DIR / TRANSFORMER_DIR
+    transformer_dir = version_dir / ENGINE_DIR / "transformer"
     engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
     ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=FLUX.pipeline.transformer(engine),
                         **components)

@@ -22,7 +22,6 @@ from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import PipelinePart, family, pipeline_part
-from mdtriton.families.family import TRANSFORMER_DIR
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s) unless the build says otherwise.
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
@@ -37,45 +36,47 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                         plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
                         request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
-                        policy: str | None = None, limits: EngineLimits = EngineLimits(),
+                        policy: str | None = None, limits: EngineLimits | None = None,
                         random_transformer: bool = False) -> Path:
     """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
     transformer engines and pipelines alike.
 
     architecture_name: a family's (a transformer engine) or `<family>-pipeline` (the family's whole diffusers
     pipeline, from the diffusers directory at weights_path: its transformer becomes the engine, in
-    `engine/transformer/`, its other components are copied beside it unchanged, and `engine/manifest.json`
-    describes the served pipeline).
+    `engine/transformer/` (and each other transformer it lists, e.g. Wan 2.2's `transformer_2`, beside it), its
+    other components are copied unchanged, and `engine/manifest.json` describes the served pipeline).
 
     policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
     current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
     hand (e.g. EXECUTION_ENV_PATH) are kept. request_timeout_s: None is the default (a pipeline's is longer:
-    a request is a whole image).
+    a request is a whole image). limits: None is the default batch limit and the family's token limit.
 
     data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
     only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
 
-    Weights: a checkpoint at weights_path (a pipeline's: its transformer folder; its config.json fills the config
-    under `config`), or random from seed, generated on random_device (a pipeline's with random_transformer). The
+    Weights: a checkpoint at weights_path (a pipeline's: its transformer folders; the config.json fills the config
+    under `config`), or random from seed, generated on random_device (a pipeline's with random_transformer: seed,
+    seed + 1, ... for its transformers). The
     version is assembled in a hidden folder named after the build's inputs (Triton ignores names that are not
     numbers) and renamed into place at the end, so a failed build never leaves a half version, and the same build
     run again resumes from that folder.
     """
     model_family = family(architecture_name)
     part = pipeline_part(architecture_name)
-    pipeline_dir = None
-    if part is not None:
+    limits = limits or EngineLimits(max_tokens=model_family.max_tokens)
+    # The transformer engines to build: (folder of the engine directory, checkpoint or None for random weights).
+    if part is None:
+        pipeline_dir, engines = None, [("", Checkpoint(weights_path) if weights_path else None)]
+        from_checkpoint = model_family.config_from_diffusers(engines[0][1].config()) if weights_path else {}
+    else:
         if weights_path is None:
             raise CheckpointError(f"{architecture_name} builds from a diffusers {part.diffusers_class} directory: "
                                   "give it with --weights DIR")
         pipeline_dir = Path(weights_path)
-        check_pipeline_dir(pipeline_dir, part)
-        weights_path = None if random_transformer else pipeline_dir / TRANSFORMER_DIR
+        folders = transformer_folders(pipeline_dir, part)
+        engines = [(folder, None if random_transformer else Checkpoint(pipeline_dir / folder)) for folder in folders]
         from_checkpoint = model_family.config_from_diffusers(
-            json.loads((pipeline_dir / TRANSFORMER_DIR / "config.json").read_text()))
-    checkpoint = Checkpoint(weights_path) if weights_path else None
-    if part is None:
-        from_checkpoint = model_family.config_from_diffusers(checkpoint.config()) if checkpoint else {}
+            json.loads((pipeline_dir / folders[0] / "config.json").read_text()))
     config = {**model_family.default_config(), **from_checkpoint, **(config or {})}
     model_family.check_plan(config, plan)
     quantization = "fp8" if data_type == "FP8" else None
@@ -107,50 +108,62 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                 if gpu < torch.cuda.device_count():
                     check_fp8_device(torch.device("cuda", gpu))
     shapes = full_shapes(model_family.name, config)
-    if checkpoint:
-        checkpoint.check(shapes)
-    source = checkpoint or RandomWeights(shapes, seed, random_device)
+    sources = {}
+    for index, (folder, checkpoint) in enumerate(engines):
+        if checkpoint:
+            checkpoint.check(shapes)
+        sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
     staging = staging_dir(model_dir, {"architecture": architecture_name, "config": served.config,
                                       "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,
-                                      "weights": source.fingerprint()})
+                                      "weights": [source.fingerprint() for source in sources.values()]})
     engine_dir = staging / ENGINE_DIR
     with resumable(staging):
-        build_engine(engine_dir / TRANSFORMER_DIR if part else engine_dir, model_family.name, config, plan,
-                     data_type, source, progress, limits, quantization)
+        for folder, source in sources.items():
+            build_engine(engine_dir / folder, model_family.name, config, plan, data_type, source, progress, limits,
+                         quantization)
         if part is not None:
-            copy_components(pipeline_dir, engine_dir)
+            copy_components(pipeline_dir, engine_dir, part)
             served.write(engine_dir)
     return finish_version(Path(repository), name, version, staging, triton_config)
 
 
-def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> None:
-    """Raise CheckpointError, saying what to pass, unless pipeline_dir is a diffusers directory of part's pipeline
-    with every component its model_index.json lists."""
+def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
+    """The transformers of a diffusers directory of part's pipeline that become engines (Wan 2.2 A14B: two
+    experts), after checking that it is one, with every component its model_index.json lists; CheckpointError says
+    what to pass otherwise."""
     index_path = pipeline_dir / MODEL_INDEX
     if not index_path.is_file():
         raise CheckpointError(f"{pipeline_dir}: no {MODEL_INDEX}; pass a diffusers {part.diffusers_class} directory")
     index = json.loads(index_path.read_text())
     if index.get("_class_name") != part.diffusers_class:
         raise CheckpointError(f"{index_path}: a {index.get('_class_name')!r}, not a {part.diffusers_class} directory")
-    missing = [folder for folder in components(index) + [TRANSFORMER_DIR] if not (pipeline_dir / folder).is_dir()]
+    listed = [name for name, value in index.items() if not name.startswith("_") and is_component(value)]
+    missing = [folder for folder in listed if not (pipeline_dir / folder).is_dir()]
     if missing:
         raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; its {MODEL_INDEX} lists "
-                              f"{', '.join(components(index) + [TRANSFORMER_DIR])}")
+                              f"{', '.join(listed)}")
+    folders = [folder for folder in part.transformers if folder in listed]
+    if not folders:
+        raise CheckpointError(f"{index_path} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "
+                              "directory holds its transformer")
+    return folders
 
 
-def components(index: dict) -> list[str]:
-    """The component folders a model_index.json lists, the transformer's aside (components set to null, e.g. an
-    optional image encoder, have none)."""
-    return sorted(name for name, value in index.items()
-                  if not name.startswith("_") and name != TRANSFORMER_DIR and isinstance(value, list)
-                  and value[0] is not None)
+def is_component(value) -> bool:
+    """Whether a model_index.json entry is a component with a folder (not null, as an optional one may be)."""
+    return isinstance(value, list) and value[0] is not None
 
 
-def copy_components(pipeline_dir: Path, engine_dir: Path) -> None:
-    """Copy every component but the transformer, and model_index.json, into the pipeline's engine directory."""
-    for folder in components(json.loads((pipeline_dir / MODEL_INDEX).read_text())):
-        shutil.copytree(pipeline_dir / folder, engine_dir / folder, dirs_exist_ok=True)
-    shutil.copyfile(pipeline_dir / MODEL_INDEX, engine_dir / MODEL_INDEX)
+def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) -> None:
+    """Copy every component but the transformers into the pipeline's engine directory, and its model_index.json
+    with the transformers' entries null: diffusers then loads every other component and leaves the transformers,
+    which our engines serve, to the pipeline engine (mdtriton.pipeline.engine)."""
+    index = json.loads((pipeline_dir / MODEL_INDEX).read_text())
+    for folder, value in index.items():
+        if not folder.startswith("_") and is_component(value) and folder not in part.transformers:
+            shutil.copytree(pipeline_dir / folder, engine_dir / folder, dirs_exist_ok=True)
+    served = {folder: [None, None] if folder in part.transformers else value for folder, value in index.items()}
+    (engine_dir / MODEL_INDEX).write_text(json.dumps(served, indent=2) + "\n")
 
 
 def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart) -> None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from mdtriton.build_tools.build import DEFAULT_REQUEST_TIMEOUT_S, build_model_version
-from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
+from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, EngineLimits
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families import PIPELINE_SUFFIX, PipelinePart, architecture_names, families, family
 
@@ -21,6 +21,10 @@ def architectures_help() -> str:
             lines.append(f"{name}{PIPELINE_SUFFIX}: the whole diffusers {item.pipeline.diffusers_class} (prompt in, "
                          "the denoising loop on the server), from its diffusers directory given by --weights")
     return "; ".join(lines)
+
+
+def max_tokens_help() -> str:
+    return ", ".join(f"{name} {item.max_tokens}" for name, item in families().items())
 
 
 def presets_help() -> str:
@@ -68,9 +72,9 @@ def add_parser(subparsers) -> None:
                              f"{PipelinePart.request_timeout_s:.0f}, a request being a whole image)")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help=f"largest batch a request may carry (default {DEFAULT_MAX_BATCH_SIZE})")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help="longest sequence a request may carry, in tokens (FLUX: text + image; "
-                             f"default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--max-tokens", type=int,
+                        help="longest sequence a request may carry, in tokens (FLUX: text + image; Wan: the video's "
+                             f"patches); default: the family's ({max_tokens_help()})")
     parser.add_argument("--version-policy", metavar="POLICY",
                         help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
                              "(default: keep the model's policy; Triton's latest:1 for a new model)")
@@ -80,7 +84,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    limits = EngineLimits(args.max_batch_size, args.max_tokens)
+    limits = EngineLimits(args.max_batch_size, args.max_tokens or family(args.architecture).max_tokens)
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
     try:
         config = json.loads(config_text)

@@ -10,27 +10,29 @@ import argparse
 from pathlib import Path
 
 from mdtriton.build_tools.repository import ENGINE_DIR
-from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.families import pipeline_part
-from mdtriton.families.family import TRANSFORMER_DIR
 
 
-def weights_engine_dir(version_dir: Path) -> Path:
-    """The engine directory of a model version that holds rank files: a pipeline keeps them in its transformer's."""
+def weights_engine_dirs(version_dir: Path) -> list[Path]:
+    """The engine directories of a model version that hold rank files: a pipeline keeps them in its transformers'."""
     engine_dir = Path(version_dir) / ENGINE_DIR
-    return engine_dir / TRANSFORMER_DIR if pipeline_part(Manifest.read(engine_dir).architecture) else engine_dir
+    part = pipeline_part(Manifest.read(engine_dir).architecture)
+    if part is None:
+        return [engine_dir]
+    return [engine_dir / folder for folder in part.transformers if (engine_dir / folder / MANIFEST_FILE).is_file()]
 
 
 def verify_version(version_dir: Path) -> list[str]:
     """One line per rank file of version_dir: "ok PATH", or the error that names the file and what is wrong."""
-    engine_dir = weights_engine_dir(version_dir)
-    manifest = Manifest.read(engine_dir)
     lines = []
-    for rank in range(manifest.plan.world_size):
-        try:
-            lines.append(f"ok {manifest.verified_weight_file(engine_dir, rank)}")
-        except EngineError as error:
-            lines.append(f"FAILED {error}")
+    for engine_dir in weights_engine_dirs(version_dir):
+        manifest = Manifest.read(engine_dir)
+        for rank in range(manifest.plan.world_size):
+            try:
+                lines.append(f"ok {manifest.verified_weight_file(engine_dir, rank)}")
+            except EngineError as error:
+                lines.append(f"FAILED {error}")
     return lines
 
 

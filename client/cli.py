@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
-from mdtriton.client.pipeline import generate
+from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
 
@@ -88,23 +88,31 @@ def add_parsers(subparsers) -> None:
     parser.set_defaults(run=sample)
 
     parser = subparsers.add_parser(
-        "generate", help="prompt to image with a served FLUX pipeline model",
-        description="Send a prompt to a FLUX pipeline model (mdtriton build --architecture flux-pipeline), show "
-                    "each denoising step as the server finishes it, and write the image as a PNG.")
-    parser.add_argument("model", help="model name of a FLUX pipeline")
+        "generate", help="prompt to image or video with a served pipeline model",
+        description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline: an image; "
+                    "wan-pipeline: a video), show each denoising step as the server finishes it, and write the image "
+                    "as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 [frames, height, "
+                    "width, 3]). The model's outputs say which it makes. Defaults in brackets: [image; video].")
+    parser.add_argument("model", help="model name of a pipeline")
     parser.add_argument("prompt", help="the prompt")
     parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
-    parser.add_argument("--timeout", type=float, help="seconds the image may take (default: no limit)")
-    parser.add_argument("--prompt-2", help="a different prompt for the T5 encoder (default: the prompt)")
-    parser.add_argument("--height", type=int, default=1024, help="image height in pixels, a multiple of 16 (default 1024)")
-    parser.add_argument("--width", type=int, default=1024, help="image width in pixels, a multiple of 16 (default 1024)")
-    parser.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
-    parser.add_argument("--guidance", type=float, default=3.5,
-                        help="guidance scale (default 3.5; ignored by models without guidance, e.g. FLUX.1-schnell)")
+    parser.add_argument("--timeout", type=float, help="seconds the image or video may take (default: no limit)")
+    parser.add_argument("--height", type=int, help="height in pixels, a multiple of 16 [1024; 480]")
+    parser.add_argument("--width", type=int, help="width in pixels, a multiple of 16 [1024; 832]")
+    parser.add_argument("--steps", type=int, help="denoising steps [28; 50]")
+    parser.add_argument("--guidance", type=float,
+                        help="guidance scale [3.5 (ignored by models without guidance, e.g. FLUX.1-schnell); 5.0]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
-    parser.add_argument("--max-sequence-length", type=int, help="T5 tokens of the prompt (default 512)")
-    parser.add_argument("-o", "--output", type=Path, default=Path("image.png"), help="PNG to write (default image.png)")
-    parser.set_defaults(run=generate_image)
+    parser.add_argument("--max-sequence-length", type=int, help="text encoder tokens of the prompt (default 512)")
+    parser.add_argument("--prompt-2", help="images: a different prompt for the T5 encoder (default: the prompt)")
+    parser.add_argument("--num-frames", type=int, default=81, help="videos: frames, 4k+1 (default 81: 5 s at 16 fps)")
+    parser.add_argument("--negative-prompt", help="videos: what to steer away from (default: none)")
+    parser.add_argument("--guidance-2", type=float,
+                        help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
+    parser.add_argument("--fps", type=int, default=16, help="videos: frames per second of the MP4 (default 16, Wan's)")
+    parser.add_argument("-o", "--output", type=Path,
+                        help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
+    parser.set_defaults(run=generate_media)
 
     parser = subparsers.add_parser("health", parents=[connection], help="is the server (or a model) live and ready",
                                    description="Print whether the server is live and ready (and a model, if named); "
@@ -193,17 +201,54 @@ def sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_image(args: argparse.Namespace) -> int:
-    from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it
-
+def generate_media(args: argparse.Namespace) -> int:
+    """The image or the video, by what the model answers (its outputs: `image` or `video`)."""
+    with Client(args.url, timeout=args.timeout) as client:
+        outputs = {output["name"] for output in client.metadata(args.model)["outputs"]}
+    video = "video" in outputs
+    output = args.output or Path("clip.mp4" if video else "image.png")
+    suffixes = (".mp4", ".npy") if video else (".png",)
+    if output.suffix.lower() not in suffixes:
+        raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
+                         f"file, not {output}")
+    steps = args.steps or (50 if video else 28)
     start = time.perf_counter()
-    with tqdm(total=args.steps, desc="denoising", unit="step") as bar:
-        image = generate(args.url, args.model, args.prompt, args.height, args.width, args.steps, args.guidance,
-                         args.seed, args.prompt_2, args.max_sequence_length,
-                         on_step=lambda done, total: bar.update(done - bar.n), timeout=args.timeout)
-    Image.fromarray(image[0]).save(args.output, format="PNG")
-    print(f"wrote {args.output} ({image.shape[2]}x{image.shape[1]}) in {time.perf_counter() - start:.2f} s")
+    with tqdm(total=steps, desc="denoising", unit="step") as bar:
+        progress = dict(on_step=lambda done, total: bar.update(done - bar.n), timeout=args.timeout)
+        if video:
+            frames = generate_video(args.url, args.model, args.prompt, args.height or 480, args.width or 832,
+                                    args.num_frames, steps, 5.0 if args.guidance is None else args.guidance, args.seed,
+                                    args.negative_prompt, args.guidance_2, args.max_sequence_length, **progress)[0]
+        else:
+            image = generate(args.url, args.model, args.prompt, args.height or 1024, args.width or 1024, steps,
+                             3.5 if args.guidance is None else args.guidance, args.seed, args.prompt_2,
+                             args.max_sequence_length, **progress)[0]
+    if not video:
+        from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it
+
+        Image.fromarray(image).save(output, format="PNG")
+        print(f"wrote {output} ({image.shape[1]}x{image.shape[0]}) in {time.perf_counter() - start:.2f} s")
+    else:
+        if output.suffix.lower() == ".npy":
+            np.save(output, frames)
+        else:
+            write_mp4(output, frames, args.fps)
+        print(f"wrote {output} ({frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]}) in "
+              f"{time.perf_counter() - start:.2f} s")
     return 0
+
+
+def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+    """frames (UINT8 [frames, height, width, 3]) as an H.264 MP4 (yuv420p, which every player takes) through PyAV."""
+    import av  # PyAV (the `pipeline` extra), FFmpeg inside its wheel: only this command needs it
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
 
 
 def health(args: argparse.Namespace) -> int:

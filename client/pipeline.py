@@ -1,4 +1,5 @@
-"""Prompt to image from a served FLUX pipeline model (`mdtriton build --architecture flux-pipeline`).
+"""Prompt to image (FLUX: `mdtriton build --architecture flux-pipeline`) or to video (Wan: `wan-pipeline`) from a
+served pipeline model.
 
 The model is decoupled: each request opens a gRPC stream, the server sends one response per denoising step
 (`step`, the steps done) and then the image. The stream asks Triton to end with the request's gRPC status
@@ -23,7 +24,7 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
                     seed: int, prompts_2: list[str] | None = None,
                     max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
-    """The request's inputs, named and typed as the pipeline model declares them (prompts as UTF-8 rows)."""
+    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as UTF-8 rows)."""
     arrays = {
         "prompt": prompt_tensor(prompts),
         "height": np.array([height], np.int32),
@@ -36,12 +37,43 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
         arrays["prompt_2"] = prompt_tensor(prompts_2)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
+    return infer_inputs(arrays)
+
+
+def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, num_inference_steps: int,
+                 guidance_scale: float, seed: int, negative_prompts: list[str] | None = None,
+                 guidance_scale_2: float | None = None,
+                 max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
+    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as UTF-8 rows)."""
+    arrays = {
+        "prompt": prompt_tensor(prompts),
+        "height": np.array([height], np.int32),
+        "width": np.array([width], np.int32),
+        "num_frames": np.array([num_frames], np.int32),
+        "num_inference_steps": np.array([num_inference_steps], np.int32),
+        "guidance_scale": np.array([guidance_scale], np.float32),
+        "seed": np.array([seed], np.int64),
+    }
+    if negative_prompts is not None:
+        arrays["negative_prompt"] = prompt_tensor(negative_prompts)
+    if guidance_scale_2 is not None:
+        arrays["guidance_scale_2"] = np.array([guidance_scale_2], np.float32)
+    if max_sequence_length is not None:
+        arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
+    return infer_inputs(arrays)
+
+
+def infer_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
     inputs = []
     for name, array in arrays.items():
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def as_list(prompt: str | list[str] | None) -> list[str] | None:
+    return [prompt] if isinstance(prompt, str) else None if prompt is None else list(prompt)
 
 
 def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
@@ -53,10 +85,31 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
 
     timeout: seconds the whole request may take (None: no limit). Failures raise ClientError (one line).
     """
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    prompts_2 = [prompt_2] if isinstance(prompt_2, str) else prompt_2
-    inputs = pipeline_inputs(prompts, height, width, num_inference_steps, guidance_scale, seed, prompts_2,
-                             max_sequence_length)
+    inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
+                             as_list(prompt_2), max_sequence_length)
+    return stream(url, model, inputs, "image", num_inference_steps, on_step, timeout)
+
+
+def generate_video(url: str, model: str, prompt: str | list[str], height: int = 480, width: int = 832,
+                   num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int = 0,
+                   negative_prompt: str | list[str] | None = None, guidance_scale_2: float | None = None,
+                   max_sequence_length: int | None = None, on_step: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> np.ndarray:
+    """Videos for prompt (one per prompt) as UINT8 [batch, frames, height, width, 3], as WanPipeline makes them with
+    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes.
+
+    negative_prompt: one for all prompts or one each (default: none, as WanPipeline's). guidance_scale_2: Wan 2.2
+    A14B's guidance for its low-noise expert (default: guidance_scale). Failures raise ClientError (one line).
+    """
+    inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
+                          as_list(negative_prompt), guidance_scale_2, max_sequence_length)
+    return stream(url, model, inputs, "video", num_inference_steps, on_step, timeout)
+
+
+def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
+           on_step: Callable[[int, int], None] | None, timeout: float | None) -> np.ndarray:
+    """Send one request to a decoupled pipeline model; call on_step with each progress response; return the final
+    response's output."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -67,11 +120,14 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
             result, error = responses.get()
             if error is not None:
                 raise ClientError(f"generate with {model!r}: {failure(error)}")
-            names = {output.name for output in result.get_response().outputs}
-            if "image" in names:
-                return result.as_numpy("image")
-            if on_step is not None and "step" in names:
-                on_step(int(result.as_numpy("step")[0]), num_inference_steps)
+            names = {tensor.name for tensor in result.get_response().outputs}
+            if output in names:
+                return result.as_numpy(output)
+            if "step" not in names:
+                raise ClientError(f"generate with {model!r}: its answer holds {sorted(names)}, no {output!r}; is it "
+                                  f"a pipeline model of that kind?")
+            if on_step is not None:
+                on_step(int(result.as_numpy("step")[0]), steps)
     finally:
         client.stop_stream()
         client.close()

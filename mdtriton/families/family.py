@@ -19,15 +19,13 @@ import torch
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.manifest import EngineError, TensorSpec
+from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, EngineError, TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
     from mdtriton.engine.manifest import Manifest
 
-# The folder of a pipeline's engine directory that holds its transformer engine (diffusers' name for it).
-TRANSFORMER_DIR = "transformer"
 Signature = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]  # (inputs, outputs)
 
 
@@ -61,6 +59,7 @@ class Family(ABC):
     module_class: ClassVar[type[nn.Module]]  # implements TransformerModule
     supports_fp8: ClassVar[bool] = False  # module_class takes fp8=True: its linear weights in e4m3
     pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
+    max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS  # the default limit of a request's tokens (mdtriton build --max-tokens)
 
     @abstractmethod
     def presets(self) -> dict[str, dict]:
@@ -116,6 +115,9 @@ class PipelinePart(ABC):
     """
 
     diffusers_class: ClassVar[str]  # model_index.json's _class_name, e.g. "FluxPipeline"
+    # The pipeline's transformer components, which become engines (in the engine directory's folders of these names)
+    # where its model_index.json lists them: Wan 2.2 A14B has two experts.
+    transformers: ClassVar[tuple[str, ...]] = ("transformer",)
     request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
 
     @abstractmethod
@@ -145,4 +147,4 @@ class PipelinePart(ABC):
 
     @abstractmethod
     def transformer(self, engine: TorchEngine) -> nn.Module:
-        """The transformer engine, called as the pipeline calls its diffusers transformer."""
+        """A transformer engine, called as the pipeline calls its diffusers transformer."""

@@ -20,10 +20,9 @@ from transformers.utils import logging as transformers_logging
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
-from mdtriton.engine.manifest import EngineError, Manifest
+from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.progress import report_progress
 from mdtriton.families import PipelinePart
-from mdtriton.families.family import TRANSFORMER_DIR
 
 
 class PipelineEngine(Engine):
@@ -44,7 +43,7 @@ class PipelineEngine(Engine):
         transformers_logging.set_verbosity_error()
         engine_dir = Path(engine_dir)
         try:
-            pipeline = DiffusionPipeline.from_pretrained(engine_dir, transformer=None,
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers),
                                                          dtype=TORCH_DTYPES[manifest.data_type], local_files_only=True)
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
@@ -52,18 +51,25 @@ class PipelineEngine(Engine):
             raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
-        # The transformer last: its load checks that its shard fits the memory the other components left free.
-        transformer_dir = engine_dir / TRANSFORMER_DIR
-        engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
-        pipeline = type(pipeline)(**{**pipeline.components, "transformer": part.transformer(engine)})
+        # The transformers last: each load checks that its shard fits the memory the other components left free.
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
+                   for folder in transformer_engine_folders(engine_dir, part)}
+        for folder, engine in engines.items():
+            setattr(pipeline, folder, part.transformer(engine))
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
-        return cls(manifest, part, pipeline, engine.warm_up_seconds)
+        return cls(manifest, part, pipeline, sum(engine.warm_up_seconds for engine in engines.values()))
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The request's outputs (the family's PipelinePart says which), progress reported after each step."""
         result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
                                callback_on_step_end=step_done)
         return self.part.outputs(result)
+
+
+def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:
+    """The folders of a pipeline's engine directory that hold its transformer engines (the build made one for each
+    transformer the pipeline's directory listed)."""
+    return [folder for folder in part.transformers if (Path(engine_dir) / folder / MANIFEST_FILE).is_file()]
 
 
 def step_done(pipeline: DiffusionPipeline, step: int, timestep, callback_kwargs: dict) -> dict:

@@ -21,7 +21,6 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 from mdtriton.engine.progress import progress_to
 from mdtriton.engine.serving import load_engine
-from mdtriton.families.family import TRANSFORMER_DIR
 from mdtriton.pipeline.engine import PipelineEngine
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.pipeline.pipelines import max_level_difference, mean_level_difference, reference_image, save_pipelines
@@ -93,7 +92,7 @@ def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
     _, pipeline_dir = engines["dev"]
     version_dir = build_pipeline(tmp_path, "v", pipeline_dir)
     assert main(["verify", str(version_dir)]) == 0
-    rank_file = version_dir / ENGINE_DIR / TRANSFORMER_DIR / "rank0.safetensors"
+    rank_file = version_dir / ENGINE_DIR / "transformer" / "rank0.safetensors"
     assert capsys.readouterr().out.split() == ["ok", str(rank_file)]
 
 

@@ -12,6 +12,7 @@ import torch
 from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.family import Family, RequestSize, Signature
+from mdtriton.families.wan.pipeline import WanPipelinePart
 from mdtriton.families.wan.transformer import (TINY_CONFIG, WAN_1_3B_CONFIG, WAN_5B_CONFIG, WAN_14B_CONFIG, Wan,
                                                check_plan)
 
@@ -29,6 +30,8 @@ class WanFamily(Family):
                    "GPUs")
     module_class = Wan
     supports_fp8 = True
+    pipeline = WanPipelinePart()
+    max_tokens = 75_600  # 720p x 81 frames
 
     def presets(self) -> dict[str, dict]:
         return {"tiny": copy.deepcopy(TINY_CONFIG), "wan2.1-t2v-1.3b": copy.deepcopy(WAN_1_3B_CONFIG),

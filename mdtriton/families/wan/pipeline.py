@@ -1,0 +1,194 @@
+"""The Wan pipeline served as one model ("wan-pipeline"): diffusers' WanPipeline, prompt to video.
+
+Inputs are named after `WanPipeline.__call__` (prompts as UTF-8 rows: mdtriton.pipeline.prompts), the output is the
+video as UINT8 [batch, frames, height, width, 3]; progress responses carry `step` only. diffusers runs the pipeline
+(UMT5, the initial noise from a CPU generator seeded with `seed`, the scheduler loop with classifier-free guidance,
+Wan 2.2's switch from its high-noise to its low-noise expert at boundary_ratio, the VAE), so a video equals
+diffusers' for the same components; its transformers are our engines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.manifest import Manifest, TensorSpec
+from mdtriton.engine.request_check import RequestError
+from mdtriton.families.family import PipelinePart, Signature
+from mdtriton.pipeline.prompts import read_prompts
+
+if TYPE_CHECKING:
+    from mdtriton.engine.engine import TorchEngine
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default and UMT5's length
+MAX_STEPS = 1000
+
+
+class EngineTransformer(torch.nn.Module):
+    """WanPipeline's `transformer` (or `transformer_2`): a transformer engine called as WanTransformer3DModel is.
+
+    Wan 2.2 TI2V 5B's pipeline passes a timestep per token (expand_timesteps); for text to video they are all the
+    sample's timestep, which the engine takes once."""
+
+    def __init__(self, engine: TorchEngine):
+        super().__init__()
+        self.engine = engine
+        config = engine.manifest.config
+        self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
+                                      patch_size=tuple(config["patch_size"]))
+        self._dtype = TORCH_DTYPES[engine.manifest.data_type]
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.comm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def cache_context(self, name: str, **step):
+        """WanPipeline names each transformer call's cache context; the engine keeps no cache."""
+        return nullcontext()
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
+        if timestep.ndim == 2:
+            if not bool((timestep == timestep[:, :1]).all()):
+                raise ValueError("a timestep per token that differs within a sample (image to video) is not served")
+            timestep = timestep[:, 0]
+        inputs = {"hidden_states": hidden_states.to(self._dtype), "timestep": timestep.float(),
+                  "encoder_hidden_states": encoder_hidden_states.to(self._dtype)}
+        return (self.engine.forward(inputs)["sample"],)
+
+
+class WanPipelinePart(PipelinePart):
+    diffusers_class = "WanPipeline"
+    transformers = ("transformer", "transformer_2")
+    request_timeout_s = 3600.0  # a 50-step 720p clip with guidance took 19 minutes on one H100 (diffusers)
+
+    def signature(self) -> Signature:
+        inputs = (
+            TensorSpec("prompt", "UINT8", (-1, -1)),
+            TensorSpec("height", "INT32", (1,)),
+            TensorSpec("width", "INT32", (1,)),
+            TensorSpec("num_frames", "INT32", (1,)),
+            TensorSpec("num_inference_steps", "INT32", (1,)),
+            TensorSpec("guidance_scale", "FP32", (1,)),
+            TensorSpec("seed", "INT64", (1,)),
+            TensorSpec("negative_prompt", "UINT8", (-1, -1)),
+            TensorSpec("max_sequence_length", "INT32", (1,)),
+            TensorSpec("guidance_scale_2", "FP32", (1,)),
+        )
+        outputs = (TensorSpec("video", "UINT8", (-1, -1, -1, -1, 3)), TensorSpec("step", "INT32", (1,)))
+        return inputs, outputs
+
+    def optional_inputs(self) -> tuple[str, ...]:
+        return ("negative_prompt", "max_sequence_length", "guidance_scale_2")
+
+    def pipeline_config(self, pipeline_dir: Path) -> dict:
+        """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial)."""
+        vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
+        return {"vae_scale_factor_temporal": vae_config.get("scale_factor_temporal", 4),
+                "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8)}
+
+    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+        """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
+        VAE's compression times the patch, more tokens than the engine takes (naming what fits), step counts,
+        guidance that is not finite, a batch over the limit."""
+        prompts = _prompts(inputs, "prompt")
+        if "negative_prompt" in inputs and len(_prompts(inputs, "negative_prompt")) not in (1, len(prompts)):
+            raise RequestError(f"negative_prompt has {inputs['negative_prompt'].shape[0]} rows, prompt {len(prompts)};"
+                               " send one negative_prompt for all, or one per prompt")
+        if len(prompts) > manifest.limits.max_batch_size:
+            raise RequestError(f"{len(prompts)} prompts is over this model's maximum of "
+                               f"{manifest.limits.max_batch_size} videos per request; send fewer (the limit is set at "
+                               "build time: mdtriton build --max-batch-size)")
+        config = manifest.config
+        temporal = config["vae_scale_factor_temporal"]
+        frames = int(inputs["num_frames"][0])
+        if frames < 1 or (frames - 1) % temporal:
+            below = max(frames - 1, 0) // temporal * temporal + 1
+            raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the "
+                               f"VAE compresses {temporal} frames into one after the first; Wan's clips: 81)")
+        multiple = side_multiple(manifest)
+        height, width = int(inputs["height"][0]), int(inputs["width"][0])
+        for name, side in (("height", height), ("width", width)):
+            if side < multiple or side % multiple:
+                below = side // multiple * multiple
+                nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
+                raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of "
+                                   f"{nearest} (the VAE's {config['vae_scale_factor_spatial']}x compression times "
+                                   "the transformer's patches)")
+        tokens = video_tokens(manifest, frames, height, width)
+        if tokens > manifest.limits.max_tokens:
+            raise RequestError(f"{width}x{height} x {frames} frames is {tokens} tokens, over this engine's maximum of "
+                               f"{manifest.limits.max_tokens}; send fewer frames or a smaller size (the limit is set "
+                               "at build time: mdtriton build --max-tokens)")
+        text_tokens = text_length(inputs)
+        if not 1 <= text_tokens <= MAX_SEQUENCE_LENGTH:
+            raise RequestError(f"max_sequence_length {text_tokens} is out of range; send 1 to {MAX_SEQUENCE_LENGTH} "
+                               f"(default {MAX_SEQUENCE_LENGTH})")
+        steps = int(inputs["num_inference_steps"][0])
+        if not 1 <= steps <= MAX_STEPS:
+            raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            if name in inputs and not math.isfinite(float(inputs[name][0])):
+                raise RequestError(f"{name} {float(inputs[name][0])} is not finite; send a finite number (Wan: 5.0)")
+
+    def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
+        arguments = {
+            "prompt": read_prompts(inputs["prompt"], "prompt"),
+            "height": int(inputs["height"][0]),
+            "width": int(inputs["width"][0]),
+            "num_frames": int(inputs["num_frames"][0]),
+            "num_inference_steps": int(inputs["num_inference_steps"][0]),
+            "guidance_scale": float(inputs["guidance_scale"][0]),
+            "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
+            "max_sequence_length": text_length(inputs),
+        }
+        if "negative_prompt" in inputs:
+            negative = read_prompts(inputs["negative_prompt"], "negative_prompt")
+            arguments["negative_prompt"] = negative[0] if len(negative) == 1 else negative
+        if "guidance_scale_2" in inputs:
+            arguments["guidance_scale_2"] = float(inputs["guidance_scale_2"][0])
+        return arguments
+
+    def outputs(self, result: Any) -> dict[str, torch.Tensor]:
+        """{"video": UINT8 [batch, frames, height, width, 3]} of WanPipeline's frames [batch, frames, 3, H, W] in
+        [0, 1], rounded as diffusers rounds images (in float32)."""
+        return {"video": (result.frames.float().permute(0, 1, 3, 4, 2) * 255).round().to(torch.uint8).cpu()}
+
+    def transformer(self, engine: TorchEngine) -> torch.nn.Module:
+        return EngineTransformer(engine)
+
+
+def text_length(inputs: dict[str, torch.Tensor]) -> int:
+    return int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else MAX_SEQUENCE_LENGTH
+
+
+def side_multiple(manifest: Manifest) -> int:
+    """Heights and widths must be multiples of this: the VAE's spatial compression times the patch (16, or 32 for
+    Wan 2.2 TI2V 5B)."""
+    return manifest.config["vae_scale_factor_spatial"] * manifest.config["transformer"]["patch_size"][1]
+
+
+def video_tokens(manifest: Manifest, frames: int, height: int, width: int) -> int:
+    """The transformer's tokens for a video: latent frames x latent rows x latent columns, in patches."""
+    config = manifest.config
+    p_t, p_h, p_w = config["transformer"]["patch_size"]
+    spatial = config["vae_scale_factor_spatial"]
+    latent_frames = (frames - 1) // config["vae_scale_factor_temporal"] + 1
+    return (latent_frames // p_t) * (height // spatial // p_h) * (width // spatial // p_w)
+
+
+def _prompts(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
+    try:
+        return read_prompts(inputs[name], name)
+    except ValueError as error:
+        raise RequestError(str(error)) from None

@@ -1,0 +1,65 @@
+"""Tiny random Wan pipelines in diffusers' directory layout, made offline for the pipeline tests.
+
+Every component is Wan's class at toy sizes: a T5 tokenizer built locally (tests.pipeline.tiny_flux_pipeline),
+UMT5EncoderModel, AutoencoderKLWan (4x in time, 8x in space), WanTransformer3DModel and Wan's UniPC flow scheduler.
+Layouts: Wan 2.1 (one transformer), Wan 2.2 A14B (two experts switched at boundary_ratio) and Wan 2.2 TI2V
+(a timestep per token: expand_timesteps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from transformers import UMT5Config, UMT5EncoderModel
+
+from mdtriton.families.wan.transformer import TINY_CONFIG
+from tests.pipeline.tiny_flux_pipeline import T5_SPECIALS, WORDS, t5_tokenizer
+
+LATENT_CHANNELS = 4
+LAYOUTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")
+
+
+def tiny_transformer() -> WanTransformer3DModel:
+    model = WanTransformer3DModel(**{**TINY_CONFIG, "patch_size": tuple(TINY_CONFIG["patch_size"]),
+                                     "in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS})
+    with torch.no_grad():  # modulation tables off their tiny initial values, so the conditioning matters
+        for name, parameter in model.named_parameters():
+            if "scale_shift_table" in name:
+                parameter.mul_(5)
+    return model
+
+
+def tiny_wan_pipeline(layout: str = "wan2.1", seed: int = 0) -> WanPipeline:
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(T5_SPECIALS) + 1 + len(WORDS) + 26, d_model=TINY_CONFIG["text_dim"], d_kv=4, d_ff=32,
+        num_layers=1, num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
+        eos_token_id=1))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
+                           latents_std=[1.5, 2.0, 1.0, 2.5])
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    two_experts = layout == "wan2.2-a14b"
+    return WanPipeline(tokenizer=t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=tiny_transformer(), transformer_2=tiny_transformer() if two_experts else None,
+                       boundary_ratio=0.9 if two_experts else None, expand_timesteps=layout == "wan2.2-ti2v")
+
+
+def save_tiny_wan_pipeline(directory: Path, layout: str = "wan2.1", seed: int = 0) -> Path:
+    """Write a tiny pipeline into directory (diffusers' layout, safetensors weights) and return directory."""
+    tiny_wan_pipeline(layout, seed).save_pretrained(directory)
+    return Path(directory)
+
+
+def reference_video(pipeline_dir: Path, prompt: list[str], height: int, width: int, num_frames: int, steps: int,
+                    guidance: float, seed: int, **options) -> np.ndarray:
+    """diffusers' WanPipeline with the same components, as UINT8 [batch, frames, height, width, 3]."""
+    pipeline = WanPipeline.from_pretrained(pipeline_dir, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    frames = pipeline(prompt, height=height, width=width, num_frames=num_frames, num_inference_steps=steps,
+                      guidance_scale=guidance, generator=torch.Generator().manual_seed(seed), output_type="np",
+                      **options).frames
+    return (frames * 255).round().astype(np.uint8)
