@@ -233,8 +233,8 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     comm = Communicator.single(device)
     transformer_dir = version_dir / ENGINE_DIR / "transformer"
     engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
-    ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=FLUX.pipeline.transformer(engine),
-                        **components)
+    ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=None, **components)
+    ours.transformer = FLUX.pipeline.transformer(engine, ours)
     ours.set_progress_bar_config(disable=True)
     in_process = PipelineEngine(Manifest.read(version_dir / ENGINE_DIR), FLUX.pipeline, ours, engine.warm_up_seconds)
     request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),

@@ -79,6 +79,10 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
             json.loads((pipeline_dir / folders[0] / "config.json").read_text()))
     config = {**model_family.default_config(), **from_checkpoint, **(config or {})}
     model_family.check_plan(config, plan)
+    if plan.cfg_size > 1 and (part is None or not part.guidance_branches):
+        raise ValueError(f"{architecture_name} has no classifier-free guidance branches to run on separate ranks "
+                         "(guidance parallelism splits a guiding pipeline's two transformer calls per step: "
+                         "wan-pipeline); build it with --cfg 1")
     quantization = "fp8" if data_type == "FP8" else None
     if quantization:
         data_type = "BF16"

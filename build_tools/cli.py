@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mdtriton.build_tools.build import DEFAULT_REQUEST_TIMEOUT_S, build_model_version
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, EngineLimits
-from mdtriton.engine.plan import CP_METHODS, ParallelPlan
+from mdtriton.engine.plan import CFG_SIZES, CP_METHODS, ParallelPlan
 from mdtriton.families import PIPELINE_SUFFIX, PipelinePart, architecture_names, families, family
 
 
@@ -49,6 +49,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
+    parser.add_argument("--cfg", type=int, default=1, choices=CFG_SIZES,
+                        help="guidance parallelism: 2 runs a guiding pipeline's conditional and unconditional "
+                             "transformer calls on two groups of tp x cp ranks at once (wan-pipeline; default 1)")
     parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16", "FP8"),
                         help="engine data type; FP8: the transformer blocks' linear weights in e4m3 with a scale per "
                              "row, activations quantized per token, the rest and the inputs/outputs in BF16 "
@@ -82,7 +85,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method)
+    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     limits = EngineLimits(args.max_batch_size, args.max_tokens or family(args.architecture).max_tokens)
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config

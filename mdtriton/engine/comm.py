@@ -35,7 +35,7 @@ def first_sentence(error: Exception) -> str:
 
 
 class Communicator:
-    """This rank's tensor-parallel and context-parallel groups, and the collectives over them."""
+    """This rank's tensor-parallel, context-parallel and guidance groups, and the collectives over them."""
 
     def __init__(self, plan: ParallelPlan, rank: int, device: torch.device):
         self.plan = plan
@@ -43,9 +43,11 @@ class Communicator:
         self.device = torch.device(device)
         self.tp_rank = plan.tp_rank(rank)
         self.cp_rank = plan.cp_rank(rank)
+        self.cfg_rank = plan.cfg_rank(rank)
         self._tp_group = None
         self._cp_group = None
-        self._cp_ranks = plan.cp_group_ranks()[self.tp_rank] if plan.cp_size > 1 else [rank]
+        self._cfg_group = None
+        self._cp_ranks = [ranks for ranks in plan.cp_group_ranks() if rank in ranks][0]
         # Optional hook: a callable returning a context manager wrapped around every collective (the
         # backend's metrics time them with it).
         self.collective_timer = None
@@ -99,7 +101,7 @@ class Communicator:
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-        self._tp_group = self._cp_group = None
+        self._tp_group = self._cp_group = self._cfg_group = None
 
     @contextmanager
     def _collective(self, what: str, timed: bool = True):
@@ -112,7 +114,7 @@ class Communicator:
             raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
     def join_groups(self, timeout: timedelta | None = None) -> None:
-        """Create the tensor- and context-parallel groups; every rank calls this together.
+        """Create the tensor-parallel, context-parallel and guidance groups; every rank calls this together.
 
         timeout bounds their collectives (a group does not inherit the world's timeout; None: torch's default).
         """
@@ -133,6 +135,10 @@ class Communicator:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 self._cp_group = group
+        for ranks in plan.cfg_group_ranks():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                self._cfg_group = group
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Communicator":
@@ -146,6 +152,21 @@ class Communicator:
     @property
     def cp_size(self) -> int:
         return self.plan.cp_size
+
+    @property
+    def cfg_size(self) -> int:
+        return self.plan.cfg_size
+
+    def cfg_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[cfg_size, *x.shape]: x of every guidance group's rank at this rank's place, in guidance-rank order."""
+        if self.cfg_size == 1:
+            return x.unsqueeze(0)
+        if self._rehearsing:
+            return torch.stack([x] * self.cfg_size)
+        out = torch.empty((self.cfg_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        with self._collective("guidance all-gather"):
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self._cfg_group)
+        return out.unflatten(0, (self.cfg_size, x.shape[0]))
 
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial results of a row-parallel layer across the tensor-parallel group, in place."""

@@ -7,52 +7,77 @@ from dataclasses import asdict, dataclass
 CP_METHODS = ("allgather_kv", "ring", "ulysses")
 
 
+CFG_SIZES = (1, 2)
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
-    """World = tensor-parallel size x context-parallel size.
+    """World = classifier-free-guidance size x context-parallel size x tensor-parallel size.
 
-    Ranks are laid out with tensor parallelism innermost: rank = cp_rank * tp_size + tp_rank, so
-    the ranks that AllReduce every layer are neighbours (same NVLink island on bigger hosts).
+    Ranks are laid out with tensor parallelism innermost and guidance outermost:
+    rank = (cfg_rank * cp_size + cp_rank) * tp_size + tp_rank, so the ranks that AllReduce every layer are
+    neighbours (same NVLink island on bigger hosts). With cfg_size 2 (pipelines only), each half of the ranks runs one
+    branch of classifier-free guidance, the conditional (cfg rank 0) or the unconditional, and the halves exchange
+    their outputs once per step.
     """
 
     tp_size: int = 1
     cp_size: int = 1
     cp_method: str = "allgather_kv"
+    cfg_size: int = 1
 
     def __post_init__(self):
         if self.tp_size < 1 or self.cp_size < 1:
             raise ValueError(f"tp_size and cp_size must be >= 1, got {self.tp_size} and {self.cp_size}")
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
+        if self.cfg_size not in CFG_SIZES:
+            raise ValueError(f"cfg_size must be 1 or 2 (one rank group per guidance branch), got {self.cfg_size}")
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.cp_size
+        return self.cfg_size * self.cp_size * self.tp_size
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp_size
 
     def cp_rank(self, rank: int) -> int:
-        return rank // self.tp_size
+        return rank // self.tp_size % self.cp_size
+
+    def cfg_rank(self, rank: int) -> int:
+        return rank // (self.tp_size * self.cp_size)
+
+    def rank_of(self, cfg_rank: int, cp_rank: int, tp_rank: int) -> int:
+        return (cfg_rank * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     def tp_group_ranks(self) -> list[list[int]]:
-        """Every tensor-parallel group, as lists of global ranks."""
-        return [[c * self.tp_size + t for t in range(self.tp_size)] for c in range(self.cp_size)]
+        """Every tensor-parallel group, as lists of global ranks (in rank order of their first rank)."""
+        return [[self.rank_of(g, c, t) for t in range(self.tp_size)]
+                for g in range(self.cfg_size) for c in range(self.cp_size)]
 
     def cp_group_ranks(self) -> list[list[int]]:
-        """Every context-parallel group, as lists of global ranks."""
-        return [[c * self.tp_size + t for c in range(self.cp_size)] for t in range(self.tp_size)]
+        """Every context-parallel group, as lists of global ranks (group g * tp_size + t holds tp rank t of guidance
+        group g)."""
+        return [[self.rank_of(g, c, t) for c in range(self.cp_size)]
+                for g in range(self.cfg_size) for t in range(self.tp_size)]
+
+    def cfg_group_ranks(self) -> list[list[int]]:
+        """Every guidance group: the ranks of one place in the cp x tp grid, one per branch."""
+        return [[self.rank_of(g, c, t) for g in range(self.cfg_size)]
+                for c in range(self.cp_size) for t in range(self.tp_size)]
 
     def to_dict(self) -> dict:
         return {**asdict(self), "world_size": self.world_size}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelPlan":
-        plan = cls(tp_size=int(data["tp_size"]), cp_size=int(data["cp_size"]), cp_method=data["cp_method"])
+        plan = cls(tp_size=int(data["tp_size"]), cp_size=int(data["cp_size"]), cp_method=data["cp_method"],
+                   cfg_size=int(data.get("cfg_size", 1)))
         if "world_size" in data and int(data["world_size"]) != plan.world_size:
-            raise ValueError(f"world_size {data['world_size']} is not tp_size x cp_size = {plan.world_size}")
+            raise ValueError(f"world_size {data['world_size']} is not cfg_size x tp_size x cp_size = {plan.world_size}")
         return plan
 
     def __str__(self) -> str:
-        text = f"world {self.world_size} = tp {self.tp_size} x cp {self.cp_size}"
+        guidance = f"cfg {self.cfg_size} x " if self.cfg_size > 1 else ""
+        text = f"world {self.world_size} = {guidance}tp {self.tp_size} x cp {self.cp_size}"
         return text + (f" ({self.cp_method})" if self.cp_size > 1 else "")

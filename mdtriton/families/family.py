@@ -118,6 +118,9 @@ class PipelinePart(ABC):
     # The pipeline's transformer components, which become engines (in the engine directory's folders of these names)
     # where its model_index.json lists them: Wan 2.2 A14B has two experts.
     transformers: ClassVar[tuple[str, ...]] = ("transformer",)
+    # Whether the pipeline runs a conditional and an unconditional transformer call per step (classifier-free
+    # guidance), which guidance parallelism (a plan's cfg_size 2) runs on two rank groups at once.
+    guidance_branches: ClassVar[bool] = False
     request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
 
     @abstractmethod
@@ -146,5 +149,6 @@ class PipelinePart(ABC):
         """The served outputs of the pipeline's result (called with output_type "pt")."""
 
     @abstractmethod
-    def transformer(self, engine: TorchEngine) -> nn.Module:
-        """A transformer engine, called as the pipeline calls its diffusers transformer."""
+    def transformer(self, engine: TorchEngine, pipeline: Any) -> nn.Module:
+        """A transformer engine, called as the pipeline (the diffusers pipeline it serves in) calls its diffusers
+        transformer."""

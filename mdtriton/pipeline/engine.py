@@ -39,8 +39,10 @@ class PipelineEngine(Engine):
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
         manifest: engine_dir's, read by the caller (the transformer's own manifest is read here)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
-        diffusers_logging.set_verbosity_error()
-        transformers_logging.set_verbosity_error()
+        # Their loading progress bars would fill it, one line per component and rank.
+        for library_logging in (diffusers_logging, transformers_logging):
+            library_logging.set_verbosity_error()
+            library_logging.disable_progress_bar()
         engine_dir = Path(engine_dir)
         try:
             pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers),
@@ -55,7 +57,7 @@ class PipelineEngine(Engine):
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
                    for folder in transformer_engine_folders(engine_dir, part)}
         for folder, engine in engines.items():
-            setattr(pipeline, folder, part.transformer(engine))
+            setattr(pipeline, folder, part.transformer(engine, pipeline))
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
         return cls(manifest, part, pipeline, sum(engine.warm_up_seconds for engine in engines.values()))
 

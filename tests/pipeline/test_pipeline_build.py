@@ -69,3 +69,10 @@ def test_an_fp8_pipeline_for_gpu_instances_builds_its_transformer_in_fp8(pipelin
     transformer = json.loads((engine_dir / "transformer" / "manifest.json").read_text())
     assert (transformer["quantization"], transformer["data_type"]) == ("fp8", "BF16")
     assert json.loads((engine_dir / "manifest.json").read_text())["data_type"] == "BF16"
+
+
+def test_guidance_parallelism_is_refused_for_a_pipeline_without_guidance_branches(pipeline_dir, tmp_path, capsys):
+    assert build(tmp_path, pipeline_dir, "--cfg", "2") == 1
+    assert "flux-pipeline has no classifier-free guidance branches" in capsys.readouterr().err
+    assert main(["build", str(tmp_path), "--name", "tiny", "--cfg", "2"]) == 1
+    assert "build it with --cfg 1" in capsys.readouterr().err

@@ -33,6 +33,7 @@ GOOD = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_s
 MODELS = {  # served: name -> (layout, plan)
     "wan21_ulysses2": ("wan2.1", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "wan22_tp3": ("wan2.2-a14b", ParallelPlan(tp_size=3)),
+    "wan22_cfg2_ring2": ("wan2.2-a14b", ParallelPlan(cp_size=2, cp_method="ring", cfg_size=2)),
 }
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=48)
 
@@ -94,6 +95,16 @@ def test_served_video_equals_diffusers_on_2_and_3_ranks(served, pipelines, model
                                **options)
     assert max_level_difference(video, expected) <= 1
     assert steps == [(1, 3), (2, 3), (3, 3)]
+
+
+@pytest.mark.timeout(300)
+def test_guidance_parallelism_without_guidance_runs_the_one_branch_on_both_groups(served, pipelines):
+    """guidance_scale 1: WanPipeline makes no unconditional call, so both guidance groups run the conditional one."""
+    arguments = {**GOOD, "guidance_scale": 1.0, "num_inference_steps": 2}
+    video = generate_video(served.grpc_address, "wan22_cfg2_ring2", "a cat", **arguments, timeout=240)
+    expected = reference_video(pipelines["wan2.2-a14b"], ["a cat"], GOOD["height"], GOOD["width"], GOOD["num_frames"],
+                               2, 1.0, GOOD["seed"])
+    assert max_level_difference(video, expected) <= 1
 
 
 # 48 tokens at most: 32x48 x 9 frames is 18 tokens, 64x64 x 9 frames 48, 64x64 x 13 frames 64.

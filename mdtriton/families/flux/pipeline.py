@@ -150,7 +150,7 @@ class FluxPipelinePart(PipelinePart):
         """{"image": UINT8 [batch, height, width, 3]}."""
         return {"image": to_uint8(result.images)}
 
-    def transformer(self, engine: TorchEngine) -> torch.nn.Module:
+    def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         return EngineTransformer(engine)
 
 

@@ -35,11 +35,21 @@ class EngineTransformer(torch.nn.Module):
     """WanPipeline's `transformer` (or `transformer_2`): a transformer engine called as WanTransformer3DModel is.
 
     Wan 2.2 TI2V 5B's pipeline passes a timestep per token (expand_timesteps); for text to video they are all the
-    sample's timestep, which the engine takes once."""
+    sample's timestep, which the engine takes once.
 
-    def __init__(self, engine: TorchEngine):
+    Guidance parallelism (cfg_size 2): WanPipeline calls the transformer for the conditional branch, then for the
+    unconditional one, and combines them only after both. So the conditional call hands back an empty tensor and
+    keeps its inputs; the unconditional call runs the conditional inputs on guidance group 0 and its own on group 1,
+    at once, exchanges the outputs (one all-gather), fills the conditional call's tensor and returns its own. A
+    pipeline that does not guide (guidance_scale <= 1) makes no unconditional call: both groups then run the
+    conditional one."""
+
+    def __init__(self, engine: TorchEngine, pipeline: Any):
         super().__init__()
         self.engine = engine
+        self.pipeline = pipeline
+        self.branch = "cond"
+        self.pending: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
                                       patch_size=tuple(config["patch_size"]))
@@ -54,7 +64,9 @@ class EngineTransformer(torch.nn.Module):
         return self._dtype
 
     def cache_context(self, name: str, **step):
-        """WanPipeline names each transformer call's cache context; the engine keeps no cache."""
+        """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context; the engine keeps
+        no cache, the branch tells guidance parallelism which call this is."""
+        self.branch = name
         return nullcontext()
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
@@ -64,11 +76,23 @@ class EngineTransformer(torch.nn.Module):
             timestep = timestep[:, 0]
         inputs = {"hidden_states": hidden_states.to(self._dtype), "timestep": timestep.float(),
                   "encoder_hidden_states": encoder_hidden_states.to(self._dtype)}
-        return (self.engine.forward(inputs)["sample"],)
+        comm = self.engine.comm
+        if comm.cfg_size == 1 or not self.pipeline.do_classifier_free_guidance:
+            return (self.engine.forward(inputs)["sample"],)
+        if self.branch == "cond":
+            shape = (hidden_states.shape[0], self.config.out_channels, *hidden_states.shape[2:])
+            self.pending = (inputs, torch.empty(shape, dtype=self._dtype, device=self.device))
+            return (self.pending[1],)
+        conditional, filled = self.pending
+        self.pending = None
+        both = comm.cfg_all_gather(self.engine.forward(conditional if comm.cfg_rank == 0 else inputs)["sample"])
+        filled.copy_(both[0])
+        return (both[1],)
 
 
 class WanPipelinePart(PipelinePart):
     diffusers_class = "WanPipeline"
+    guidance_branches = True
     transformers = ("transformer", "transformer_2")
     request_timeout_s = 3600.0  # a 50-step 720p clip with guidance took 19 minutes on one H100 (diffusers)
 
@@ -164,8 +188,8 @@ class WanPipelinePart(PipelinePart):
         [0, 1], rounded as diffusers rounds images (in float32)."""
         return {"video": (result.frames.float().permute(0, 1, 3, 4, 2) * 255).round().to(torch.uint8).cpu()}
 
-    def transformer(self, engine: TorchEngine) -> torch.nn.Module:
-        return EngineTransformer(engine)
+    def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
+        return EngineTransformer(engine, pipeline)
 
 
 def text_length(inputs: dict[str, torch.Tensor]) -> int:
