@@ -92,19 +92,30 @@ class TorchEngine(Engine):
         except SafetensorError as error:
             raise EngineError(f"{path}: not a readable safetensors file: {error}") from error
         try:
-            module = loaded_module(manifest.architecture, manifest.config, comm, weights, manifest.quantization)
+            return cls.from_weights(manifest, comm, weights, CompileCache(engine_dir, comm), compile, start)
         except EngineError as error:
             raise EngineError(f"{path}: {error}") from error
-        del weights
+
+    @classmethod
+    def from_weights(cls, manifest: Manifest, comm: Communicator, weights: dict[str, torch.Tensor],
+                     cache: CompileCache | None = None, compile: bool | None = None,
+                     start: float | None = None) -> "TorchEngine":
+        """This rank's engine from its weights (on its device, as `load` reads them from the rank file): the module,
+        then on GPUs its compile and warm-up, which `cache` (if any) keeps. What `load` does once the file is read;
+        benchmarks call it with weights made in memory, so they time what the server runs."""
+        start = time.perf_counter() if start is None else start
+        module = loaded_module(manifest.architecture, manifest.config, comm, weights, manifest.quantization)
+        weights.clear()  # the module holds the tensors now
         load_seconds = time.perf_counter() - start
         warm_up_seconds = 0.0
         compiled = compile if compile is not None else comm.device.type == "cuda"
         if compiled:
-            cache = CompileCache(engine_dir, comm)
-            cache.load()
+            if cache is not None:
+                cache.load()
             warm_up_seconds = compile_and_warm_up(module, manifest.architecture, manifest.config,
                                                   TORCH_DTYPES[manifest.data_type], comm)
-            cache.save()
+            if cache is not None:
+                cache.save()
         return cls(manifest, module, comm, load_seconds, warm_up_seconds, compiled)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.attention import attention_for
-from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.attention.local import attention as local_attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.layers import (ColumnParallelLinear, ColumnParallelRMSNorm, RowParallelLinear, fuse_columns,
                                     sums_of_squares)
@@ -188,7 +188,7 @@ class CrossAttention(nn.Module):
         q_squares, k_squares = sums_of_squares(self.comm, q, k)
         q, k = self.norm_q(q, q_squares), self.norm_k(k, k_squares)
         q, k, v = (part.unflatten(-1, (self.local_heads, -1)).transpose(1, 2) for part in (q, k, v))
-        out = plain_attention(q, k, v)
+        out = local_attention(q, k, v, self.comm, k.shape[2])  # every text token: this rank's queries over all keys
         return self.to_out[0](out.transpose(1, 2).flatten(2).type_as(x))
 
 
