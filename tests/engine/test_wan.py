@@ -101,6 +101,13 @@ def test_every_plan_equals_diffusers(tmp_path, world_size):
                 assert error < 1e-4, f"{name}, rank {rank}, latent {latent}: error {error:.2e}"
 
 
+@pytest.mark.parametrize("preset", sorted(WAN.presets()))
+def test_every_preset_builds_and_has_its_parameter_count(preset):
+    counts = {"tiny": 0.000143, "wan2.1-t2v-1.3b": 1.42, "wan2.1-t2v-14b": 14.29, "wan2.2-ti2v-5b": 5.0}
+    module = meta_module("wan", WAN.presets()[preset], ParallelPlan(), 0)
+    assert sum(t.numel() for t in module.state_dict().values()) / 1e9 == pytest.approx(counts[preset], rel=0.02)
+
+
 def test_requests_that_do_not_fit_say_what_to_send():
     inputs = wan_inputs(TINY_CONFIG, (3, 5, 10), seed=0)
     with pytest.raises(ValueError, match="5 latent height, not a multiple of the patch size 2"):

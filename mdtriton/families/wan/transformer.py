@@ -47,7 +47,7 @@ WAN_1_3B_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 12, "ffn_dim": 8960,
 # Wan 2.2 TI2V 5B: 48 latent channels (its VAE compresses 16x16 pixels per token).
 WAN_5B_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
                  "ffn_dim": 14336, "num_layers": 30}
-# A Wan of ~60 k parameters for tests: the same structure at tiny sizes (6 heads: tp 2 or 3, ulysses 2 or 3).
+# A Wan of ~140 k parameters for tests: the same structure at tiny sizes (6 heads: tp 2 or 3, ulysses 2 or 3).
 TINY_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 6, "attention_head_dim": 12, "in_channels": 4,
                "out_channels": 4, "text_dim": 16, "freq_dim": 8, "ffn_dim": 36, "num_layers": 2,
                "rope_max_seq_len": 32}
@@ -65,9 +65,9 @@ def check_plan(config: dict, plan: ParallelPlan) -> None:
     if config["qk_norm"] != "rms_norm_across_heads":
         raise ValueError(f"qk_norm {config['qk_norm']!r}: Wan's transformers use 'rms_norm_across_heads'")
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-    if head_dim % 6 or head_dim < 6:
-        raise ValueError(f"attention_head_dim {head_dim} must be a multiple of 6 (its rotary embedding splits it "
-                         "over frames, height and width)")
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"attention_head_dim {head_dim} must be even and at least 6 (its rotary embedding splits "
+                         "it in pairs over frames, height and width)")
     if heads % plan.tp_size:
         raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
                          "choose a tp_size that divides the head count")
