@@ -38,6 +38,18 @@ class ParallelPlan:
     def world_size(self) -> int:
         return self.cfg_size * self.cp_size * self.tp_size
 
+    def check_heads(self, heads: int) -> None:
+        """Raise ValueError, saying what to change, unless `heads` attention heads split evenly over the
+        tensor-parallel ranks and, for ulysses, each tensor-parallel rank's heads over the context-parallel ranks."""
+        if heads % self.tp_size:
+            raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {self.tp_size}; "
+                             "choose a tp_size that divides the head count")
+        local_heads = heads // self.tp_size
+        if self.cp_size > 1 and self.cp_method == "ulysses" and local_heads % self.cp_size:
+            raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
+                             f"{self.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
+                             "or a cp_size that divides the heads per tensor-parallel rank")
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp_size
 

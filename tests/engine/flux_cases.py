@@ -1,5 +1,6 @@
-"""FLUX test material: random inputs with diffusers' names, random weights, and engine directories
-written with the engine core alone (a manifest and one safetensors shard per rank)."""
+"""FLUX test material: random inputs with diffusers' names and random weights; and what every family's engine
+tests share: engine directories written with the engine core alone (a manifest and one safetensors shard per rank),
+and their run on the ranks of a gloo world."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.layers import shard_state_dict
 from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256, rank_file_label
 from mdtriton.engine.modules import meta_module
@@ -73,3 +75,15 @@ def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: di
     inputs, outputs = family(architecture).signature(config, "FP32")
     Manifest(architecture, config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)
     return engine_dir
+
+
+def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
+    """On one rank of a gloo world: load each engine and run every input case; the samples as numpy arrays."""
+    results = {}
+    for name, engine_dir in engine_dirs.items():
+        manifest = Manifest.read(engine_dir)
+        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
+        comm.join_groups()
+        engine = TorchEngine.load(engine_dir, manifest, comm)
+        results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
+    return results

@@ -12,7 +12,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import Flux, JointSlice
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, write_engine
+from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, run_engines, write_engine
 
 # (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
 # 4 ranks the last rank holds only padding and the one before it a real token and padding.
@@ -23,18 +23,6 @@ PLANS = {
     4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
        + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS],
 }
-
-
-def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
-    """On one rank: load each engine and run every input case; the samples as numpy arrays."""
-    results = {}
-    for name, engine_dir in engine_dirs.items():
-        manifest = Manifest.read(engine_dir)
-        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-        comm.join_groups()
-        engine = TorchEngine.load(engine_dir, manifest, comm)
-        results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
-    return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -15,7 +15,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.wan import WAN
 from mdtriton.families.wan.transformer import TINY_CONFIG
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import max_relative_error, write_engine
+from tests.engine.flux_cases import max_relative_error, run_engines, write_engine
 
 # Latent sizes (frames, height, width): 3 x 3 x 5 = 45 tokens divide by 3 but not by 2 or 4; 2 x 1 x 2 = 4 tokens
 # leave a rank of 3 with one real token and padding; a cross_attn_norm-free variant is checked on one rank.
@@ -52,17 +52,6 @@ def wan_inputs(config: dict, latent: tuple[int, int, int], seed: int, batch: int
 def expected_samples(model: WanTransformer3DModel, cases: list[dict]) -> list[torch.Tensor]:
     with torch.inference_mode():
         return [model(**inputs, return_dict=False)[0] for inputs in cases]
-
-
-def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
-    results = {}
-    for name, engine_dir in engine_dirs.items():
-        manifest = Manifest.read(engine_dir)
-        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-        comm.join_groups()
-        engine = TorchEngine.load(engine_dir, manifest, comm)
-        results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
-    return results
 
 
 def test_weight_names_and_shapes_are_diffusers():

@@ -10,48 +10,34 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
+from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
+                                             text_length)
+from mdtriton.pipeline.transformer import EngineAsTransformer
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
 
 # FluxPipeline's default and largest T5 sequence length.
 MAX_SEQUENCE_LENGTH = 512
-MAX_STEPS = 1000
 
 
-class EngineTransformer(torch.nn.Module):
+class EngineTransformer(EngineAsTransformer):
     """FluxPipeline's `transformer`: a transformer engine called as FluxTransformer2DModel is."""
 
     def __init__(self, engine: TorchEngine):
-        super().__init__()
-        self.engine = engine
+        super().__init__(engine)
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], guidance_embeds=config["guidance_embeds"])
-        self._dtype = TORCH_DTYPES[engine.manifest.data_type]
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.comm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    def cache_context(self, name: str):
-        """FluxPipeline names each transformer call's cache context; the engine keeps no cache."""
-        return nullcontext()
 
     def forward(self, hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids, img_ids,
                 joint_attention_kwargs=None, return_dict=False):
@@ -97,28 +83,15 @@ class FluxPipelinePart(PipelinePart):
         """Prompts that are not UTF-8, sizes the VAE and the patching cannot take, a token count over the engine's
         limit (naming the largest size that fits), step counts, a guidance that is not finite, a batch over the
         limit."""
-        prompts = _prompts(inputs, "prompt")
-        if "prompt_2" in inputs and len(_prompts(inputs, "prompt_2")) != len(prompts):
+        prompts = prompts_of(inputs, "prompt")
+        if "prompt_2" in inputs and len(prompts_of(inputs, "prompt_2")) != len(prompts):
             raise RequestError(f"prompt_2 has {inputs['prompt_2'].shape[0]} rows, prompt {len(prompts)}; send one "
                                "prompt_2 per prompt, or none")
-        batch = len(prompts)
-        if batch > manifest.limits.max_batch_size:
-            raise RequestError(f"{batch} prompts is over this model's maximum of {manifest.limits.max_batch_size} "
-                               "images per request; send fewer (the limit is set at build time: mdtriton build "
-                               "--max-batch-size)")
+        check_batch(manifest, prompts, "images")
         multiple = size_multiple(manifest)
-        height, width = int(inputs["height"][0]), int(inputs["width"][0])
-        for name, side in (("height", height), ("width", width)):
-            if side < multiple or side % multiple:
-                below = side // multiple * multiple
-                nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
-                raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of "
-                                   f"{nearest} (sides are multiples of {multiple}: the VAE's {multiple // 2}x "
-                                   "compression times FLUX's 2x2 patches)")
-        text_tokens = text_length(inputs)
-        if not 1 <= text_tokens <= MAX_SEQUENCE_LENGTH:
-            raise RequestError(f"max_sequence_length {text_tokens} is out of range; send 1 to {MAX_SEQUENCE_LENGTH} "
-                               f"(default {MAX_SEQUENCE_LENGTH})")
+        height, width = check_sides(inputs, multiple, f"sides are multiples of {multiple}: the VAE's "
+                                                      f"{multiple // 2}x compression times FLUX's 2x2 patches")
+        text_tokens = text_length(inputs, MAX_SEQUENCE_LENGTH)
         tokens = image_tokens(manifest, height, width) + text_tokens
         if tokens > manifest.limits.max_tokens:
             side = largest_square(manifest, text_tokens)
@@ -127,12 +100,7 @@ class FluxPipelinePart(PipelinePart):
             raise RequestError(f"{height}x{width} with {text_tokens} text tokens is {tokens} tokens, over this "
                                f"engine's maximum of {manifest.limits.max_tokens}; {fits} (or send a shorter "
                                "max_sequence_length; the limit is set at build time: mdtriton build --max-tokens)")
-        steps = int(inputs["num_inference_steps"][0])
-        if not 1 <= steps <= MAX_STEPS:
-            raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
-        guidance = float(inputs["guidance_scale"][0])
-        if not math.isfinite(guidance):
-            raise RequestError(f"guidance_scale {guidance} is not finite; send a finite number (FLUX.1-dev: 3.5)")
+        check_steps_and_guidance(inputs, ("guidance_scale",), "FLUX.1-dev: 3.5")
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         return {
@@ -143,7 +111,7 @@ class FluxPipelinePart(PipelinePart):
             "num_inference_steps": int(inputs["num_inference_steps"][0]),
             "guidance_scale": float(inputs["guidance_scale"][0]),
             "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
-            "max_sequence_length": text_length(inputs),
+            "max_sequence_length": text_length(inputs, MAX_SEQUENCE_LENGTH),
         }
 
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
@@ -152,10 +120,6 @@ class FluxPipelinePart(PipelinePart):
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         return EngineTransformer(engine)
-
-
-def text_length(inputs: dict[str, torch.Tensor]) -> int:
-    return int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else MAX_SEQUENCE_LENGTH
 
 
 def size_multiple(manifest: Manifest) -> int:
@@ -172,13 +136,6 @@ def largest_square(manifest: Manifest, text_tokens: int) -> int:
     """The largest square side (pixels) whose image tokens plus text_tokens fit the engine's token limit."""
     room = manifest.limits.max_tokens - text_tokens
     return math.isqrt(max(room, 0)) * size_multiple(manifest)
-
-
-def _prompts(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
-    try:
-        return read_prompts(inputs[name], name)
-    except ValueError as error:
-        raise RequestError(str(error)) from None
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

@@ -204,11 +204,4 @@ def check_plan(config: dict, plan: ParallelPlan) -> None:
     if sum(axes_dims) != head_dim or any(d % 2 for d in axes_dims):
         raise ValueError(f"axes_dims_rope {axes_dims} must be even sizes adding up to "
                          f"attention_head_dim {head_dim}")
-    if heads % plan.tp_size:
-        raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
-                         "choose a tp_size that divides the head count")
-    local_heads = heads // plan.tp_size
-    if plan.cp_size > 1 and plan.cp_method == "ulysses" and local_heads % plan.cp_size:
-        raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
-                         f"{plan.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
-                         "or a cp_size that divides the heads per tensor-parallel rank")
+    plan.check_heads(heads)

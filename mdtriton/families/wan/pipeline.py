@@ -10,7 +10,6 @@ diffusers' for the same components; its transformers are our engines.
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,20 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
+from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
+                                             text_length)
+from mdtriton.pipeline.transformer import EngineAsTransformer
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default and UMT5's length
-MAX_STEPS = 1000
 
 
-class EngineTransformer(torch.nn.Module):
+class EngineTransformer(EngineAsTransformer):
     """WanPipeline's `transformer` (or `transformer_2`): a transformer engine called as WanTransformer3DModel is.
 
     Wan 2.2 TI2V 5B's pipeline passes a timestep per token (expand_timesteps); for text to video they are all the
@@ -45,23 +45,13 @@ class EngineTransformer(torch.nn.Module):
     conditional one."""
 
     def __init__(self, engine: TorchEngine, pipeline: Any):
-        super().__init__()
-        self.engine = engine
+        super().__init__(engine)
         self.pipeline = pipeline
         self.branch = "cond"
         self.pending: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
                                       patch_size=tuple(config["patch_size"]))
-        self._dtype = TORCH_DTYPES[engine.manifest.data_type]
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.comm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def cache_context(self, name: str, **step):
         """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context; the engine keeps
@@ -125,14 +115,11 @@ class WanPipelinePart(PipelinePart):
         """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
         VAE's compression times the patch, more tokens than the engine takes (naming what fits), step counts,
         guidance that is not finite, a batch over the limit."""
-        prompts = _prompts(inputs, "prompt")
-        if "negative_prompt" in inputs and len(_prompts(inputs, "negative_prompt")) not in (1, len(prompts)):
+        prompts = prompts_of(inputs, "prompt")
+        if "negative_prompt" in inputs and len(prompts_of(inputs, "negative_prompt")) not in (1, len(prompts)):
             raise RequestError(f"negative_prompt has {inputs['negative_prompt'].shape[0]} rows, prompt {len(prompts)};"
                                " send one negative_prompt for all, or one per prompt")
-        if len(prompts) > manifest.limits.max_batch_size:
-            raise RequestError(f"{len(prompts)} prompts is over this model's maximum of "
-                               f"{manifest.limits.max_batch_size} videos per request; send fewer (the limit is set at "
-                               "build time: mdtriton build --max-batch-size)")
+        check_batch(manifest, prompts, "videos")
         config = manifest.config
         temporal = config["vae_scale_factor_temporal"]
         frames = int(inputs["num_frames"][0])
@@ -140,30 +127,15 @@ class WanPipelinePart(PipelinePart):
             below = max(frames - 1, 0) // temporal * temporal + 1
             raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the "
                                f"VAE compresses {temporal} frames into one after the first; Wan's clips: 81)")
-        multiple = side_multiple(manifest)
-        height, width = int(inputs["height"][0]), int(inputs["width"][0])
-        for name, side in (("height", height), ("width", width)):
-            if side < multiple or side % multiple:
-                below = side // multiple * multiple
-                nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
-                raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of "
-                                   f"{nearest} (the VAE's {config['vae_scale_factor_spatial']}x compression times "
-                                   "the transformer's patches)")
+        height, width = check_sides(inputs, side_multiple(manifest), f"the VAE's {config['vae_scale_factor_spatial']}x "
+                                                                     "compression times the transformer's patches")
         tokens = video_tokens(manifest, frames, height, width)
         if tokens > manifest.limits.max_tokens:
             raise RequestError(f"{width}x{height} x {frames} frames is {tokens} tokens, over this engine's maximum of "
                                f"{manifest.limits.max_tokens}; send fewer frames or a smaller size (the limit is set "
                                "at build time: mdtriton build --max-tokens)")
-        text_tokens = text_length(inputs)
-        if not 1 <= text_tokens <= MAX_SEQUENCE_LENGTH:
-            raise RequestError(f"max_sequence_length {text_tokens} is out of range; send 1 to {MAX_SEQUENCE_LENGTH} "
-                               f"(default {MAX_SEQUENCE_LENGTH})")
-        steps = int(inputs["num_inference_steps"][0])
-        if not 1 <= steps <= MAX_STEPS:
-            raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
-        for name in ("guidance_scale", "guidance_scale_2"):
-            if name in inputs and not math.isfinite(float(inputs[name][0])):
-                raise RequestError(f"{name} {float(inputs[name][0])} is not finite; send a finite number (Wan: 5.0)")
+        text_length(inputs, MAX_SEQUENCE_LENGTH)
+        check_steps_and_guidance(inputs, ("guidance_scale", "guidance_scale_2"), "Wan: 5.0")
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         arguments = {
@@ -174,7 +146,7 @@ class WanPipelinePart(PipelinePart):
             "num_inference_steps": int(inputs["num_inference_steps"][0]),
             "guidance_scale": float(inputs["guidance_scale"][0]),
             "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
-            "max_sequence_length": text_length(inputs),
+            "max_sequence_length": text_length(inputs, MAX_SEQUENCE_LENGTH),
         }
         if "negative_prompt" in inputs:
             negative = read_prompts(inputs["negative_prompt"], "negative_prompt")
@@ -192,10 +164,6 @@ class WanPipelinePart(PipelinePart):
         return EngineTransformer(engine, pipeline)
 
 
-def text_length(inputs: dict[str, torch.Tensor]) -> int:
-    return int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else MAX_SEQUENCE_LENGTH
-
-
 def side_multiple(manifest: Manifest) -> int:
     """Heights and widths must be multiples of this: the VAE's spatial compression times the patch (16, or 32 for
     Wan 2.2 TI2V 5B)."""
@@ -209,10 +177,3 @@ def video_tokens(manifest: Manifest, frames: int, height: int, width: int) -> in
     spatial = config["vae_scale_factor_spatial"]
     latent_frames = (frames - 1) // config["vae_scale_factor_temporal"] + 1
     return (latent_frames // p_t) * (height // spatial // p_h) * (width // spatial // p_w)
-
-
-def _prompts(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
-    try:
-        return read_prompts(inputs[name], name)
-    except ValueError as error:
-        raise RequestError(str(error)) from None

@@ -68,17 +68,10 @@ def check_plan(config: dict, plan: ParallelPlan) -> None:
     if head_dim % 2 or head_dim < 6:
         raise ValueError(f"attention_head_dim {head_dim} must be even and at least 6 (its rotary embedding splits "
                          "it in pairs over frames, height and width)")
-    if heads % plan.tp_size:
-        raise ValueError(f"num_attention_heads {heads} does not divide by tp_size {plan.tp_size}; "
-                         "choose a tp_size that divides the head count")
+    plan.check_heads(heads)
     if config["ffn_dim"] % plan.tp_size:
         raise ValueError(f"ffn_dim {config['ffn_dim']} does not divide by tp_size {plan.tp_size}; choose a tp_size "
                          "that divides it")
-    local_heads = heads // plan.tp_size
-    if plan.cp_size > 1 and plan.cp_method == "ulysses" and local_heads % plan.cp_size:
-        raise ValueError(f"ulysses splits the {local_heads} heads of each tensor-parallel rank across cp_size "
-                         f"{plan.cp_size}, which does not divide them; use cp_method allgather_kv or ring, "
-                         "or a cp_size that divides the heads per tensor-parallel rank")
 
 
 def timestep_embedding(timesteps: torch.Tensor, channels: int) -> torch.Tensor:

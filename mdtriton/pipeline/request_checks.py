@@ -1,0 +1,61 @@
+"""The checks every pipeline's requests share, each raising RequestError that says what to send instead: prompts,
+the batch, image sides, the text length, step counts, finite guidance. A family's PipelinePart.check_request calls
+them with its own limits and words (no diffusers needed)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.request_check import RequestError
+from mdtriton.pipeline.prompts import read_prompts
+
+MAX_STEPS = 1000
+
+
+def prompts_of(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
+    """The prompts of input `name` (UTF-8 rows); RequestError if a row is not UTF-8."""
+    try:
+        return read_prompts(inputs[name], name)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+def check_batch(manifest: Manifest, prompts: list[str], outputs: str) -> None:
+    """One output (`outputs`: "images", "videos") per prompt, at most the engine's batch limit."""
+    if len(prompts) > manifest.limits.max_batch_size:
+        raise RequestError(f"{len(prompts)} prompts is over this model's maximum of {manifest.limits.max_batch_size} "
+                           f"{outputs} per request; send fewer (the limit is set at build time: mdtriton build "
+                           "--max-batch-size)")
+
+
+def check_sides(inputs: dict[str, torch.Tensor], multiple: int, why: str) -> tuple[int, int]:
+    """(height, width), each a positive multiple of `multiple` (why: what makes it so, for the message)."""
+    height, width = int(inputs["height"][0]), int(inputs["width"][0])
+    for name, side in (("height", height), ("width", width)):
+        if side < multiple or side % multiple:
+            below = side // multiple * multiple
+            nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
+            raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of {nearest} "
+                               f"({why})")
+    return height, width
+
+
+def text_length(inputs: dict[str, torch.Tensor], longest: int) -> int:
+    """The request's max_sequence_length (default and limit: longest), checked."""
+    tokens = int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else longest
+    if not 1 <= tokens <= longest:
+        raise RequestError(f"max_sequence_length {tokens} is out of range; send 1 to {longest} (default {longest})")
+    return tokens
+
+
+def check_steps_and_guidance(inputs: dict[str, torch.Tensor], guidance_names: tuple[str, ...], example: str) -> None:
+    """num_inference_steps 1 to MAX_STEPS; each guidance input that is given finite (example: a usual value)."""
+    steps = int(inputs["num_inference_steps"][0])
+    if not 1 <= steps <= MAX_STEPS:
+        raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
+    for name in guidance_names:
+        if name in inputs and not math.isfinite(float(inputs[name][0])):
+            raise RequestError(f"{name} {float(inputs[name][0])} is not finite; send a finite number ({example})")
