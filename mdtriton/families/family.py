@@ -121,6 +121,9 @@ class PipelinePart(ABC):
     # Whether the pipeline runs a conditional and an unconditional transformer call per step (classifier-free
     # guidance), which guidance parallelism (a plan's cfg_size 2) runs on two rank groups at once.
     guidance_branches: ClassVar[bool] = False
+    # Components loaded in float32 whatever the engine's data type (Wan's VAE, as diffusers' Wan examples load it);
+    # the others in the engine's data type.
+    float32_components: ClassVar[tuple[str, ...]] = ()
     request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
 
     @abstractmethod

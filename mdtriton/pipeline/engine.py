@@ -45,8 +45,10 @@ class PipelineEngine(Engine):
             library_logging.disable_progress_bar()
         engine_dir = Path(engine_dir)
         try:
-            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers),
-                                                         dtype=TORCH_DTYPES[manifest.data_type], local_files_only=True)
+            dtypes = {"default": TORCH_DTYPES[manifest.data_type],
+                      **dict.fromkeys(part.float32_components, torch.float32)}
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), dtype=dtypes,
+                                                         local_files_only=True)
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
         if type(pipeline).__name__ != part.diffusers_class:

@@ -154,3 +154,12 @@ def test_generate_command_writes_the_mp4_and_the_frames(served, pipelines, tmp_p
 
     assert main(command + ["-o", str(tmp_path / "clip.png")]) == 1
     assert "wan21_ulysses2 makes videos: write a .mp4 or .npy file" in capsys.readouterr().err
+
+
+def test_a_bf16_pipeline_keeps_the_vae_in_float32(pipelines, tmp_path):
+    version_dir = build_model_version(tmp_path, "wan", "wan-pipeline", None, ParallelPlan(), "BF16", "cpu",
+                                      weights_path=pipelines["wan2.1"], progress=False)
+    engine_dir = version_dir / ENGINE_DIR
+    pipeline = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single()).pipeline
+    assert (pipeline.vae.dtype, pipeline.text_encoder.dtype, pipeline.transformer.dtype) == (
+        torch.float32, torch.bfloat16, torch.bfloat16)

@@ -83,6 +83,7 @@ class EngineTransformer(EngineAsTransformer):
 class WanPipelinePart(PipelinePart):
     diffusers_class = "WanPipeline"
     guidance_branches = True
+    float32_components = ("vae",)  # as diffusers' Wan examples load it
     transformers = ("transformer", "transformer_2")
     request_timeout_s = 3600.0  # a 50-step 720p clip with guidance took 19 minutes on one H100 (diffusers)
 
