@@ -171,11 +171,8 @@ def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) ->
 
 
 def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart) -> None:
-    """A pipeline model is decoupled (one progress response per step, then the result), and has no warm-up.
-
-    A warm-up request would need a data file per input and run the whole pipeline at load; instead the ranks
-    meet at the first request, which waits for them (up to the request timeout)."""
-    triton_config.ClearField("model_warmup")
+    """A pipeline model is decoupled (one progress response per step, then the result); it has no warm-up (the
+    ranks meet at the first request, which waits for them up to the request timeout)."""
     triton_config.model_transaction_policy.decoupled = True
     for model_input in triton_config.input:
         model_input.optional = model_input.name in part.optional_inputs()

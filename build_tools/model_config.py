@@ -8,6 +8,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.engine.manifest import Manifest
+from mdtriton.families import family, pipeline_part
 
 # The instance group's name: Triton names CPU instances "<name>_<i>", which the backend reads as the rank.
 RANK_GROUP = "rank"
@@ -40,7 +41,8 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     for spec in manifest.outputs:
         config.output.append(mc.ModelOutput(name=spec.name, data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"),
                                             dims=list(spec.shape)))
-    config.model_warmup.append(warmup(manifest))
+    if pipeline_part(manifest.architecture) is None:  # a pipeline's would run a whole image: the ranks meet at the first
+        config.model_warmup.append(warmup(manifest))
     parameters = {
         "engine_dir": "engine",
         "request_timeout_s": str(request_timeout_s),
@@ -63,15 +65,14 @@ def warmup(manifest: Manifest) -> mc.ModelWarmup:
     job thread while its own warm-up waits; a rank that never joins fails the warm-up after the
     request timeout.
 
-    Each variable dimension is cp_size (at least 1): our engines' variable dimensions are batch and
-    sequence lengths, consistent across inputs when equal, and every context-parallel rank gets real tokens.
+    Its shapes are the family's (Family.warm_up_sample: by default each variable dimension cp_size, so that every
+    context-parallel rank gets real tokens).
     """
-    size = manifest.plan.cp_size
+    dims = family(manifest.architecture).warm_up_sample(manifest.config, manifest.plan)
     sample = mc.ModelWarmup(name=WARMUP_NAME, batch_size=1)
     for spec in manifest.inputs:
         sample.inputs[spec.name].CopyFrom(mc.ModelWarmup.Input(
-            data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"), dims=[size if d == -1 else d for d in spec.shape],
-            zero_data=True))
+            data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"), dims=dims[spec.name], zero_data=True))
     return sample
 
 

@@ -85,8 +85,14 @@ class Family(ABC):
     @abstractmethod
     def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """The request's size; ValueError, saying what to send instead, if its inputs (already of the signature's
-        types and ranks, no value read) do not fit together. It must take the warm-up request Triton sends at load
-        (zeros, every variable dimension of the signature cp_size: build_tools.model_config.warmup)."""
+        types and ranks, no value read) do not fit together. It must take warm_up_sample's request."""
+
+    def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
+        """The input shapes of the small all-zeros request Triton sends each instance of a transformer engine at load
+        (every rank runs it: the model is ready once the ranks have met); check_request must take it. By default each
+        variable dimension of the signature is cp_size, so that every context-parallel rank gets real tokens."""
+        inputs, _ = self.signature(config, "FP32")
+        return {spec.name: [plan.cp_size if d == -1 else d for d in spec.shape] for spec in inputs}
 
     @abstractmethod
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:

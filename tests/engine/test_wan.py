@@ -7,6 +7,9 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
+from mdtriton.build_tools.engine_builder import random_weights, reference_module
+from mdtriton.cli import main
+from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
@@ -14,6 +17,7 @@ from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.wan import WAN
 from mdtriton.families.wan.transformer import TINY_CONFIG
+from tests.conftest import start_server
 from tests.distributed import run_ranks
 from tests.engine.flux_cases import max_relative_error, run_engines, write_engine
 
@@ -113,3 +117,24 @@ def test_ulysses_with_indivisible_heads_says_what_to_use():
         WAN.check_plan(TINY_CONFIG, ParallelPlan(cp_size=4, cp_method="ulysses"))
     with pytest.raises(ValueError, match="image-to-video"):
         WAN.check_plan({**TINY_CONFIG, "image_dim": 1280}, ParallelPlan())
+
+
+@pytest.mark.timeout(300)
+def test_the_transformer_engine_served_on_two_ranks_answers_as_one_process(tmp_path):
+    """`mdtriton build --architecture wan` (cp 2, ring), served by Triton: its warm-up request (the family's sample)
+    passes the request check, and a request with padding on the second rank equals the one-rank module."""
+    assert main(["build", str(tmp_path / "repository"), "--name", "wan", "--architecture", "wan", "--cp", "2",
+                 "--cp-method", "ring", "--seed", "7"]) == 0
+    inputs = wan_inputs(TINY_CONFIG, (3, 6, 10), seed=3)
+    module = reference_module("wan", TINY_CONFIG, random_weights("wan", TINY_CONFIG, 7), "FP32")
+    with torch.inference_mode():
+        expected = module(**inputs)["sample"]
+    server = start_server(tmp_path / "repository", tmp_path / "server.log")
+    try:
+        with Client(server.grpc_address) as client:
+            sample = client.infer("wan", inputs)["sample"]
+            with pytest.raises(ClientError, match="5 latent height, not a multiple of the patch size 2"):
+                client.infer("wan", wan_inputs(TINY_CONFIG, (3, 5, 10), seed=3))
+    finally:
+        server.stop()
+    assert max_relative_error(torch.tensor(sample), expected) < 1e-4

@@ -73,6 +73,12 @@ class WanFamily(Family):
             grid.append(size // patch)
         return RequestSize(batch, math.prod(grid))
 
+    def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
+        """One frame of patches, cp_size patches wide (one per context-parallel rank), and cp_size text tokens."""
+        p_t, p_h, p_w = config["patch_size"]
+        return {"hidden_states": [1, config["in_channels"], p_t, p_h, p_w * plan.cp_size], "timestep": [1],
+                "encoder_hidden_states": [1, plan.cp_size, config["text_dim"]]}
+
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
         p_t, p_h, p_w = config["patch_size"]
         return [self.inputs(config, (frames * p_t, height * p_h, width * p_w), text, dtype, batch)
