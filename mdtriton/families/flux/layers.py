@@ -3,39 +3,19 @@ timestep/guidance/text conditioning, adaptive layer norms, the feed-forward, and
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
 from mdtriton.engine.fp8 import Fp8Rows
 from mdtriton.engine.fused_activations import modulated_layer_norm, modulated_layer_norm_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
 
 TIMESTEP_CHANNELS = 256
 ROPE_THETA = 10000
-
-
-def timestep_embedding(timesteps: torch.Tensor) -> torch.Tensor:
-    """Sinusoidal embedding [B, 256] (cos half first) of timesteps [B], in float32 as diffusers computes it."""
-    half = TIMESTEP_CHANNELS // 2
-    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
-    angles = timesteps[:, None].float() * torch.exp(exponent)[None, :]
-    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
-
-
-class MLPEmbedder(nn.Module):
-    """linear_1 -> SiLU -> linear_2: diffusers' TimestepEmbedding and PixArtAlphaTextProjection alike."""
-
-    def __init__(self, in_features: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
 
 
 class TimeTextEmbedding(nn.Module):
@@ -48,9 +28,9 @@ class TimeTextEmbedding(nn.Module):
         self.text_embedder = MLPEmbedder(pooled_projection_dim, dim)
 
     def forward(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
-        temb = self.timestep_embedder(timestep_embedding(timestep).to(pooled.dtype))
+        temb = self.timestep_embedder(timestep_embedding(timestep, TIMESTEP_CHANNELS).to(pooled.dtype))
         if self.guidance_embedder is not None:
-            temb = temb + self.guidance_embedder(timestep_embedding(guidance).to(pooled.dtype))
+            temb = temb + self.guidance_embedder(timestep_embedding(guidance, TIMESTEP_CHANNELS).to(pooled.dtype))
         return temb + self.text_embedder(pooled)
 
 

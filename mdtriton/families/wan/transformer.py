@@ -19,6 +19,7 @@ from torch import nn
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import attention as local_attention
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
 from mdtriton.engine.layers import (ColumnParallelLinear, ColumnParallelRMSNorm, RowParallelLinear, fuse_columns,
                                     sums_of_squares)
 from mdtriton.engine.plan import ParallelPlan
@@ -74,14 +75,6 @@ def check_plan(config: dict, plan: ParallelPlan) -> None:
                          "that divides it")
 
 
-def timestep_embedding(timesteps: torch.Tensor, channels: int) -> torch.Tensor:
-    """Sinusoidal embedding [B, channels] (cos half first) of timesteps [B], in float32 as diffusers' Timesteps."""
-    half = channels // 2
-    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
-    angles = timesteps[:, None].float() * torch.exp(exponent)[None, :]
-    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
-
-
 def rotary_angles(dim: int, length: int, device: torch.device, theta: float = 10000.0) -> torch.Tensor:
     """Rotary angles [length, dim / 2] of positions 0..length-1 for dim channels, in float64 as diffusers'
     get_1d_rotary_pos_embed computes them for Wan."""
@@ -96,19 +89,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
-class MLP(nn.Module):
-    """linear_1 -> activation -> linear_2, with diffusers' names (TimestepEmbedding, PixArtAlphaTextProjection)."""
-
-    def __init__(self, in_features: int, dim: int, activation):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-        self.activation = activation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.activation(self.linear_1(x)))
-
-
 class ConditionEmbedder(nn.Module):
     """The timestep's embedding and the six modulations of every block, and the text's projection (diffusers'
     WanTimeTextImageEmbedding, text to video)."""
@@ -116,9 +96,9 @@ class ConditionEmbedder(nn.Module):
     def __init__(self, dim: int, freq_dim: int, text_dim: int):
         super().__init__()
         self.freq_dim = freq_dim
-        self.time_embedder = MLP(freq_dim, dim, F.silu)
+        self.time_embedder = MLPEmbedder(freq_dim, dim)
         self.time_proj = nn.Linear(dim, 6 * dim)
-        self.text_embedder = MLP(text_dim, dim, lambda x: F.gelu(x, approximate="tanh"))
+        self.text_embedder = MLPEmbedder(text_dim, dim, lambda x: F.gelu(x, approximate="tanh"))
 
     def forward(self, timestep: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(temb [B, dim], the blocks' modulations [B, 6, dim], text [B, L, dim])."""
