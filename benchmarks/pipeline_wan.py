@@ -6,7 +6,10 @@ tokenizer, UniPC flow scheduler; the transformer's weights random from one seed,
 as a `wan-pipeline` model (build_model_version, what `mdtriton build` calls) and served by Triton on one rank; a
 clip of a few steps with classifier-free guidance (two transformer calls per step) is asked for over gRPC. Then the
 same engine directory is loaded in this process (the load the rank worker makes, its compile kept in the engine
-directory by the first) and the same clip timed without Triton, and its parts alone.
+directory by the first) and the same clip timed without Triton, and its parts alone. Serving's cost is measured on
+each served clip itself: the client's time less the rank's job time for that clip (compute and collectives, from
+the input broadcast until the video is ready, as the rank's stub counts them on Triton's metrics endpoint), so the
+GPU's variation between runs does not enter it.
 
     python benchmarks/pipeline_wan.py --steps 4                       # 480p x 81 frames, Wan 2.1 14B size
     python benchmarks/pipeline_wan.py --tiny                          # checks the script on the CPU
@@ -40,6 +43,7 @@ from mdtriton.engine.serving import load_engine  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
+from tests.backend.test_metrics import settled  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import t5_tokenizer  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
 
@@ -88,10 +92,18 @@ def seconds(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def job_seconds(metrics_url: str) -> float:
+    """The seconds of the rank's jobs so far (compute and collectives: from the input broadcast until the outputs
+    are ready), as its stub counts them on Triton's metrics endpoint."""
+    return sum(sum(settled(metrics_url, name).values())
+               for name in ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Wan pipeline on the CPU")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of each clip (default 4)")
+    parser.add_argument("--clips", type=int, default=3, help="served clips timed after the first (default 3)")
     parser.add_argument("--height", type=int, help="pixels (default 480; --tiny: 32)")
     parser.add_argument("--width", type=int, help="pixels (default 832; --tiny: 48)")
     parser.add_argument("--frames", type=int, help="frames, 4k+1 (default 81; --tiny: 9)")
@@ -129,15 +141,23 @@ def main() -> int:
 
         start = time.perf_counter()
         with TritonServer(version_dir.parent.parent, log_file=workdir / "server.log") as server:
+            videos = []
+
             def served():
-                return generate_video(server.grpc_address, "wan", PROMPT, **clip)
+                videos.append(generate_video(server.grpc_address, "wan", PROMPT, **clip))
 
             first_served = seconds(served, device)
             print(f"server start to first clip {time.perf_counter() - start:.1f} s (that clip {first_served:.1f} s)",
                   flush=True)
-            served_clip = seconds(served, device)
-            video = served()
-        print(f"served clip {served_clip:.2f} s: {video.shape}", flush=True)
+            clips = []  # (the client's seconds, the rank's job seconds) of each served clip
+            for _ in range(args.clips):
+                before = job_seconds(server.metrics_url)
+                clips.append((seconds(served, device), job_seconds(server.metrics_url) - before))
+        video = videos[-1]
+        served_clip = statistics.median(client for client, _ in clips)
+        serving_cost = statistics.median(client - job for client, job in clips)
+        print(f"served clips {', '.join(f'{client:.2f} s (job {job:.2f} s)' for client, job in clips)}: {video.shape}",
+              flush=True)
 
         engine_dir = version_dir / ENGINE_DIR
         engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single(device))
@@ -167,12 +187,14 @@ def main() -> int:
           f"torch {torch.__version__}\n")
     print("| | seconds |")
     print("|---|---|")
-    print(f"| served clip (Triton, gRPC stream, progress per step) | {served_clip:.2f} |")
+    print(f"| served clip (Triton, gRPC stream, progress per step; median of {args.clips}) | {served_clip:.2f} |")
+    print(f"| of it outside the rank's job (median of the clips' client time - job time) | {serving_cost:.3f} |")
     print(f"| the same clip in-process (the rank's pipeline engine) | {in_process:.2f} |")
     print(f"| parts: text encoding (both prompts) | {encode:.3f} |")
     print(f"| parts: {calls} x transformer call | {calls} x {step:.3f} = {calls * step:.2f} |")
     print(f"| parts: VAE decode | {decode:.2f} ({decode / served_clip * 100:.0f}% of the clip) |")
-    print(f"\nserving adds {(served_clip / in_process - 1) * 100:+.1f}% to the in-process clip; the in-process clip is "
+    print(f"\nserving adds {serving_cost / (served_clip - serving_cost) * 100:+.1f}% to the rank's job of the same clips, "
+          f"{(served_clip / in_process - 1) * 100:+.1f}% to the in-process clip; the in-process clip is "
           f"{(in_process / parts_sum - 1) * 100:+.1f}% beyond its parts; served and in-process videos "
           f"{'equal' if np.array_equal(video, again) else 'differ'}")
     return 0

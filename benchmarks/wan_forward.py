@@ -159,7 +159,7 @@ def main() -> int:
             cells.append(f"{median * 1000:,.0f} ms{ratio}")
         first = " / ".join(f"{results[label][0]:.1f} s" for label in args.sizes)
         peak = max(results[label][2] for label in args.sizes)
-        print(f"| {name} | " + " | ".join(cells) + f" | {first} | {peak:.1f} GiB |")
+        print(f"| {name} | " + " | ".join(cells) + f" | {first} | {peak:.2f} GiB |")
     return 0
 
 
