@@ -37,7 +37,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
                         request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
                         policy: str | None = None, limits: EngineLimits | None = None,
-                        random_transformer: bool = False) -> Path:
+                        random_transformer: bool = False, stream: bool = False) -> Path:
     """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
     transformer engines and pipelines alike.
 
@@ -50,6 +50,8 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
     hand (e.g. EXECUTION_ENV_PATH) are kept. request_timeout_s: None is the default (a pipeline's is longer:
     a request is a whole image). limits: None is the default batch limit and the family's token limit.
+    stream (pipelines only): the model is decoupled and streams a progress response per denoising step before its
+    result; without it the model answers each request once (unary gRPC infer, HTTP/JSON, perf_analyzer's default).
 
     data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
     only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
@@ -102,7 +104,10 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
     triton_config = model_config(name, served, device, gpus, request_timeout_s)
     if part is not None:
-        serve_as_pipeline(triton_config, part)
+        serve_as_pipeline(triton_config, part, stream)
+    elif stream:
+        raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once; streaming "
+                         "progress is for pipeline models (an architecture ending in -pipeline)")
     model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
@@ -170,10 +175,11 @@ def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) ->
     (engine_dir / MODEL_INDEX).write_text(json.dumps(served, indent=2) + "\n")
 
 
-def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart) -> None:
-    """A pipeline model is decoupled (one progress response per step, then the result); it has no warm-up (the
-    ranks meet at the first request, which waits for them up to the request timeout)."""
-    triton_config.model_transaction_policy.decoupled = True
+def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart, stream: bool) -> None:
+    """A pipeline model answers each request once, or with stream is decoupled (one progress response per step,
+    then the result); it has no warm-up (the ranks meet at the first request, which waits for them up to the request
+    timeout); every input but the prompt is optional."""
+    triton_config.model_transaction_policy.decoupled = stream
     for model_input in triton_config.input:
         model_input.optional = model_input.name in part.optional_inputs()
 

@@ -78,6 +78,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-tokens", type=int,
                         help="longest sequence a request may carry, in tokens (FLUX: text + image; Wan: the video's "
                              f"patches); default: the family's ({max_tokens_help()})")
+    parser.add_argument("--stream", action="store_true",
+                        help="pipeline models: stream a progress response per denoising step, then the result "
+                             "(a decoupled model: gRPC streaming only); default: one response per request (unary gRPC "
+                             "infer, HTTP/JSON infer, perf_analyzer's default mode)")
     parser.add_argument("--version-policy", metavar="POLICY",
                         help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
                              "(default: keep the model's policy; Triton's latest:1 for a new model)")
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         config = {**presets[args.preset], **config}
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
                                       args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
-                                      random_device=args.random_device, policy=args.version_policy, limits=limits)
+                                      random_device=args.random_device, policy=args.version_policy, limits=limits,
+                                      stream=args.stream)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

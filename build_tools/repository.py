@@ -44,7 +44,8 @@ def check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
     if not path.exists():
         return
     existing = read_model_config(path)
-    differences = [field for field in ("instance_group", "input", "output", "max_batch_size", "backend")
+    differences = [field for field in ("instance_group", "input", "output", "max_batch_size", "backend",
+                                       "model_transaction_policy")
                    if getattr(existing, field) != getattr(config, field)]
     differences += [f"parameter {key}" for key in ("architecture", "parallel_plan")
                     if key in existing.parameters and existing.parameters[key] != config.parameters[key]]

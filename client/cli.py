@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
-from mdtriton.client.pipeline import generate, generate_video
+from mdtriton.client.pipeline import generate, generate_video, streams_progress
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
 
@@ -213,7 +214,10 @@ def generate_media(args: argparse.Namespace) -> int:
                          f"file, not {output}")
     steps = args.steps or (50 if video else 28)
     start = time.perf_counter()
-    with tqdm(total=steps, desc="denoising", unit="step") as bar:
+    streamed = streams_progress(args.url, args.model)
+    if not streamed:
+        print(f"{args.model} answers once, at the end (build it with --stream for progress per step)", file=sys.stderr)
+    with tqdm(total=steps, desc="denoising", unit="step", disable=not streamed) as bar:
         progress = dict(on_step=lambda done, total: bar.update(done - bar.n), timeout=args.timeout)
         if video:
             frames = generate_video(args.url, args.model, args.prompt, args.height or 480, args.width or 832,

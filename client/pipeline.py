@@ -1,9 +1,11 @@
 """Prompt to image (FLUX: `mdtriton build --architecture flux-pipeline`) or to video (Wan: `wan-pipeline`) from a
 served pipeline model.
 
-The model is decoupled: each request opens a gRPC stream, the server sends one response per denoising step
-(`step`, the steps done) and then the image. The stream asks Triton to end with the request's gRPC status
-on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the server's message.
+A pipeline model answers each request once (unary gRPC infer), unless it was built with `--stream`: then it is
+decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
+done) and then the image. generate() asks the model's config which it is. The stream asks Triton to end with the
+request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
+server's message, as a unary call does.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
              prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
              on_step: Callable[[int, int], None] | None = None, timeout: float | None = None) -> np.ndarray:
     """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as FluxPipeline makes them with
-    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes.
+    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
+    model streams its progress (built with --stream).
 
     timeout: seconds the whole request may take (None: no limit). Failures raise ClientError (one line).
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
                              as_list(prompt_2), max_sequence_length)
-    return stream(url, model, inputs, "image", num_inference_steps, on_step, timeout)
+    return ask(url, model, inputs, "image", num_inference_steps, on_step, timeout)
 
 
 def generate_video(url: str, model: str, prompt: str | list[str], height: int = 480, width: int = 832,
@@ -96,14 +99,44 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int = 
                    max_sequence_length: int | None = None, on_step: Callable[[int, int], None] | None = None,
                    timeout: float | None = None) -> np.ndarray:
     """Videos for prompt (one per prompt) as UINT8 [batch, frames, height, width, 3], as WanPipeline makes them with
-    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes.
+    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
+    model streams its progress (built with --stream).
 
     negative_prompt: one for all prompts or one each (default: none, as WanPipeline's). guidance_scale_2: Wan 2.2
     A14B's guidance for its low-noise expert (default: guidance_scale). Failures raise ClientError (one line).
     """
     inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
                           as_list(negative_prompt), guidance_scale_2, max_sequence_length)
-    return stream(url, model, inputs, "video", num_inference_steps, on_step, timeout)
+    return ask(url, model, inputs, "video", num_inference_steps, on_step, timeout)
+
+
+def streams_progress(url: str, model: str) -> bool:
+    """Whether the model streams a progress response per step (a decoupled model, built with --stream)."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return client.get_model_config(model).config.model_transaction_policy.decoupled
+    except InferenceServerException as error:
+        raise ClientError(f"generate with {model!r}: {failure(error)}") from None
+    finally:
+        client.close()
+
+
+def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
+        on_step: Callable[[int, int], None] | None, timeout: float | None) -> np.ndarray:
+    """The output of one request: over a stream (progress to on_step) if the model streams, else one unary call."""
+    if streams_progress(url, model):
+        return stream(url, model, inputs, output, steps, on_step, timeout)
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        result = client.infer(model, inputs, client_timeout=timeout)
+    except InferenceServerException as error:
+        raise ClientError(f"generate with {model!r}: {failure(error)}") from None
+    finally:
+        client.close()
+    if output not in {tensor.name for tensor in result.get_response().outputs}:
+        raise ClientError(f"generate with {model!r}: its answer has no {output!r}; is it a pipeline model of that "
+                          "kind?")
+    return result.as_numpy(output)
 
 
 def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,

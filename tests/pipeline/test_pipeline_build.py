@@ -22,7 +22,7 @@ def build(repository, weights=None, *more) -> int:
                 + (["--weights", str(weights)] if weights else []))
 
 
-def test_the_version_holds_the_engine_the_components_and_a_decoupled_config(pipeline_dir, tmp_path):
+def test_the_version_holds_the_engine_the_components_and_a_unary_config(pipeline_dir, tmp_path):
     assert build(tmp_path, pipeline_dir) == 0
     engine_dir = tmp_path / "flux" / "1" / "engine"
     assert sorted(p.name for p in engine_dir.iterdir()) == [
@@ -32,9 +32,18 @@ def test_the_version_holds_the_engine_the_components_and_a_decoupled_config(pipe
         "manifest.json", "rank0.safetensors", "rank1.safetensors"]
     assert json.loads((engine_dir / "manifest.json").read_text())["architecture"] == "flux-pipeline"
     config = read_model_config(tmp_path / "flux" / "config.pbtxt")
-    assert config.model_transaction_policy.decoupled and not config.model_warmup
+    assert not config.model_transaction_policy.decoupled and not config.model_warmup
     assert [i.name for i in config.input if i.optional] == ["prompt_2", "max_sequence_length"]
     assert config.parameters["request_timeout_s"].string_value == "300.0"
+
+
+def test_stream_makes_a_decoupled_model_and_a_version_cannot_change_it(pipeline_dir, tmp_path, capsys):
+    assert build(tmp_path, pipeline_dir, "--stream") == 0
+    assert read_model_config(tmp_path / "flux" / "config.pbtxt").model_transaction_policy.decoupled
+    assert build(tmp_path, pipeline_dir) == 1  # version 2 without --stream: the model's config is shared
+    assert "the new version's model_transaction_policy differs from the model's config" in capsys.readouterr().err
+    assert main(["build", str(tmp_path), "--name", "tiny", "--stream"]) == 1
+    assert "streaming progress is for pipeline models" in capsys.readouterr().err
 
 
 def test_without_weights_it_says_to_give_the_directory(tmp_path, capsys):

@@ -1,8 +1,9 @@
-"""A real tritonserver serving tiny FLUX pipelines on 2 CPU ranks (gloo), called over gRPC streaming.
+"""A real tritonserver serving tiny FLUX pipelines on 2 CPU ranks (gloo), called over gRPC: unary calls and streams.
 
-Models: FLUX.1-dev's layout with tensor parallelism and with context parallelism (ulysses), FLUX.1-schnell's
-layout with tensor parallelism. Each image must equal diffusers' FluxPipeline with the same components within
-one uint8 level per pixel; every step is streamed as it finishes; bad requests get INVALID_ARGUMENT saying
+Models: FLUX.1-dev's layout with tensor parallelism and with context parallelism (ulysses), built with --stream
+(every step is streamed as it finishes), and FLUX.1-schnell's layout with tensor parallelism, built by `mdtriton
+build` as every pipeline is by default (one response per request: unary infer). Each image must equal diffusers'
+FluxPipeline with the same components within one uint8 level per pixel; bad requests get INVALID_ARGUMENT saying
 what to send, and the server keeps serving.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
+from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.cli import main
@@ -31,7 +33,7 @@ MODELS = {
     "dev_ulysses2": ("dev", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "schnell_tp2": ("schnell", ParallelPlan(tp_size=2)),
 }
-CLI_BUILT = "schnell_tp2"  # built by `mdtriton build`, the others by build_model_version
+CLI_BUILT = "schnell_tp2"  # built by `mdtriton build` (unary), the others by build_model_version with stream
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=600)
 GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5, seed=5)
 
@@ -47,7 +49,7 @@ def served(tmp_path_factory):
                          str(LIMITS.max_batch_size), "--max-tokens", str(LIMITS.max_tokens)]) == 0
         else:
             build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
-                                weights_path=pipelines[layout], progress=False, limits=LIMITS)
+                                weights_path=pipelines[layout], progress=False, limits=LIMITS, stream=True)
     server = start_server(root / "repository", root / "server.log")
     yield server, pipelines
     server.stop()
@@ -65,7 +67,25 @@ def test_served_image_equals_diffusers_with_a_response_per_step(served, model):
                                GOOD["num_inference_steps"], GOOD["guidance_scale"], GOOD["seed"])
     assert max_level_difference(image, expected) <= 1
     assert image.std() > 10  # a real picture
-    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert steps == ([] if model == CLI_BUILT else [(1, 3), (2, 3), (3, 3)])
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_unary_grpc_call_gets_the_image_and_bad_input_its_error(served):
+    """tritonclient's own infer, as Triton's examples call a model; the streamed models refuse it (decoupled)."""
+    server, pipelines = served
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    result = client.infer(CLI_BUILT, pipeline_inputs(["a photo of a red cat"], 48, 64, 2, 3.5, 5))
+    expected = reference_image(pipelines["schnell"], ["a photo of a red cat"], 48, 64, 2, 3.5, 5)
+    assert max_level_difference(result.as_numpy("image"), expected) <= 1
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 40, 64, 2, 3.5, 5))
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "height 40 is not a positive multiple of 16" in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 2, 3.5, 5))
+    assert "decoupled" in caught.value.message()  # Triton's own refusal: a streamed model takes streams only
+    assert client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 5)).as_numpy("image").shape == (1, 48, 64, 3)
 
 
 @pytest.mark.timeout(300)
@@ -198,4 +218,9 @@ def test_generate_command_writes_the_png(served, tmp_path, capsys):
     expected = reference_image(pipelines["schnell"], ["a red cat on a sign"], 32, 48, 2, 3.5, 9)[0]
     assert max_level_difference(written, expected) <= 1
     captured = capsys.readouterr()
-    assert f"wrote {path} (48x32)" in captured.out and "2/2" in captured.err  # the per-step progress bar
+    assert f"wrote {path} (48x32)" in captured.out
+    assert "answers once, at the end (build it with --stream for progress per step)" in captured.err
+    path = tmp_path / "dog.png"
+    assert main(["generate", "dev_tp2", "a dog", "--url", server.grpc_address, "--height", "32", "--width", "48",
+                 "--steps", "2", "-o", str(path)]) == 0
+    assert "2/2" in capsys.readouterr().err  # a streamed model's per-step progress bar
