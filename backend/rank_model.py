@@ -25,7 +25,7 @@ from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import check_request
+from mdtriton.engine.serving import check_request, text_input, with_defaults
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -160,7 +160,7 @@ class RankModel:
     def _submit(self, request, sender):
         """The request's job, or the error response that answers it now; sender (decoupled models) gets progress."""
         try:
-            inputs = self._inputs(request)
+            inputs = with_defaults(self.manifest, self._inputs(request))
             check_request(self.manifest, inputs)
             return self.workers.submit(inputs, on_progress=partial(send_progress, sender) if sender else None)
         except RequestError as error:
@@ -173,11 +173,12 @@ class RankModel:
                                   pb_utils.TritonError.INTERNAL)
 
     def _inputs(self, request) -> dict[str, torch.Tensor]:
-        """The request's inputs by name, in the manifest's order. (request.inputs() once: pb_utils's
+        """The request's inputs by name, in the manifest's order; text (BYTES, the only input read through numpy: it has
+        no DLPack) as UTF-8 rows. (request.inputs() once: pb_utils's
         get_input_tensor_by_name calls it once per name, which took 45 µs instead of 18 for 7 inputs.)"""
         given = {tensor.name(): tensor for tensor in request.inputs()}
-        return {spec.name: torch.from_dlpack(given[spec.name].to_dlpack())
-                for spec in self.manifest.inputs if spec.name in given}
+        return {spec.name: text_input(given[spec.name].as_numpy().reshape(-1), spec.name) if spec.data_type == "STRING"
+                else torch.from_dlpack(given[spec.name].to_dlpack()) for spec in self.manifest.inputs if spec.name in given}
 
     def _answer(self, item):
         """The response to a request: its error response as it is, or its request's outputs (or failure)."""

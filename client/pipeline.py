@@ -18,7 +18,6 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from mdtriton.client.grpc_client import ClientError, status_of
-from mdtriton.pipeline.prompts import prompt_tensor
 
 STREAM_HEADERS = {"triton_grpc_error": "true"}
 
@@ -26,9 +25,9 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
                     seed: int, prompts_2: list[str] | None = None,
                     max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
-    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as UTF-8 rows)."""
+    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES)."""
     arrays = {
-        "prompt": prompt_tensor(prompts),
+        "prompt": texts(prompts),
         "height": np.array([height], np.int32),
         "width": np.array([width], np.int32),
         "num_inference_steps": np.array([num_inference_steps], np.int32),
@@ -36,7 +35,7 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
         "seed": np.array([seed], np.int64),
     }
     if prompts_2 is not None:
-        arrays["prompt_2"] = prompt_tensor(prompts_2)
+        arrays["prompt_2"] = texts(prompts_2)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
     return infer_inputs(arrays)
@@ -46,9 +45,9 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
                  guidance_scale: float, seed: int, negative_prompts: list[str] | None = None,
                  guidance_scale_2: float | None = None,
                  max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
-    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as UTF-8 rows)."""
+    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES)."""
     arrays = {
-        "prompt": prompt_tensor(prompts),
+        "prompt": texts(prompts),
         "height": np.array([height], np.int32),
         "width": np.array([width], np.int32),
         "num_frames": np.array([num_frames], np.int32),
@@ -57,12 +56,17 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
         "seed": np.array([seed], np.int64),
     }
     if negative_prompts is not None:
-        arrays["negative_prompt"] = prompt_tensor(negative_prompts)
+        arrays["negative_prompt"] = texts(negative_prompts)
     if guidance_scale_2 is not None:
         arrays["guidance_scale_2"] = np.array([guidance_scale_2], np.float32)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
     return infer_inputs(arrays)
+
+
+def texts(prompts: list[str]) -> np.ndarray:
+    """Prompts as a BYTES tensor [batch] of UTF-8 strings."""
+    return np.array([prompt.encode("utf-8") for prompt in prompts], dtype=np.object_)
 
 
 def infer_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:

@@ -22,6 +22,8 @@ import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
 
+from mdtriton.stub_environment import stub_environment
+
 
 class ServerError(Exception):
     """The server could not be started or did not become ready."""
@@ -81,8 +83,10 @@ def make_backend_dir(target: Path) -> Path:
 
 
 def server_environment() -> dict[str, str]:
-    """The stubs embed libpython and see no virtualenv by themselves: hand them our packages and libraries."""
+    """The stubs embed libpython and see no virtualenv by themselves: hand them our packages and libraries, and
+    numpy 1.26 first (mdtriton.stub_environment: BYTES inputs)."""
     env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(stub_environment() / "bin")] + [p for p in [env.get("PATH")] if p])
     libs = triton_dir().parent.parent / "nvidia_pytriton.libs"
     # This process's mdtriton first, so the stubs run the same code as the launcher (a checkout too).
     python_path = [str(Path(find_spec("mdtriton").origin).parent.parent)] + site.getsitepackages()

@@ -28,7 +28,8 @@ MANIFEST_FILE = "manifest.json"
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_TOKENS = 32768
 # Triton's data type names (as in tritonclient and the HTTP/gRPC protocol) that engines may use.
-DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8")
+# STRING: Triton's TYPE_STRING (BYTES), text inputs of pipelines, which reach the ranks as UTF-8 rows (UINT8).
+DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8", "STRING")
 # How an engine's weights may be stored other than in its data type: "fp8" = the blocks' linear weights in
 # e4m3 with one float32 scale per output row, activations quantized per token (mdtriton.engine.fp8).
 QUANTIZATIONS = ("fp8",)

@@ -1,4 +1,5 @@
-"""What the server asks of an engine directory: which engine serves it, and which check its requests get.
+"""What the server asks of an engine directory: which engine serves it, which check its requests get, and how a
+text (BYTES) input becomes a tensor.
 
 The registry of families (mdtriton.families) answers by the manifest's architecture, so the backend names no
 family: a transformer engine is served as it is (TorchEngine), a pipeline by the pipeline engine with its
@@ -13,10 +14,12 @@ import torch
 
 from mdtriton.engine import request_check
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import pipeline_part
+from mdtriton.pipeline.prompts import text_rows
 
 
 def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator) -> Engine:
@@ -41,3 +44,26 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
     if missing:
         raise RequestError(f"input(s) {missing} missing; this model takes {', '.join(s.name for s in manifest.inputs)}")
     part.check_request(manifest, inputs)
+
+
+def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """inputs, in the manifest's order, with the default of each optional input the request left out (a pipeline's:
+    PipelinePart.optional_inputs; those without a default stay out)."""
+    part = pipeline_part(manifest.architecture)
+    defaults = part.optional_inputs() if part is not None else {}
+    completed = {}
+    for spec in manifest.inputs:
+        if spec.name in inputs:
+            completed[spec.name] = inputs[spec.name]
+        elif defaults.get(spec.name) is not None:
+            completed[spec.name] = torch.tensor([defaults[spec.name]], dtype=TORCH_DTYPES[spec.data_type])
+    return completed
+
+
+def text_input(values, name: str) -> torch.Tensor:
+    """The tensor a rank's worker gets for the BYTES elements `values` of the text input `name` (UTF-8 rows:
+    mdtriton.pipeline.prompts); RequestError, naming the input, for text that is not UTF-8 or holds a NUL."""
+    try:
+        return text_rows(values, name)
+    except ValueError as error:
+        raise RequestError(str(error)) from None

@@ -137,8 +137,10 @@ class PipelinePart(ABC):
         """The served model's inputs and outputs; progress responses carry the `step` output only."""
 
     @abstractmethod
-    def optional_inputs(self) -> tuple[str, ...]:
-        """Inputs a request may leave out (their defaults are the pipeline's)."""
+    def optional_inputs(self) -> dict[str, int | float | None]:
+        """Inputs a request may leave out (every one but the prompt), with the value a request without it gets (the
+        diffusers pipeline's default; the seed's is 0), or None where leaving it out means something of its own
+        (no second prompt, the longest text). docs/client.md lists them."""
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's

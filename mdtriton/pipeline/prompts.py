@@ -1,10 +1,10 @@
-"""Prompts as tensors: one row of UTF-8 bytes per prompt, zero-padded to the longest (UINT8 [batch, bytes]).
+"""Prompts as tensors. Clients send them as Triton's BYTES (TYPE_STRING): one UTF-8 string per prompt. The stub that
+receives a request turns them into one row of UTF-8 bytes per prompt, zero-padded to the longest (UINT8 [batch,
+bytes]: `text_rows`), which travel to the rank workers and between ranks like any other tensor (BYTES have no
+DLPack) and which the pipeline reads back (`read_prompts`). UTF-8 encodes no character but U+0000 with a zero byte,
+so the padding is unambiguous for prompts without NUL characters (which are refused).
 
-Triton's BYTES type would be the natural one, but the Python backend of Triton 2.51 cannot take a BYTES
-input under numpy 2: its stub unpacks the request's strings through numpy before `execute` runs, gets
-garbage, and dies (the instance is lost). UINT8 tensors travel by DLPack like every other input, and
-between ranks like any other tensor. UTF-8 encodes no character but U+0000 with a zero byte, so the
-padding is unambiguous for prompts without NUL characters (which are refused).
+(Triton 2.51's Python-backend stub can read BYTES only under numpy 1.x: mdtriton.stub_environment.)
 """
 
 from __future__ import annotations
@@ -22,6 +22,21 @@ def prompt_tensor(prompts: list[str]) -> np.ndarray:
     for row, text in zip(rows, encoded):
         row[:len(text)] = np.frombuffer(text, np.uint8)
     return rows
+
+
+def text_rows(values, name: str) -> torch.Tensor:
+    """The UINT8 rows (prompt_tensor) of the BYTES elements `values` of input `name`; ValueError, naming the input and
+    what to send, if one is not UTF-8 or holds a NUL character."""
+    prompts = []
+    for index, value in enumerate(values):
+        try:
+            prompts.append(bytes(value).decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name}[{index}] is not UTF-8 ({error.reason} at byte {error.start}); send each prompt "
+                             "as UTF-8 text") from None
+        if "\0" in prompts[-1]:
+            raise ValueError(f"{name}[{index}] holds a NUL character (U+0000); remove it")
+    return torch.from_numpy(prompt_tensor(prompts))
 
 
 def read_prompts(tensor: torch.Tensor, name: str) -> list[str]:

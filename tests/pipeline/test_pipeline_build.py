@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.model_config import read_model_config
 from mdtriton.cli import main
@@ -33,7 +34,8 @@ def test_the_version_holds_the_engine_the_components_and_a_unary_config(pipeline
     assert json.loads((engine_dir / "manifest.json").read_text())["architecture"] == "flux-pipeline"
     config = read_model_config(tmp_path / "flux" / "config.pbtxt")
     assert not config.model_transaction_policy.decoupled and not config.model_warmup
-    assert [i.name for i in config.input if i.optional] == ["prompt_2", "max_sequence_length"]
+    assert [i.name for i in config.input if not i.optional] == ["prompt"]
+    assert [i.data_type for i in config.input if i.name in ("prompt", "prompt_2")] == [mc.DataType.TYPE_STRING] * 2
     assert config.parameters["request_timeout_s"].string_value == "300.0"
 
 

@@ -9,8 +9,11 @@ what to send, and the server keeps serving.
 
 from __future__ import annotations
 
+import json
 import math
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -86,6 +89,66 @@ def test_a_plain_unary_grpc_call_gets_the_image_and_bad_input_its_error(served):
         client.infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 2, 3.5, 5))
     assert "decoupled" in caught.value.message()  # Triton's own refusal: a streamed model takes streams only
     assert client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 5)).as_numpy("image").shape == (1, 48, 64, 3)
+
+
+def post(url: str, body: dict) -> tuple[int, dict | str]:
+    """POST body as JSON with urllib (no tritonclient): (HTTP status, the JSON answer or the error's text)."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=240) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def kserve_inputs(prompt, height: int = 48, width: int = 64, steps: int = 2, seed: int = 5) -> list[dict]:
+    """KServe v2 JSON inputs, the prompt as BYTES (guidance_scale left out: its default, 3.5)."""
+    return [{"name": "prompt", "shape": [1], "datatype": "BYTES", "data": [prompt]},
+            {"name": "height", "shape": [1], "datatype": "INT32", "data": [height]},
+            {"name": "width", "shape": [1], "datatype": "INT32", "data": [width]},
+            {"name": "num_inference_steps", "shape": [1], "datatype": "INT32", "data": [steps]},
+            {"name": "seed", "shape": [1], "datatype": "INT64", "data": [seed]}]
+
+
+@pytest.mark.timeout(300)
+def test_kserve_http_json_infer_and_generate_get_the_image(served):
+    """Plain HTTP/JSON, as a KServe v2 client or curl sends it: /infer with a BYTES prompt, and Triton's /generate
+    with plain keys; left-out inputs take their documented defaults (guidance_scale 3.5)."""
+    server, pipelines = served
+    url = f"http://{server.http_address}/v2/models/{CLI_BUILT}"
+    expected = reference_image(pipelines["schnell"], ["a photo of a red cat"], 48, 64, 2, 3.5, 5)[0]
+    status, answer = post(url + "/infer", {"inputs": kserve_inputs("a photo of a red cat")})
+    assert status == 200, answer
+    (image,) = answer["outputs"]
+    assert image["name"] == "image" and image["datatype"] == "UINT8" and image["shape"] == [1, 48, 64, 3]
+    assert max_level_difference(np.array(image["data"], np.uint8).reshape(48, 64, 3), expected) <= 1
+    status, answer = post(url + "/generate", {"prompt": "a photo of a red cat", "height": 48, "width": 64,
+                                              "num_inference_steps": 2, "seed": 5})
+    assert status == 200, answer
+    assert max_level_difference(np.array(answer["image"], np.uint8).reshape(48, 64, 3), expected) <= 1
+
+
+BAD_HTTP = [  # (path, body, status, message)
+    ("infer", {"inputs": kserve_inputs("a cat")[1:]}, 400, "input(s) ['prompt'] missing; this model takes prompt, height"),
+    ("infer", {"inputs": kserve_inputs("a cat", height=40)}, 400, "height 40 is not a positive multiple of 16"),
+    ("infer", {"inputs": [{**kserve_inputs("a cat")[0], "datatype": "UINT8", "data": [97]}] + kserve_inputs("a")[1:]},
+     400, "expects 'BYTES'"),
+    ("generate", {"height": 48}, 400, "input(s) ['prompt'] missing; this model takes prompt, height"),
+    ("generate", {"prompt": "a cat"}, 400, "1024x1024 with 512 text tokens is 4608 tokens"),  # the defaults' size
+    ("generate", {"prompt": "a cat", "height": 48, "width": 64, "num_inference_steps": 0}, 400,
+     "num_inference_steps 0 is out of range; send 1 to 1000"),
+    ("generate", {"prompt": "a cat", "height": "tall"}, 500, "Unable to parse 'data'"),  # Triton's own JSON parser
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path, body, status, message", BAD_HTTP, ids=[f"{p}-{i}" for i, (p, *_) in enumerate(BAD_HTTP)])
+def test_bad_http_requests_get_a_clear_error_and_the_server_keeps_serving(served, path, body, status, message):
+    server, _ = served
+    url = f"http://{server.http_address}/v2/models/{CLI_BUILT}"
+    answer = post(f"{url}/{path}", body)
+    assert answer[0] == status and message in answer[1], answer
+    assert post(url + "/generate", {"prompt": "a cat", "height": 32, "width": 32, "num_inference_steps": 1})[0] == 200
 
 
 @pytest.mark.timeout(300)
@@ -191,20 +254,18 @@ def stream_raw(server, inputs) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_prompt_bytes_that_are_not_utf8_and_prompts_sent_as_bytes(served):
+def test_a_prompt_that_is_not_utf8_and_one_sent_as_uint8(served):
     server, _ = served
     inputs = pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 0)
-    not_utf8 = np.array([[0x61, 0xC3, 0x28]], np.uint8)
-    inputs[0] = grpcclient.InferInput("prompt", list(not_utf8.shape), "UINT8")
-    inputs[0].set_data_from_numpy(not_utf8)
-    answer = stream_raw(server, inputs)
-    assert "INVALID_ARGUMENT" in answer and "prompt[0] is not UTF-8" in answer and "send each prompt" in answer
-    # BYTES would crash the stub under numpy 2 (mdtriton.pipeline.prompts): Triton refuses it by the model's config.
     inputs[0] = grpcclient.InferInput("prompt", [1], "BYTES")
-    inputs[0].set_data_from_numpy(np.array([b"a cat"], dtype=object))
+    inputs[0].set_data_from_numpy(np.array([b"a\xc3("], dtype=np.object_))
+    answer = stream_raw(server, inputs)
+    assert "INVALID_ARGUMENT" in answer and "prompt[0] is not UTF-8" in answer and "send each prompt as UTF-8 text" in answer
+    inputs[0] = grpcclient.InferInput("prompt", [1, 5], "UINT8")
+    inputs[0].set_data_from_numpy(np.frombuffer(b"a cat", np.uint8).reshape(1, 5))
     answer = stream_raw(server, inputs)
     # (Triton's own checks answer a stream without a status code, even with triton_grpc_error.)
-    assert "data-type is 'BYTES', but model 'dev_tp2' expects 'UINT8'" in answer
+    assert "data-type is 'UINT8', but model 'dev_tp2' expects 'BYTES'" in answer
     assert generate(server.grpc_address, "dev_tp2", "a cat", **{**GOOD, "num_inference_steps": 1}).shape == (1, 48, 64, 3)
 
 

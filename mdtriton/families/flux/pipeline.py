@@ -1,6 +1,6 @@
 """The FLUX pipeline served as one model ("flux-pipeline"): diffusers' FluxPipeline, prompt to image.
 
-Inputs are named after `FluxPipeline.__call__` (prompts as UTF-8 rows: mdtriton.pipeline.prompts), the output is
+Inputs are named after `FluxPipeline.__call__` (prompts as text: Triton's BYTES, read as UTF-8 rows: mdtriton.pipeline.prompts), the output is
 the image as UINT8; progress responses carry `step` (steps finished) only. diffusers runs the pipeline (CLIP and
 T5, the initial noise from a CPU generator seeded with `seed`, the scheduler loop with FLUX's resolution-dependent
 shift, the VAE), so an image equals diffusers' for the same components; its transformer is our engine.
@@ -59,20 +59,21 @@ class FluxPipelinePart(PipelinePart):
 
     def signature(self) -> Signature:
         inputs = (
-            TensorSpec("prompt", "UINT8", (-1, -1)),
+            TensorSpec("prompt", "STRING", (-1,)),
             TensorSpec("height", "INT32", (1,)),
             TensorSpec("width", "INT32", (1,)),
             TensorSpec("num_inference_steps", "INT32", (1,)),
             TensorSpec("guidance_scale", "FP32", (1,)),
             TensorSpec("seed", "INT64", (1,)),
-            TensorSpec("prompt_2", "UINT8", (-1, -1)),
+            TensorSpec("prompt_2", "STRING", (-1,)),
             TensorSpec("max_sequence_length", "INT32", (1,)),
         )
         outputs = (TensorSpec("image", "UINT8", (-1, -1, -1, 3)), TensorSpec("step", "INT32", (1,)))
         return inputs, outputs
 
-    def optional_inputs(self) -> tuple[str, ...]:
-        return ("prompt_2", "max_sequence_length")
+    def optional_inputs(self) -> dict[str, int | float | None]:
+        return {"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5, "seed": 0,
+                "prompt_2": None, "max_sequence_length": None}
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """The VAE's scale factor (8 for FLUX.1), as FluxPipeline derives it."""

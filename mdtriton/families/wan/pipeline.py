@@ -1,6 +1,6 @@
 """The Wan pipeline served as one model ("wan-pipeline"): diffusers' WanPipeline, prompt to video.
 
-Inputs are named after `WanPipeline.__call__` (prompts as UTF-8 rows: mdtriton.pipeline.prompts), the output is the
+Inputs are named after `WanPipeline.__call__` (prompts as text: Triton's BYTES, read as UTF-8 rows: mdtriton.pipeline.prompts), the output is the
 video as UINT8 [batch, frames, height, width, 3]; progress responses carry `step` only. diffusers runs the pipeline
 (UMT5, the initial noise from a CPU generator seeded with `seed`, the scheduler loop with classifier-free guidance,
 Wan 2.2's switch from its high-noise to its low-noise expert at boundary_ratio, the VAE), so a video equals
@@ -89,22 +89,23 @@ class WanPipelinePart(PipelinePart):
 
     def signature(self) -> Signature:
         inputs = (
-            TensorSpec("prompt", "UINT8", (-1, -1)),
+            TensorSpec("prompt", "STRING", (-1,)),
             TensorSpec("height", "INT32", (1,)),
             TensorSpec("width", "INT32", (1,)),
             TensorSpec("num_frames", "INT32", (1,)),
             TensorSpec("num_inference_steps", "INT32", (1,)),
             TensorSpec("guidance_scale", "FP32", (1,)),
             TensorSpec("seed", "INT64", (1,)),
-            TensorSpec("negative_prompt", "UINT8", (-1, -1)),
+            TensorSpec("negative_prompt", "STRING", (-1,)),
             TensorSpec("max_sequence_length", "INT32", (1,)),
             TensorSpec("guidance_scale_2", "FP32", (1,)),
         )
         outputs = (TensorSpec("video", "UINT8", (-1, -1, -1, -1, 3)), TensorSpec("step", "INT32", (1,)))
         return inputs, outputs
 
-    def optional_inputs(self) -> tuple[str, ...]:
-        return ("negative_prompt", "max_sequence_length", "guidance_scale_2")
+    def optional_inputs(self) -> dict[str, int | float | None]:
+        return {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50, "guidance_scale": 5.0,
+                "seed": 0, "negative_prompt": None, "max_sequence_length": None, "guidance_scale_2": None}
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial)."""
