@@ -9,8 +9,10 @@ what to send, and the server keeps serving.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,7 @@ from mdtriton.client.pipeline import generate, pipeline_inputs
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from tests.conftest import start_server
+from tests.test_perf_analyzer import perf_analyzer
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
 
 MODELS = {
@@ -285,3 +288,21 @@ def test_generate_command_writes_the_png(served, tmp_path, capsys):
     assert main(["generate", "dev_tp2", "a dog", "--url", server.grpc_address, "--height", "32", "--width", "48",
                  "--steps", "2", "-o", str(path)]) == 0
     assert "2/2" in capsys.readouterr().err  # a streamed model's per-step progress bar
+
+
+@pytest.mark.timeout(300)
+def test_perf_analyzer_in_its_default_mode_measures_the_pipeline(served, tmp_path):
+    """perf_analyzer's default: sync unary gRPC requests, the prompt as string data (docs/client.md)."""
+    server, _ = served
+    data = tmp_path / "request.json"
+    data.write_text(json.dumps({"data": [{"prompt": ["a photo of a red cat"], "height": [32], "width": [32],
+                                          "num_inference_steps": [1]}]}))
+    report = tmp_path / "report.csv"
+    command = [perf_analyzer(), "-m", CLI_BUILT, "-u", server.grpc_address, "-i", "grpc", "--input-data", str(data), "--shape", "prompt:1",
+               "--measurement-mode", "count_windows", "--measurement-request-count", "4", "--stability-percentage",
+               "100", "-f", str(report)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Concurrency: 1, throughput:" in result.stdout
+    row = next(csv.DictReader(report.open()))
+    assert float(row["Inferences/Second"]) > 0
