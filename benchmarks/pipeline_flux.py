@@ -7,10 +7,11 @@ engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transf
 components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name into
 diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
 
-- mdtriton served: the pipeline built into a model repository (`build_model_version`, the transformer's random
-  weights generated on the device) and served by Triton on one rank, called with `mdtriton.client.pipeline.generate`
-  (gRPC stream, a progress response per step); its memory is the GPU memory in use after its images, as
-  seen from outside the server (not a peak);
+- mdtriton served, unary and streamed: the pipeline built into a model repository (`build_model_version`, the
+  transformer's random weights generated on the device: a unary model, the default), and the same version served as
+  a second model built as `--stream` makes it (decoupled: a progress response per step over a gRPC stream), each
+  served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate` (unary gRPC infer, or the
+  stream); its memory is the GPU memory in use after its images, as seen from outside the server (not a peak);
 - mdtriton in-process: `PipelineEngine.forward` in this process on the same engine (what the served rank
   runs per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);
 - diffusers eager: FluxPipeline with diffusers' FluxTransformer2DModel;
@@ -49,6 +50,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mdtriton.build_tools.build import MODEL_INDEX, build_model_version  # noqa: E402
+from mdtriton.build_tools.model_config import read_model_config, write_model_config  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
@@ -159,17 +161,30 @@ def save_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
     return directory
 
 
-def served_row(args, version_dir: Path, device: torch.device) -> tuple:
-    """(label, repeat times, first time, GPU GiB in use after the images) of the pipeline served by Triton."""
-    in_use_before = gpu_bytes_in_use(device)
-    with TritonServer(version_dir.parent.parent, log_file=version_dir.parent.parent.parent / "server.log") as server:
-        def image():
-            return generate(server.grpc_address, "flux", PROMPT, args.height, args.width, args.steps, 3.5, 0,
-                            max_sequence_length=args.max_sequence_length)
+def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
+    """(label, repeat times, first time, GPU GiB in use after the images) of the pipeline served by Triton: the model
+    as built (unary), then the same version as a streamed model, each in a server of its own."""
+    streamed = version_dir.parent.parent / "flux-stream"
+    streamed.mkdir(exist_ok=True)
+    if not (streamed / version_dir.name).exists():
+        (streamed / version_dir.name).symlink_to(version_dir.resolve())
+    config = read_model_config(version_dir.parent / "config.pbtxt")
+    config.name = streamed.name
+    config.model_transaction_policy.decoupled = True
+    write_model_config(streamed / "config.pbtxt", config)
+    rows = []
+    for model, label in (("flux", "unary gRPC infer"), (streamed.name, "gRPC stream, a response per step")):
+        in_use_before = gpu_bytes_in_use(device)
+        with TritonServer(version_dir.parent.parent, model_control_mode="explicit", load_models=(model,),
+                          log_file=version_dir.parent.parent.parent / "server.log") as server:
+            def image():
+                return generate(server.grpc_address, model, PROMPT, args.height, args.width, args.steps, 3.5, 0,
+                                max_sequence_length=args.max_sequence_length)
 
-        times, first, _ = timed(image, device, args.repeats)
-        in_use = (gpu_bytes_in_use(device) - in_use_before) / 2**30
-    return "mdtriton served (Triton, 1 rank, gRPC stream)", times, first, in_use
+            times, first, _ = timed(image, device, args.repeats)
+            in_use = (gpu_bytes_in_use(device) - in_use_before) / 2**30
+        rows.append((f"mdtriton served (Triton, 1 rank, {label})", times, first, in_use))
+    return rows
 
 
 def gpu_bytes_in_use(device: torch.device) -> int:
@@ -226,7 +241,7 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
             components[name].to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        rows.append(served_row(args, version_dir, device))
+        rows += served_rows(args, version_dir, device)
         for name in ("text_encoder", "text_encoder_2", "vae"):
             components[name].to(device)
 
@@ -288,10 +303,11 @@ def report(args, rows: list, parts: dict, device: torch.device, data_type: str) 
           f"{parts['step'] * 1000:,.1f} ms + VAE decode {parts['decode'] * 1000:,.1f} ms = {parts_sum * 1000:,.0f} ms; "
           f"the whole image in-process {ours * 1000:,.0f} ms: the loop costs {(ours / parts_sum - 1) * 100:+.1f}% "
           "beyond its parts (bound: +3%)")
-    served = [statistics.median(row[1]) for row in rows if "served" in row[0]]
-    if served:
-        print(f"served through Triton: {served[0] * 1000:,.0f} ms per image, {(served[0] / parts_sum - 1) * 100:+.1f}% "
-              "beyond the parts (the gRPC stream, the request's check and the image's way back included)")
+    for label, times, _, _ in rows:
+        if "served" in label:
+            served = statistics.median(times)
+            print(f"{label}: {served * 1000:,.0f} ms per image, {(served / parts_sum - 1) * 100:+.1f}% beyond the parts "
+                  "(the call, the request's check and the image's way back included)")
 
 
 if __name__ == "__main__":

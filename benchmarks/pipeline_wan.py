@@ -187,7 +187,7 @@ def main() -> int:
           f"torch {torch.__version__}\n")
     print("| | seconds |")
     print("|---|---|")
-    print(f"| served clip (Triton, gRPC stream, progress per step; median of {args.clips}) | {served_clip:.2f} |")
+    print(f"| served clip (Triton, unary gRPC infer; median of {args.clips}) | {served_clip:.2f} |")
     print(f"| of it outside the rank's job (median of the clips' client time - job time) | {serving_cost:.3f} |")
     print(f"| the same clip in-process (the rank's pipeline engine) | {in_process:.2f} |")
     print(f"| parts: text encoding (both prompts) | {encode:.3f} |")
