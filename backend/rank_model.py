@@ -178,7 +178,8 @@ class RankModel:
         get_input_tensor_by_name calls it once per name, which took 45 µs instead of 18 for 7 inputs.)"""
         given = {tensor.name(): tensor for tensor in request.inputs()}
         return {spec.name: text_input(given[spec.name].as_numpy().reshape(-1), spec.name) if spec.data_type == "STRING"
-                else torch.from_dlpack(given[spec.name].to_dlpack()) for spec in self.manifest.inputs if spec.name in given}
+                else torch.from_dlpack(given[spec.name].to_dlpack())
+                for spec in self.manifest.inputs if spec.name in given}
 
     def _answer(self, item):
         """The response to a request: its error response as it is, or its request's outputs (or failure)."""

@@ -193,8 +193,8 @@ def main() -> int:
     print(f"| parts: text encoding (both prompts) | {encode:.3f} |")
     print(f"| parts: {calls} x transformer call | {calls} x {step:.3f} = {calls * step:.2f} |")
     print(f"| parts: VAE decode | {decode:.2f} ({decode / served_clip * 100:.0f}% of the clip) |")
-    print(f"\nserving adds {serving_cost / (served_clip - serving_cost) * 100:+.1f}% to the rank's job of the same clips, "
-          f"{(served_clip / in_process - 1) * 100:+.1f}% to the in-process clip; the in-process clip is "
+    print(f"\nserving adds {serving_cost / (served_clip - serving_cost) * 100:+.1f}% to the rank's job of the same "
+          f"clips, {(served_clip / in_process - 1) * 100:+.1f}% to the in-process clip; the in-process clip is "
           f"{(in_process / parts_sum - 1) * 100:+.1f}% beyond its parts; served and in-process videos "
           f"{'equal' if np.array_equal(video, again) else 'differ'}")
     return 0

@@ -91,7 +91,8 @@ def test_a_plain_unary_grpc_call_gets_the_image_and_bad_input_its_error(served):
     with pytest.raises(InferenceServerException) as caught:
         client.infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 2, 3.5, 5))
     assert "decoupled" in caught.value.message()  # Triton's own refusal: a streamed model takes streams only
-    assert client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 5)).as_numpy("image").shape == (1, 48, 64, 3)
+    image = client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 48, 64, 1, 3.5, 5)).as_numpy("image")
+    assert image.shape == (1, 48, 64, 3)
 
 
 def post(url: str, body: dict) -> tuple[int, dict | str]:
@@ -132,7 +133,8 @@ def test_kserve_http_json_infer_and_generate_get_the_image(served):
 
 
 BAD_HTTP = [  # (path, body, status, message)
-    ("infer", {"inputs": kserve_inputs("a cat")[1:]}, 400, "input(s) ['prompt'] missing; this model takes prompt, height"),
+    ("infer", {"inputs": kserve_inputs("a cat")[1:]}, 400,
+     "input(s) ['prompt'] missing; this model takes prompt, height"),
     ("infer", {"inputs": kserve_inputs("a cat", height=40)}, 400, "height 40 is not a positive multiple of 16"),
     ("infer", {"inputs": [{**kserve_inputs("a cat")[0], "datatype": "UINT8", "data": [97]}] + kserve_inputs("a")[1:]},
      400, "expects 'BYTES'"),
@@ -145,7 +147,8 @@ BAD_HTTP = [  # (path, body, status, message)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("path, body, status, message", BAD_HTTP, ids=[f"{p}-{i}" for i, (p, *_) in enumerate(BAD_HTTP)])
+@pytest.mark.parametrize("path, body, status, message", BAD_HTTP,
+                         ids=[f"{p}-{i}" for i, (p, *_) in enumerate(BAD_HTTP)])
 def test_bad_http_requests_get_a_clear_error_and_the_server_keeps_serving(served, path, body, status, message):
     server, _ = served
     url = f"http://{server.http_address}/v2/models/{CLI_BUILT}"
@@ -298,7 +301,8 @@ def test_perf_analyzer_in_its_default_mode_measures_the_pipeline(served, tmp_pat
     data.write_text(json.dumps({"data": [{"prompt": ["a photo of a red cat"], "height": [32], "width": [32],
                                           "num_inference_steps": [1]}]}))
     report = tmp_path / "report.csv"
-    command = [perf_analyzer(), "-m", CLI_BUILT, "-u", server.grpc_address, "-i", "grpc", "--input-data", str(data), "--shape", "prompt:1",
+    command = [perf_analyzer(), "-m", CLI_BUILT, "-u", server.grpc_address, "-i", "grpc", "--input-data", str(data),
+               "--shape", "prompt:1",
                "--measurement-mode", "count_windows", "--measurement-request-count", "4", "--stability-percentage",
                "100", "-f", str(report)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)

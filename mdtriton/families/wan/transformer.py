@@ -203,7 +203,7 @@ class WanBlock(nn.Module):
         self.attn2.fuse_projections()
 
     def modulations(self, modulation: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(shift, scale, gate) of the self-attention, then of the feed-forward (float32), for modulation [B, 6, dim]."""
+        """(shift, scale, gate) of the self-attention, then of the feed-forward (float32), of modulation [B, 6, dim]."""
         return (self.scale_shift_table + modulation.float()).chunk(6, dim=1)
 
 
