@@ -84,10 +84,19 @@ def test_a_plain_unary_grpc_call_gets_the_image_and_bad_input_its_error(served):
     result = client.infer(CLI_BUILT, pipeline_inputs(["a photo of a red cat"], 48, 64, 2, 3.5, 5))
     expected = reference_image(pipelines["schnell"], ["a photo of a red cat"], 48, 64, 2, 3.5, 5)
     assert max_level_difference(result.as_numpy("image"), expected) <= 1
-    with pytest.raises(InferenceServerException) as caught:
-        client.infer(CLI_BUILT, pipeline_inputs(["a cat"], 40, 64, 2, 3.5, 5))
-    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert "height 40 is not a positive multiple of 16" in caught.value.message()
+    not_utf8 = grpcclient.InferInput("prompt", [1], "BYTES")
+    not_utf8.set_data_from_numpy(np.array([b"a\xc3("], dtype=np.object_))
+    wrong_type = grpcclient.InferInput("height", [1], "FP32")
+    wrong_type.set_data_from_numpy(np.array([48.0], np.float32))
+    good = pipeline_inputs(["a cat"], 48, 64, 2, 3.5, 5)
+    too_tall = pipeline_inputs(["a cat"], 40, 64, 2, 3.5, 5)
+    for inputs, message in ((too_tall, "height 40 is not a positive multiple of 16"),
+                            (good[1:], "input(s) ['prompt'] missing"),
+                            ([not_utf8] + good[1:], "prompt[0] is not UTF-8"),
+                            ([good[0], wrong_type] + good[2:], "expects 'INT32'")):
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(CLI_BUILT, inputs)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and message in caught.value.message(), message
     with pytest.raises(InferenceServerException) as caught:
         client.infer("dev_tp2", pipeline_inputs(["a cat"], 48, 64, 2, 3.5, 5))
     assert "decoupled" in caught.value.message()  # Triton's own refusal: a streamed model takes streams only
