@@ -25,7 +25,7 @@ from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import check_request, text_input, with_defaults
+from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -35,7 +35,6 @@ log = logging.getLogger("mdtriton.backend")
 # (Rendezvous.fail), which then stop waiting at once. Requests that come before the ranks have met wait for
 # them (up to request_timeout_s).
 INITIALIZE_JOIN_WAIT_S = 5.0
-DEFAULT_REQUEST_TIMEOUT_S = "30"
 # A rank whose worker dies more than this many times within the window is given up (config.pbtxt parameters
 # heal_limit and heal_window_s).
 DEFAULT_HEAL_LIMIT = "10"

@@ -21,6 +21,10 @@ from mdtriton.engine.request_check import RequestError
 from mdtriton.families import pipeline_part
 from mdtriton.pipeline.prompts import text_rows
 
+# Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s; the build writes it, a pipeline's
+# longer: PipelinePart.request_timeout_s) when a config does not say.
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
 
 def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator) -> Engine:
     """This rank's engine of engine_dir, whose manifest the caller has read."""
