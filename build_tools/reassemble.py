@@ -12,20 +12,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mdtriton.engine.layers import parallel_specs
+from mdtriton.engine.layers import join_shards, parallel_specs
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
-
-
-def assemble(parts: list[torch.Tensor], dim: int, segments: list[int], tp_size: int) -> torch.Tensor:
-    """The inverse of layers.take_shard: the tensor-parallel ranks' parts (in rank order) back into one weight."""
-    pieces, offset = [], 0
-    for size in segments:
-        part = size // tp_size
-        pieces += [p.narrow(dim, offset, part) for p in parts]
-        offset += part
-    return torch.cat(pieces, dim=dim)
 
 
 class EngineWeights:
@@ -34,8 +24,7 @@ class EngineWeights:
     def __init__(self, engine_dir: Path):
         self.manifest = Manifest.read(engine_dir)
         plan = self.manifest.plan
-        # Ranks 0 .. tp_size - 1 form context-parallel rank 0's tensor-parallel group (tensor parallelism innermost).
-        self.files = [self.manifest.weight_file(engine_dir, rank) for rank in range(plan.tp_size)]
+        self.files = [self.manifest.weight_file(engine_dir, rank) for rank in plan.tp_group_ranks()[0]]
         self.specs = parallel_specs(meta_module(self.manifest.architecture, self.manifest.config, plan, 0))
 
     def read(self, name: str) -> torch.Tensor:
@@ -46,8 +35,8 @@ class EngineWeights:
                 parts.append(handle.get_tensor(name))
         if name not in self.specs:
             return parts[0]
-        dim, segments, _, tp_size = self.specs[name]
-        return assemble(parts, dim, segments, tp_size)
+        dim, segments, _, _ = self.specs[name]
+        return join_shards(parts, dim, segments)
 
 
 def streamed_units(module: nn.Module) -> list[tuple[nn.Module, str, str]]:

@@ -55,6 +55,19 @@ def take_shard(full: torch.Tensor, dim: int, segments: list[int], tp_rank: int, 
     return torch.cat(parts, dim=dim).contiguous()
 
 
+def join_shards(shards: list[torch.Tensor], dim: int, segments: list[int]) -> torch.Tensor:
+    """The inverse of take_shard: the tensor-parallel ranks' shards (in tp rank order) back into the full tensor."""
+    shape = list(shards[0].shape)
+    shape[dim] = sum(segments)
+    full = shards[0].new_empty(shape)
+    for tp_rank, shard in enumerate(shards):
+        offset = 0
+        for start, stop in shard_ranges(segments, tp_rank, len(shards)):
+            full.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
+            offset += stop - start
+    return full
+
+
 class ParallelLinear(nn.Module):
     """A rank's part of a linear layer: weight [local out, local in], optional bias, and in FP8 a row scale."""
 
