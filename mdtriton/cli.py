@@ -14,10 +14,11 @@ from mdtriton.client.grpc_client import ClientError
 from mdtriton.engine.fp8 import Fp8Unsupported
 from mdtriton.engine.manifest import EngineError
 from mdtriton.server import ServerError
+from mdtriton.stub_environment import StubEnvironmentError
 
 # Errors that are the user's to fix: shown as one line, exit code 1 (anything else keeps its traceback).
-USER_ERRORS = (BuildInterrupted, CheckpointError, ClientError, EngineError, Fp8Unsupported, ServerError, ValueError,
-               OSError)
+USER_ERRORS = (BuildInterrupted, CheckpointError, ClientError, EngineError, Fp8Unsupported, ServerError,
+               StubEnvironmentError, ValueError, OSError)
 
 
 def add_serve_parser(subparsers) -> None:

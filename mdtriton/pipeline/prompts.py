@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 
-def prompt_tensor(prompts: list[str]) -> np.ndarray:
-    """The UINT8 [batch, bytes] tensor of prompts (UTF-8, zero-padded to the longest, at least one byte wide)."""
+def prompt_tensor(prompts: list[str], name: str = "prompt") -> np.ndarray:
+    """The UINT8 [batch, bytes] tensor of prompts (UTF-8, zero-padded to the longest, at least one byte wide);
+    ValueError naming the input `name` and the prompt if one holds a NUL character."""
     encoded = [prompt.encode("utf-8") for prompt in prompts]
-    if any(b"\0" in text for text in encoded):
-        raise ValueError("a prompt holds a NUL character (U+0000); remove it")
+    for index, text in enumerate(encoded):
+        if b"\0" in text:
+            raise ValueError(f"{name}[{index}] holds a NUL character (U+0000); remove it")
     rows = np.zeros((len(encoded), max([1] + [len(text) for text in encoded])), np.uint8)
     for row, text in zip(rows, encoded):
         row[:len(text)] = np.frombuffer(text, np.uint8)
@@ -34,9 +36,7 @@ def text_rows(values, name: str) -> torch.Tensor:
         except UnicodeDecodeError as error:
             raise ValueError(f"{name}[{index}] is not UTF-8 ({error.reason} at byte {error.start}); send each prompt "
                              "as UTF-8 text") from None
-        if "\0" in prompts[-1]:
-            raise ValueError(f"{name}[{index}] holds a NUL character (U+0000); remove it")
-    return torch.from_numpy(prompt_tensor(prompts))
+    return torch.from_numpy(prompt_tensor(prompts, name))
 
 
 def read_prompts(tensor: torch.Tensor, name: str) -> list[str]:

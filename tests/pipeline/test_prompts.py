@@ -1,5 +1,5 @@
-"""Prompts travel as zero-padded UTF-8 rows (UINT8 [batch, bytes]): Triton 2.51's Python backend under numpy 2
-cannot take BYTES inputs."""
+"""Prompts travel from the receiving stub to the ranks as zero-padded UTF-8 rows (UINT8 [batch, bytes]): BYTES have
+no DLPack."""
 
 from __future__ import annotations
 
