@@ -3,19 +3,23 @@
 The 2.51 stub was built with pybind11 2.10, which reads numpy 2's dtypes wrongly: the first request with a BYTES
 (TYPE_STRING) input kills the stub before `execute` runs (fixed in Triton 2.52 by python_backend PR #384,
 pybind11 2.12). A stub's site-packages follow the `python3` first on PATH, so the embedded server puts a small
-virtual environment first there: it sees the base interpreter's packages (`--system-site-packages`) and, through
-PYTHONPATH (which backend/rank_model.py appends to the stub's sys.path), this environment's, but its own numpy 1.26
-before them. The rank workers the stubs start put PYTHONPATH first, so they keep this environment's numpy 2. The
-model repository is not touched: the same repository serves on a stock Triton (2.52 and later need none of this).
+virtual environment first there: its own site-packages hold numpy 1.26, and a .pth file after it names this
+interpreter's site-packages (torch, mdtriton and the rest: the packages of the environment the server is started
+from, which need not be the base interpreter's, as in a venv). PYTHONPATH comes after these (backend/rank_model.py
+appends it to the stub's sys.path: the stub does not read it). The rank workers the stubs start put PYTHONPATH first,
+so they keep numpy 2. The model repository is not touched: the same repository serves on a stock Triton (2.52 and
+later need none of this).
 
-It is made once per Python version under ~/.cache/mdtriton (XDG_CACHE_HOME), with pip from the package index
+It is made once per Python environment under ~/.cache/mdtriton (XDG_CACHE_HOME), with pip from the package index
 (PIP_INDEX_URL, or PIP_NO_INDEX with PIP_FIND_LINKS on a host without one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -33,7 +37,8 @@ def stub_environment() -> Path:
     """The stubs' virtual environment (its bin/ goes first on the server's PATH), made on first use."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mdtriton"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    target = cache / f"stub-env-py{version}-{NUMPY.replace('==', '-')}"
+    environment = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    target = cache / f"stub-env-py{version}-{NUMPY.replace('==', '-')}-{environment}"
     if target.is_dir():  # complete: a new one is made aside and renamed into place
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -41,8 +46,9 @@ def stub_environment() -> Path:
     try:
         print(f"mdtriton: making the Python environment of Triton 2.51's stubs ({NUMPY}, once) in {target}",
               file=sys.stderr, flush=True)
-        venv.create(building, system_site_packages=True, with_pip=False, symlinks=True)
+        venv.create(building, with_pip=False, symlinks=True)
         site_packages = building / "lib" / f"python{version}" / "site-packages"
+        (site_packages / "mdtriton-server-environment.pth").write_text("\n".join(packages_of_this_environment()) + "\n")
         result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                                  "--no-deps", "--only-binary=:all:", "--target", str(site_packages), NUMPY],
                                 capture_output=True, text=True)
@@ -59,3 +65,9 @@ def stub_environment() -> Path:
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return target
+
+
+def packages_of_this_environment() -> list[str]:
+    """This interpreter's site-packages directories, the user's included where Python reads it."""
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    return site.getsitepackages() + user
