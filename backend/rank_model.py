@@ -94,6 +94,7 @@ class RankModel:
         see_python_path()
         config = json.loads(args["model_config"])
         parameters = read_parameters(config)
+        self.parameters = parameters
         self.placement = placement_from_args(args, config)
         # The stub only wraps tensors and checks their shapes (the worker reads their values): one torch thread.
         # Torch's default pool (a thread per core) keeps spinning after each parallel operation, on the cores a CPU
@@ -159,7 +160,7 @@ class RankModel:
     def _submit(self, request, sender):
         """The request's job, or the error response that answers it now; sender (decoupled models) gets progress."""
         try:
-            inputs = with_defaults(self.manifest, self._inputs(request))
+            inputs = with_defaults(self.manifest, self._inputs(request), self.parameters)
             check_request(self.manifest, inputs)
             return self.workers.submit(inputs, on_progress=partial(send_progress, sender) if sender else None)
         except RequestError as error:

@@ -22,6 +22,7 @@ from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S
+from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import PipelinePart, family, pipeline_part
 
 MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
@@ -36,7 +37,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                         seed: int = 0, weights_path: Path | None = None, version: int | None = None,
                         request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
                         policy: str | None = None, limits: EngineLimits | None = None,
-                        random_transformer: bool = False, stream: bool = False) -> Path:
+                        random_transformer: bool = False, stream: bool = False, cache: str | None = None) -> Path:
     """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
     transformer engines and pipelines alike.
 
@@ -51,6 +52,8 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     a request is a whole image). limits: None is the default batch limit and the family's token limit.
     stream (pipelines only): the model is decoupled and streams a progress response per denoising step before its
     result; without it the model answers each request once (unary gRPC infer, HTTP/JSON, perf_analyzer's default).
+    cache (pipelines only): the step cache of requests that send none, a JSON object as the `cache` input takes
+    (mdtriton.engine.step_cache), kept in config.pbtxt's parameters; ValueError if it is not one.
 
     data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
     only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
@@ -96,17 +99,17 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     transformer = Manifest(model_family.name, config, plan, data_type, inputs, outputs, quantization=quantization)
     served = transformer
     if part is not None:
-        inputs, outputs = part.signature()
+        inputs, outputs = part.served_signature()
         served = Manifest(architecture_name, {"transformer": config, **part.pipeline_config(pipeline_dir)}, plan,
                           data_type, inputs, outputs, limits=limits)
     if request_timeout_s is None:
         request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
     triton_config = model_config(name, served, device, gpus, request_timeout_s)
     if part is not None:
-        serve_as_pipeline(triton_config, part, stream)
-    elif stream:
-        raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once; streaming "
-                         "progress is for pipeline models (an architecture ending in -pipeline)")
+        serve_as_pipeline(triton_config, part, stream, cache)
+    elif stream or cache is not None:
+        raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once and caches no "
+                         "steps; --stream and --cache are for pipeline models (an architecture ending in -pipeline)")
     model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
@@ -174,13 +177,19 @@ def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) ->
     (engine_dir / MODEL_INDEX).write_text(json.dumps(served, indent=2) + "\n")
 
 
-def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart, stream: bool) -> None:
+def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart, stream: bool, cache: str | None) -> None:
     """A pipeline model answers each request once, or with stream is decoupled (one progress response per step,
     then the result); it has no warm-up (the ranks meet at the first request, which waits for them up to the request
-    timeout); every input but the prompt is optional."""
+    timeout); every input but the prompt is optional; cache, if given, is the step cache of requests without one."""
     triton_config.model_transaction_policy.decoupled = stream
     for model_input in triton_config.input:
-        model_input.optional = model_input.name in part.optional_inputs()
+        model_input.optional = model_input.name in part.served_optional_inputs()
+    if cache is not None:
+        try:
+            read_cache(cache)
+        except ValueError as error:
+            raise ValueError(f"--cache: {error}") from None
+        triton_config.parameters["cache"].string_value = cache
 
 
 def prepare_model_dir(repository: Path, name: str, version: int | None, triton_config: mc.ModelConfig,

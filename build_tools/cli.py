@@ -83,6 +83,10 @@ def add_parser(subparsers) -> None:
                         help="pipeline models: stream a progress response per denoising step, then the result "
                              "(a decoupled model: gRPC streaming only); default: one response per request (unary gRPC "
                              "infer, HTTP/JSON infer, perf_analyzer's default mode)")
+    parser.add_argument("--cache", metavar="JSON",
+                        help="pipeline models: the step cache of requests that send no `cache` input, e.g. "
+                             "'{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: first_block, "
+                             "taylorseer, none; docs/client.md); default: none")
     parser.add_argument("--version-policy", metavar="POLICY",
                         help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
                              "(default: keep the model's policy; Triton's latest:1 for a new model)")
@@ -106,6 +110,6 @@ def run(args: argparse.Namespace) -> int:
     version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
                                       args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
                                       random_device=args.random_device, policy=args.version_policy, limits=limits,
-                                      stream=args.stream)
+                                      stream=args.stream, cache=args.cache)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

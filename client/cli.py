@@ -110,6 +110,9 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--negative-prompt", help="videos: what to steer away from (default: none)")
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
+    parser.add_argument("--cache", metavar="JSON",
+                        help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
+                             "first_block, taylorseer, none; docs/client.md); default: the model's")
     parser.add_argument("--fps", type=int, default=16, help="videos: frames per second of the MP4 (default 16, Wan's)")
     parser.add_argument("-o", "--output", type=Path,
                         help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
@@ -218,7 +221,9 @@ def generate_media(args: argparse.Namespace) -> int:
     if not streamed:
         print(f"{args.model} answers once, at the end (build it with --stream for progress per step)", file=sys.stderr)
     with tqdm(total=steps, desc="denoising", unit="step", disable=not streamed) as bar:
-        progress = dict(on_step=lambda done, total: bar.update(done - bar.n), timeout=args.timeout)
+        full_steps = []
+        progress = dict(cache=args.cache, on_step=lambda done, total: bar.update(done - bar.n),
+                        on_full_steps=full_steps.append, timeout=args.timeout)
         if video:
             frames = generate_video(args.url, args.model, args.prompt, args.height or 480, args.width or 832,
                                     args.num_frames, steps, 5.0 if args.guidance is None else args.guidance, args.seed,
@@ -227,6 +232,7 @@ def generate_media(args: argparse.Namespace) -> int:
             image = generate(args.url, args.model, args.prompt, args.height or 1024, args.width or 1024, steps,
                              3.5 if args.guidance is None else args.guidance, args.seed, args.prompt_2,
                              args.max_sequence_length, **progress)[0]
+    print(f"{full_steps[0]} of {steps} steps ran the whole transformer")
     if not video:
         from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it
 

@@ -3,13 +3,15 @@ served pipeline model.
 
 A pipeline model answers each request once (unary gRPC infer), unless it was built with `--stream`: then it is
 decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
-done) and then the image. generate() asks the model's config which it is. The stream asks Triton to end with the
+done) and then the image. generate() asks the model's config which it is. Every answer says how many of its
+steps ran the whole transformer (`full_steps`: fewer with a step cache, the `cache` input). The stream asks Triton to end with the
 request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
 server's message, as a unary call does.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 from collections.abc import Callable
 
@@ -23,9 +25,10 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 
 
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
-                    seed: int, prompts_2: list[str] | None = None,
-                    max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
-    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES)."""
+                    seed: int, prompts_2: list[str] | None = None, max_sequence_length: int | None = None,
+                    cache: str | dict | None = None) -> list[grpcclient.InferInput]:
+    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache, a step
+    cache config: a dict or its JSON text)."""
     arrays = {
         "prompt": texts(prompts),
         "height": np.array([height], np.int32),
@@ -38,14 +41,15 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
         arrays["prompt_2"] = texts(prompts_2)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(arrays)
+    return infer_inputs(with_cache(arrays, cache))
 
 
 def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, num_inference_steps: int,
                  guidance_scale: float, seed: int, negative_prompts: list[str] | None = None,
-                 guidance_scale_2: float | None = None,
-                 max_sequence_length: int | None = None) -> list[grpcclient.InferInput]:
-    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES)."""
+                 guidance_scale_2: float | None = None, max_sequence_length: int | None = None,
+                 cache: str | dict | None = None) -> list[grpcclient.InferInput]:
+    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache as
+    pipeline_inputs takes it)."""
     arrays = {
         "prompt": texts(prompts),
         "height": np.array([height], np.int32),
@@ -62,6 +66,13 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
     return infer_inputs(arrays)
+
+
+def with_cache(arrays: dict[str, np.ndarray], cache: str | dict | None) -> dict[str, np.ndarray]:
+    """arrays and, if given, the `cache` input (JSON text; the server checks it)."""
+    if cache is None:
+        return arrays
+    return {**arrays, "cache": texts([cache if isinstance(cache, str) else json.dumps(cache)])}
 
 
 def texts(prompts: list[str]) -> np.ndarray:
@@ -85,33 +96,38 @@ def as_list(prompt: str | list[str] | None) -> list[str] | None:
 def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
              num_inference_steps: int = 28, guidance_scale: float = 3.5, seed: int = 0,
              prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
-             on_step: Callable[[int, int], None] | None = None, timeout: float | None = None) -> np.ndarray:
+             cache: str | dict | None = None, on_step: Callable[[int, int], None] | None = None,
+             on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
     """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as FluxPipeline makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
     model streams its progress (built with --stream).
 
-    timeout: seconds the whole request may take (None: no limit). Failures raise ClientError (one line).
+    cache: the step cache, e.g. {"method": "first_block", "threshold": 0.08} (docs/client.md; None: the model's
+    default). on_full_steps(n) gets how many steps ran the whole transformer. timeout: seconds the whole request may
+    take (None: no limit). Failures raise ClientError (one line).
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
-                             as_list(prompt_2), max_sequence_length)
-    return ask(url, model, inputs, "image", num_inference_steps, on_step, timeout)
+                             as_list(prompt_2), max_sequence_length, cache)
+    return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 
 def generate_video(url: str, model: str, prompt: str | list[str], height: int = 480, width: int = 832,
                    num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int = 0,
                    negative_prompt: str | list[str] | None = None, guidance_scale_2: float | None = None,
-                   max_sequence_length: int | None = None, on_step: Callable[[int, int], None] | None = None,
-                   timeout: float | None = None) -> np.ndarray:
+                   max_sequence_length: int | None = None, cache: str | dict | None = None,
+                   on_step: Callable[[int, int], None] | None = None,
+                   on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
     """Videos for prompt (one per prompt) as UINT8 [batch, frames, height, width, 3], as WanPipeline makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
     model streams its progress (built with --stream).
 
     negative_prompt: one for all prompts or one each (default: none, as WanPipeline's). guidance_scale_2: Wan 2.2
-    A14B's guidance for its low-noise expert (default: guidance_scale). Failures raise ClientError (one line).
+    A14B's guidance for its low-noise expert (default: guidance_scale). cache and on_full_steps as generate's
+    (with guidance, the count is of the conditional branch's calls). Failures raise ClientError (one line).
     """
     inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
-                          as_list(negative_prompt), guidance_scale_2, max_sequence_length)
-    return ask(url, model, inputs, "video", num_inference_steps, on_step, timeout)
+                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, cache)
+    return ask(url, model, inputs, "video", num_inference_steps, on_step, on_full_steps, timeout)
 
 
 def streams_progress(url: str, model: str) -> bool:
@@ -126,27 +142,32 @@ def streams_progress(url: str, model: str) -> bool:
 
 
 def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
-        on_step: Callable[[int, int], None] | None, timeout: float | None) -> np.ndarray:
-    """The output of one request: over a stream (progress to on_step) if the model streams, else one unary call."""
+        on_step: Callable[[int, int], None] | None, on_full_steps: Callable[[int], None] | None,
+        timeout: float | None) -> np.ndarray:
+    """The output of one request: over a stream (progress to on_step) if the model streams, else one unary call;
+    on_full_steps gets the answer's full_steps."""
     if streams_progress(url, model):
-        return stream(url, model, inputs, output, steps, on_step, timeout)
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        result = client.infer(model, inputs, client_timeout=timeout)
-    except InferenceServerException as error:
-        raise ClientError(f"generate with {model!r}: {failure(error)}") from None
-    finally:
-        client.close()
-    if output not in {tensor.name for tensor in result.get_response().outputs}:
-        raise ClientError(f"generate with {model!r}: its answer has no {output!r}; is it a pipeline model of that "
-                          "kind?")
+        result = stream(url, model, inputs, output, steps, on_step, timeout)
+    else:
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            result = client.infer(model, inputs, client_timeout=timeout)
+        except InferenceServerException as error:
+            raise ClientError(f"generate with {model!r}: {failure(error)}") from None
+        finally:
+            client.close()
+        if output not in {tensor.name for tensor in result.get_response().outputs}:
+            raise ClientError(f"generate with {model!r}: its answer has no {output!r}; is it a pipeline model of that "
+                              "kind?")
+    if on_full_steps is not None:
+        on_full_steps(int(result.as_numpy("full_steps")[0]))
     return result.as_numpy(output)
 
 
 def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
-           on_step: Callable[[int, int], None] | None, timeout: float | None) -> np.ndarray:
+           on_step: Callable[[int, int], None] | None, timeout: float | None) -> grpcclient.InferResult:
     """Send one request to a decoupled pipeline model; call on_step with each progress response; return the final
-    response's output."""
+    response (the one holding `output`)."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -159,7 +180,7 @@ def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: st
                 raise ClientError(f"generate with {model!r}: {failure(error)}")
             names = {tensor.name for tensor in result.get_response().outputs}
             if output in names:
-                return result.as_numpy(output)
+                return result
             if "step" not in names:
                 raise ClientError(f"generate with {model!r}: its answer holds {sorted(names)}, no {output!r}; is it "
                                   f"a pipeline model of that kind?")

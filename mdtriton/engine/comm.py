@@ -194,6 +194,15 @@ class Communicator:
             dist.all_gather_into_tensor(out, moved, group=self._cp_group)
         return out.movedim(0, dim)
 
+    def cp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the context-parallel group (a new tensor; x as it is with one context-parallel rank)."""
+        if self.cp_size == 1 or self._rehearsing:
+            return x
+        total = x.clone()
+        with self._collective("context-parallel all-reduce"):
+            dist.all_reduce(total, group=self._cp_group)
+        return total
+
     def cp_all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split x into cp_size chunks along scatter_dim, send chunk i to rank i, concatenate along gather_dim."""
         if self.cp_size == 1:

@@ -31,13 +31,14 @@ class CapturedForward:
 
 
 class CudaGraphForward:
-    """Runs module(**inputs) by replaying a graph captured for the inputs' shapes and dtypes.
+    """Runs function(**inputs) (a module, or a part of its forward) by replaying a graph captured for the inputs'
+    shapes and dtypes.
 
     Keeps the `max_graphs` most recently used graphs; each holds its own memory pool, freed when evicted.
     """
 
-    def __init__(self, module: torch.nn.Module, max_graphs: int):
-        self.module = module
+    def __init__(self, function: Callable[..., dict[str, torch.Tensor]], max_graphs: int):
+        self.function = function
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[Signature, CapturedForward] = OrderedDict()
 
@@ -63,25 +64,47 @@ class CudaGraphForward:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.module(**static_inputs)
+            self.function(**static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = self.module(**static_inputs)
+            outputs = self.function(**static_inputs)
         return CapturedForward(graph, static_inputs, outputs)
 
 
 class GraphedForward:
     """How a compiled engine runs on a GPU: requests of up to GRAPH_MAX_TOKENS tokens replay a CUDA graph captured
     at the first request of their shape (a capture runs the forward twice, no compile); longer requests, whose
-    kernels are long enough to hide their launches, run the module as it is."""
+    kernels are long enough to hide their launches, run the module as it is. Called as eager_forward is: the whole
+    forward, or one of its parts that First Block Cache runs apart (each part with graphs of its own)."""
 
     def __init__(self, module: torch.nn.Module, tokens_of: Callable[[dict[str, torch.Tensor]], int]):
         self.module = module
         self.tokens_of = tokens_of
-        self.graphs = CudaGraphForward(module, MAX_GRAPHS)
+        self.graphs: dict[str, CudaGraphForward] = {}
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.tokens_of(inputs) <= GRAPH_MAX_TOKENS:
-            return self.graphs(inputs)
-        return self.module(**inputs)
+    def __call__(self, inputs: dict[str, torch.Tensor], part: str = "forward",
+                 carried: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        function = module_part(self.module, part)
+        tensors = {**inputs, **(carried or {})}
+        if self.tokens_of(inputs) > GRAPH_MAX_TOKENS:
+            return function(**tensors)
+        if part not in self.graphs:
+            self.graphs[part] = CudaGraphForward(function, MAX_GRAPHS)
+        return self.graphs[part](tensors)
+
+
+def eager_forward(module: torch.nn.Module):
+    """How a module runs requests without graphs: run(inputs, part, carried) calls the module's `part` ("forward", or
+    a First Block Cache part: "first_block", "other_blocks", "finish") with the request's inputs and what earlier
+    parts returned."""
+
+    def run(inputs: dict[str, torch.Tensor], part: str = "forward",
+            carried: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return module_part(module, part)(**inputs, **(carried or {}))
+
+    return run
+
+
+def module_part(module: torch.nn.Module, part: str) -> Callable[..., dict[str, torch.Tensor]]:
+    return module if part == "forward" else getattr(module, part)

@@ -21,12 +21,13 @@ from safetensors.torch import load_file
 from mdtriton.engine.attention import fa3
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.compile import CompileCache, compile_and_warm_up
-from mdtriton.engine.cuda_graphs import GraphedForward
+from mdtriton.engine.cuda_graphs import GraphedForward, eager_forward
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import check_fits
 from mdtriton.engine.modules import loaded_module
+from mdtriton.engine.step_cache import StepCache
 from mdtriton.families import family
 
 log = logging.getLogger(__name__)
@@ -118,16 +119,19 @@ class TorchEngine(Engine):
                 cache.save()
         return cls(manifest, module, comm, load_seconds, warm_up_seconds, compiled)
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(self, inputs: dict[str, torch.Tensor], cache: StepCache | None = None) -> dict[str, torch.Tensor]:
+        """The outputs of inputs; cache: the request's step cache (pipelines), which runs the forward as its method
+        says and counts the calls that ran every block."""
         with torch.inference_mode():
             on_device = {name: tensor.to(self.comm.device, non_blocking=True) for name, tensor in inputs.items()}
-            return self.run(on_device)
+            return self.run(on_device) if cache is None else cache.forward(self.run, on_device, self.comm)
 
 
 def device_forward(module: torch.nn.Module, architecture_name: str, config: dict, compiled: bool):
     """How module runs requests (inputs by name, on its device): compiled on a GPU, short requests through CUDA
     graphs (GraphedForward), collectives included (every rank captures the same job's graph together); otherwise
-    as it is. mdtriton bench times this too."""
+    as it is (eager_forward). Either is called as run(inputs), or run(inputs, part, carried) for a part of the forward
+    (mdtriton.engine.step_cache). mdtriton bench times this too."""
     if compiled and next(module.parameters()).is_cuda:
         model_family = family(architecture_name)
 
@@ -136,4 +140,4 @@ def device_forward(module: torch.nn.Module, architecture_name: str, config: dict
             return size.batch * size.tokens
 
         return GraphedForward(module, request_size)
-    return lambda inputs: module(**inputs)
+    return eager_forward(module)

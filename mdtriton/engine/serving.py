@@ -20,6 +20,7 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import pipeline_part
 from mdtriton.pipeline.prompts import text_rows
+from mdtriton.pipeline.request_checks import step_cache_of
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s; the build writes it, a pipeline's
 # longer: PipelinePart.request_timeout_s) when a config does not say.
@@ -43,22 +44,27 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
     if part is None:
         request_check.check_request(manifest, inputs)
         return
-    optional = part.optional_inputs()
+    optional = part.served_optional_inputs()
     missing = [spec.name for spec in manifest.inputs if spec.name not in inputs and spec.name not in optional]
     if missing:
         raise RequestError(f"input(s) {missing} missing; this model takes {', '.join(s.name for s in manifest.inputs)}")
     part.check_request(manifest, inputs)
+    step_cache_of(inputs)
 
 
-def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """inputs, in the manifest's order, with the default of each optional input the request left out (a pipeline's:
-    PipelinePart.optional_inputs; those without a default stay out)."""
+def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],
+                  parameters: dict[str, str]) -> dict[str, torch.Tensor]:
+    """inputs, in the manifest's order, with a default for each optional input the request left out: the model's, where
+    config.pbtxt's parameters name the input (`mdtriton build --cache`), else the pipeline's
+    (PipelinePart.optional_inputs; those without a default stay out)."""
     part = pipeline_part(manifest.architecture)
     defaults = part.optional_inputs() if part is not None else {}
     completed = {}
     for spec in manifest.inputs:
         if spec.name in inputs:
             completed[spec.name] = inputs[spec.name]
+        elif spec.name in parameters and spec.data_type == "STRING":
+            completed[spec.name] = text_rows([parameters[spec.name].encode()], spec.name)
         elif defaults.get(spec.name) is not None:
             completed[spec.name] = torch.tensor([defaults[spec.name]], dtype=TORCH_DTYPES[spec.data_type])
     return completed

@@ -113,6 +113,13 @@ class Family(ABC):
         return self.module_class(config, comm, fp8=True)
 
 
+# What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:
+# mdtriton.engine.step_cache; left out, the model's default from config.pbtxt's parameters, else none) and how many
+# denoising steps ran every transformer block.
+SHARED_INPUTS = (TensorSpec("cache", "STRING", (1,)),)
+SHARED_OUTPUTS = (TensorSpec("full_steps", "INT32", (1,)),)
+
+
 class PipelinePart(ABC):
     """A family's whole diffusers pipeline, served as one model: the denoising loop on the server, the transformer
     our multi-rank engine, every other component loaded by diffusers from the pipeline's directory.
@@ -134,13 +141,23 @@ class PipelinePart(ABC):
 
     @abstractmethod
     def signature(self) -> Signature:
-        """The served model's inputs and outputs; progress responses carry the `step` output only."""
+        """The pipeline's own inputs and outputs (served with SHARED_INPUTS and SHARED_OUTPUTS after them:
+        served_signature); progress responses carry the `step` output only."""
 
     @abstractmethod
     def optional_inputs(self) -> dict[str, int | float | None]:
-        """Inputs a request may leave out (every one but the prompt), with the value a request without it gets (the
-        diffusers pipeline's default; the seed's is 0), or None where leaving it out means something of its own
-        (no second prompt, the longest text). docs/client.md lists them."""
+        """Inputs of `signature` a request may leave out (every one but the prompt), with the value a request without
+        it gets (the diffusers pipeline's default; the seed's is 0), or None where leaving it out means something of
+        its own (no second prompt, the longest text). docs/client.md lists them."""
+
+    def served_signature(self) -> Signature:
+        """The served model's inputs and outputs: the pipeline's own, then those every pipeline has."""
+        inputs, outputs = self.signature()
+        return inputs + SHARED_INPUTS, outputs + SHARED_OUTPUTS
+
+    def served_optional_inputs(self) -> dict[str, int | float | None]:
+        """optional_inputs, and the shared inputs (all optional, none with a default of its own)."""
+        return {**self.optional_inputs(), **{spec.name: None for spec in SHARED_INPUTS}}
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's

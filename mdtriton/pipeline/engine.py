@@ -22,16 +22,22 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.progress import report_progress
+from mdtriton.engine.step_cache import StepCache
 from mdtriton.families import PipelinePart
+from mdtriton.pipeline.request_checks import step_cache_of
+from mdtriton.pipeline.transformer import EngineAsTransformer
 
 
 class PipelineEngine(Engine):
     """One rank's pipeline: the replicated components and its shard of the transformer."""
 
-    def __init__(self, manifest: Manifest, part: PipelinePart, pipeline: DiffusionPipeline, warm_up_seconds: float):
+    def __init__(self, manifest: Manifest, part: PipelinePart, pipeline: DiffusionPipeline, comm: Communicator,
+                 transformers: list[EngineAsTransformer], warm_up_seconds: float):
         self.manifest = manifest
         self.part = part
         self.pipeline = pipeline
+        self.comm = comm
+        self.transformers = transformers
         self.warm_up_seconds = warm_up_seconds
 
     @classmethod
@@ -58,16 +64,30 @@ class PipelineEngine(Engine):
         # The transformers last: each load checks that its shard fits the memory the other components left free.
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
                    for folder in transformer_engine_folders(engine_dir, part)}
-        for folder, engine in engines.items():
-            setattr(pipeline, folder, part.transformer(engine, pipeline))
+        transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
+        for folder, transformer in zip(engines, transformers):
+            setattr(pipeline, folder, transformer)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
-        return cls(manifest, part, pipeline, sum(engine.warm_up_seconds for engine in engines.values()))
+        return cls(manifest, part, pipeline, comm, transformers,
+                   sum(engine.warm_up_seconds for engine in engines.values()))
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The request's outputs (the family's PipelinePart says which), progress reported after each step."""
-        result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
-                               callback_on_step_end=step_done)
-        return self.part.outputs(result)
+        """The request's outputs (the family's PipelinePart says which) and `full_steps`, progress reported after
+        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache)."""
+        config = step_cache_of(inputs)
+        caches = [StepCache(config) for _ in self.transformers]
+        try:
+            for transformer, cache in zip(self.transformers, caches):
+                transformer.step_cache = cache
+            result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
+                                   callback_on_step_end=step_done)
+        finally:
+            for transformer in self.transformers:
+                transformer.step_cache = None
+        # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
+        full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
+                                  device=self.comm.device)
+        return {**self.part.outputs(result), "full_steps": self.comm.cfg_all_gather(full_steps)[0].cpu()}
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:

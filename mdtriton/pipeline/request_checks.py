@@ -1,6 +1,6 @@
 """The checks every pipeline's requests share, each raising RequestError that says what to send instead: prompts,
-the batch, image sides, the text length, step counts, finite guidance. A family's PipelinePart.check_request calls
-them with its own limits and words (no diffusers needed)."""
+the batch, image sides, the text length, step counts, finite guidance, the step cache. A family's
+PipelinePart.check_request calls them with its own limits and words (no diffusers needed)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
+from mdtriton.engine.step_cache import CacheConfig, read_cache
 from mdtriton.pipeline.prompts import read_prompts
 
 MAX_STEPS = 1000
@@ -59,3 +60,13 @@ def check_steps_and_guidance(inputs: dict[str, torch.Tensor], guidance_names: tu
     for name in guidance_names:
         if name in inputs and not math.isfinite(float(inputs[name][0])):
             raise RequestError(f"{name} {float(inputs[name][0])} is not finite; send a finite number ({example})")
+
+
+def step_cache_of(inputs: dict[str, torch.Tensor]) -> CacheConfig | None:
+    """The request's step cache: its `cache` input read (mdtriton.engine.step_cache), None without one."""
+    if "cache" not in inputs:
+        return None
+    try:
+        return read_cache(prompts_of(inputs, "cache")[0])
+    except ValueError as error:
+        raise RequestError(str(error)) from None

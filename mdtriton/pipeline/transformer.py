@@ -1,5 +1,5 @@
 """The base of a family's adapter that a diffusers pipeline calls as its transformer: a transformer engine with
-the attributes pipelines read of their transformer (dtype, device, cache_context)."""
+the attributes pipelines read of their transformer (dtype, device, cache_context), and the request's step cache."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
+    from mdtriton.engine.step_cache import StepCache
 
 
 class EngineAsTransformer(torch.nn.Module):
@@ -22,6 +23,7 @@ class EngineAsTransformer(torch.nn.Module):
         super().__init__()
         self.engine = engine
         self._dtype = TORCH_DTYPES[engine.manifest.data_type]
+        self.step_cache: StepCache | None = None  # the request's, set by the pipeline engine while it runs
 
     @property
     def device(self) -> torch.device:
@@ -32,5 +34,12 @@ class EngineAsTransformer(torch.nn.Module):
         return self._dtype
 
     def cache_context(self, name: str, **step):
-        """Pipelines name each transformer call's cache context; the engine keeps no cache."""
+        """Pipelines name each transformer call's cache context (a guidance branch: "cond", "uncond"), each with a
+        step cache state of its own."""
+        if self.step_cache is not None:
+            self.step_cache.context = name
         return nullcontext()
+
+    def run_engine(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The engine's sample for inputs, through the request's step cache."""
+        return self.engine.forward(inputs, self.step_cache)["sample"]

@@ -51,7 +51,7 @@ class EngineTransformer(EngineAsTransformer):
         }
         if self.config.guidance_embeds:
             inputs["guidance"] = guidance.to(self._dtype)
-        return (self.engine.forward(inputs)["sample"],)
+        return (self.run_engine(inputs),)
 
 
 class FluxPipelinePart(PipelinePart):

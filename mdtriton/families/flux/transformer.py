@@ -128,13 +128,61 @@ class Flux(nn.Module):
 
         Every rank gets the same full inputs and embeds only its own slice of the joint sequence.
         """
+        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
+        image, text, temb, cos, sin = self.embed(tokens, hidden_states, encoder_hidden_states, pooled_projections,
+                                                 timestep, img_ids, txt_ids, guidance)
+        for block in self.transformer_blocks:
+            image, text = block(image, text, temb, (cos, sin), tokens.valid_len)
+        joint = torch.cat((text, image), dim=1)
+        del image, text
+        for block in self.single_transformer_blocks:
+            joint = block(joint, temb, (cos, sin), tokens.valid_len)
+        return self.finish_tokens(tokens, joint, temb)
+
+    # First Block Cache (mdtriton.engine.step_cache) runs the forward in three parts, each taking the request's inputs
+    # by name and what the parts before it returned.
+    def first_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                    pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor,
+                    txt_ids: torch.Tensor, guidance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The embeddings and the first double block: its output, as the image and text streams and as the joint
+        `hidden` [text; image] that the last block's output is compared with, and the `residual` of its image stream
+        (output minus input, this rank's image tokens), which decides whether the other blocks run."""
+        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
+        image_in, text, temb, cos, sin = self.embed(tokens, hidden_states, encoder_hidden_states, pooled_projections,
+                                                    timestep, img_ids, txt_ids, guidance)
+        image, text = self.transformer_blocks[0](image_in, text, temb, (cos, sin), tokens.valid_len)
+        first, end = tokens.image_range()
+        return {"image": image, "text": text, "temb": temb, "cos": cos, "sin": sin,
+                "hidden": torch.cat((text, image), dim=1), "residual": (image - image_in)[:, :end - first]}
+
+    def other_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                     **_) -> dict[str, torch.Tensor]:
+        """Every block after the first: {"hidden": the last block's output, joint [text; image]}."""
+        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
+        for block in self.transformer_blocks[1:]:
+            image, text = block(image, text, temb, (cos, sin), tokens.valid_len)
+        joint = torch.cat((text, image), dim=1)
+        for block in self.single_transformer_blocks:
+            joint = block(joint, temb, (cos, sin), tokens.valid_len)
+        return {"hidden": joint}
+
+    def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
+               encoder_hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
+        """The output of the last block's output `hidden`."""
+        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
+        return self.finish_tokens(tokens, hidden, temb)
+
+    def embed(self, tokens: JointSlice, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+              pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor,
+              guidance: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """This rank's image and text tokens embedded (image padded), the conditioning temb, and the rotary cos and
+        sin of its tokens."""
         if self.guidance_embeds and guidance is None:
             raise ValueError("this FLUX config has guidance_embeds; pass a guidance input [B]")
-        tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         text_first, text_end = tokens.text_range()
         image_first, image_end = tokens.image_range()
         padding = tokens.padding()
-
         # Contiguous slices, so the embedders' GEMMs fuse their bias as on one rank.
         text = self.context_embedder(encoder_hidden_states[:, text_first:text_end].contiguous())
         image = self.x_embedder(hidden_states[:, image_first:image_end].contiguous())
@@ -142,17 +190,13 @@ class Flux(nn.Module):
         if padding:
             image = F.pad(image, (0, 0, 0, padding))
             ids = F.pad(ids, (0, 0, 0, padding))
-        rope = rotary_embedding(ids, self.axes_dims)
+        cos, sin = rotary_embedding(ids, self.axes_dims)
         timestep = timestep.to(image.dtype) * 1000
         if self.guidance_embeds:
             guidance = guidance.to(image.dtype) * 1000
-        temb = self.time_text_embed(timestep, guidance, pooled_projections)
+        return image, text, self.time_text_embed(timestep, guidance, pooled_projections), cos, sin
 
-        for block in self.transformer_blocks:
-            image, text = block(image, text, temb, rope, tokens.valid_len)
-        joint = torch.cat((text, image), dim=1)
-        for block in self.single_transformer_blocks:
-            joint = block(joint, temb, rope, tokens.valid_len)
+    def finish_tokens(self, tokens: JointSlice, joint: torch.Tensor, temb: torch.Tensor) -> dict[str, torch.Tensor]:
         # The final norm and projection are per token; doing them on the text tokens too costs little and
         # lets every rank contribute an equal slice to the gather.
         sample = self.comm.cp_all_gather(self.proj_out(self.norm_out(joint, temb)), dim=1)

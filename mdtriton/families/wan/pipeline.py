@@ -10,7 +10,6 @@ diffusers' for the same components; its transformers are our engines.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -54,10 +53,10 @@ class EngineTransformer(EngineAsTransformer):
                                       patch_size=tuple(config["patch_size"]))
 
     def cache_context(self, name: str, **step):
-        """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context; the engine keeps
-        no cache, the branch tells guidance parallelism which call this is."""
+        """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context, which also tells
+        guidance parallelism which call this is."""
         self.branch = name
-        return nullcontext()
+        return super().cache_context(name)
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
         if timestep.ndim == 2:
@@ -68,14 +67,16 @@ class EngineTransformer(EngineAsTransformer):
                   "encoder_hidden_states": encoder_hidden_states.to(self._dtype)}
         comm = self.engine.comm
         if comm.cfg_size == 1 or not self.pipeline.do_classifier_free_guidance:
-            return (self.engine.forward(inputs)["sample"],)
+            return (self.run_engine(inputs),)
         if self.branch == "cond":
             shape = (hidden_states.shape[0], self.config.out_channels, *hidden_states.shape[2:])
             self.pending = (inputs, torch.empty(shape, dtype=self._dtype, device=self.device))
             return (self.pending[1],)
         conditional, filled = self.pending
         self.pending = None
-        both = comm.cfg_all_gather(self.engine.forward(conditional if comm.cfg_rank == 0 else inputs)["sample"])
+        # Each guidance group runs one branch, in that branch's step cache context.
+        super().cache_context("cond" if comm.cfg_rank == 0 else "uncond")
+        both = comm.cfg_all_gather(self.run_engine(conditional if comm.cfg_rank == 0 else inputs))
         filled.copy_(both[0])
         return (both[1],)
 

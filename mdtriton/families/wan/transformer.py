@@ -244,37 +244,86 @@ class Wan(nn.Module):
                 encoder_hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Denoiser output for the latent video hidden_states [B, C, F, H, W] at timestep [B] (float), with the text
         encoder_hidden_states [B, L, text_dim]. Every rank gets the same full inputs and embeds only its tokens."""
-        batch, channels, frames, height, width = hidden_states.shape
+        x, temb, modulation, text, cos, sin = self.embed(hidden_states, timestep, encoder_hidden_states)
+        _, tokens, _, _ = self.layout(hidden_states)
+        # The sub-layers run in turn from this one frame, each compiled alone: attention and collectives run eagerly
+        # between compiled regions (graph breaks), and a frame holds what it had at a break until it returns, so a
+        # block compiled whole kept its input, its norms' outputs and x in float32 alive to its end (720p peak on an
+        # H100: 34.5 GiB that way, 31.1 GiB this way, at the same speed); here only the current x is held (a helper
+        # running the loop would hold the blocks' input too, as its caller's argument).
+        for block in self.blocks:
+            shift, scale, gate, c_shift, c_scale, c_gate = block.modulations(modulation)
+            x = block.attn1(x, shift, scale, gate, cos, sin, tokens)
+            x = block.attn2(x, text, block.norm2)
+            x = block.ffn(x, c_shift, c_scale, c_gate)
+        return self.finish(x, temb, hidden_states)
+
+    # First Block Cache (mdtriton.engine.step_cache) runs the forward in three parts, each taking the request's inputs
+    # by name and what the parts before it returned.
+    def first_block(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                    encoder_hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The embeddings and the first block: its output `hidden`, and its `residual` (output minus input) on this
+        rank's tokens, which decides whether the other blocks run."""
+        x, temb, modulation, text, cos, sin = self.embed(hidden_states, timestep, encoder_hidden_states)
+        hidden = self.run_blocks(self.blocks[:1], x, modulation, text, cos, sin, hidden_states)
+        _, tokens, first, end = self.layout(hidden_states)
+        return {"hidden": hidden, "residual": (hidden - x)[:, :end - first], "temb": temb, "modulation": modulation,
+                "text": text, "cos": cos, "sin": sin}
+
+    def other_blocks(self, hidden: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
+        """Every block after the first: {"hidden": the last block's output}."""
+        return {"hidden": self.run_blocks(self.blocks[1:], hidden, modulation, text, cos, sin, hidden_states)}
+
+    def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
+               **_) -> dict[str, torch.Tensor]:
+        """The output {"sample"} of the last block's output `hidden`."""
+        batch, _, frames, height, width = hidden_states.shape
+        grid, tokens, _, _ = self.layout(hidden_states)
+        p_t, p_h, p_w = self.patch_size
+        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = modulated_norm(hidden, shift, scale, self.eps)
+        x = self.comm.cp_all_gather(self.proj_out(x), dim=1)[:, :tokens]
+        x = x.reshape(batch, *grid, p_t, p_h, p_w, self.out_channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return {"sample": x.reshape(batch, self.out_channels, frames, height, width)}
+
+    def layout(self, hidden_states: torch.Tensor) -> tuple[tuple[int, int, int], int, int, int]:
+        """The latent video's patch grid, its token count, and this rank's tokens [first, end)."""
+        _, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.patch_size
         grid = (frames // p_t, height // p_h, width // p_w)
         tokens = math.prod(grid)
         local_len = -(-tokens // self.comm.cp_size)
         first = min(self.comm.cp_rank * local_len, tokens)
-        end = min(first + local_len, tokens)
+        return grid, tokens, first, min(first + local_len, tokens)
 
+    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+              encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's tokens embedded (padded to the context-parallel share), temb, the blocks' modulation, the text,
+        and the rotary cos and sin of its tokens."""
+        batch, channels = hidden_states.shape[:2]
+        p_t, p_h, p_w = self.patch_size
+        grid, tokens, first, end = self.layout(hidden_states)
+        local_len = -(-tokens // self.comm.cp_size)
         # The patch embedding as a GEMM over this rank's patches (a Conv3d with stride = kernel is one).
         patches = hidden_states.reshape(batch, channels, grid[0], p_t, grid[1], p_h, grid[2], p_w)
         patches = patches.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(batch, tokens, -1)[:, first:end]
         weight = self.patch_embedding.weight.reshape(self.patch_embedding.weight.shape[0], -1)
         x = F.pad(F.linear(patches, weight, self.patch_embedding.bias), (0, 0, 0, local_len - (end - first)))
         cos, sin = self.rotary(grid, first, end, local_len)
-
         temb, modulation, text = self.condition_embedder(timestep, encoder_hidden_states)
-        # The sub-layers run in turn from this one frame, each compiled alone: attention and collectives run eagerly
-        # between compiled regions (graph breaks), and a frame holds what it had at a break until it returns, so a
-        # block compiled whole kept its input, its norms' outputs and x in float32 alive to its end (720p peak on an
-        # H100: 34.5 GiB that way, 31.1 GiB this way, at the same speed); here only the current x is held.
-        for block in self.blocks:
+        return x, temb, modulation, text, cos, sin
+
+    def run_blocks(self, blocks, x: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """x after `blocks` (as forward runs them; First Block Cache keeps the blocks' input anyway)."""
+        _, tokens, _, _ = self.layout(hidden_states)
+        for block in blocks:
             shift, scale, gate, c_shift, c_scale, c_gate = block.modulations(modulation)
             x = block.attn1(x, shift, scale, gate, cos, sin, tokens)
             x = block.attn2(x, text, block.norm2)
             x = block.ffn(x, c_shift, c_scale, c_gate)
-
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = modulated_norm(x, shift, scale, self.eps)
-        x = self.comm.cp_all_gather(self.proj_out(x), dim=1)[:, :tokens]
-        x = x.reshape(batch, *grid, p_t, p_h, p_w, self.out_channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return {"sample": x.reshape(batch, self.out_channels, frames, height, width)}
+        return x
 
     def rotary(self, grid: tuple[int, int, int], first: int, end: int,
                local_len: int) -> tuple[torch.Tensor, torch.Tensor]:
