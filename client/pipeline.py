@@ -3,10 +3,10 @@ served pipeline model.
 
 A pipeline model answers each request once (unary gRPC infer), unless it was built with `--stream`: then it is
 decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
-done) and then the image. generate() asks the model's config which it is. Every answer says how many of its
-steps ran the whole transformer (`full_steps`: fewer with a step cache, the `cache` input). The stream asks Triton to end with the
+done) and then the image. generate() asks the model's config which it is. The stream asks Triton to end with the
 request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
-server's message, as a unary call does.
+server's message, as a unary call does. Every answer says how many of its steps ran the whole transformer
+(`full_steps`: fewer with a step cache, the `cache` input).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
         arrays["guidance_scale_2"] = np.array([guidance_scale_2], np.float32)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(arrays)
+    return infer_inputs(with_cache(arrays, cache))
 
 
 def with_cache(arrays: dict[str, np.ndarray], cache: str | dict | None) -> dict[str, np.ndarray]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
+from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
 
@@ -28,6 +28,20 @@ def reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: i
     images = pipeline(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
                       generator=torch.Generator().manual_seed(seed), output_type="np", **options).images
     return (images * 255).round().astype(np.uint8)
+
+
+def cached_reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: int, steps: int,
+                           guidance: float, seed: int, threshold: float) -> tuple[np.ndarray, int]:
+    """diffusers' FluxPipeline image after `transformer.enable_cache(FirstBlockCacheConfig(threshold))`, and how many
+    steps ran its last block."""
+    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    full = []
+    pipeline.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *_: full.append(1))
+    images = pipeline(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
+                      generator=torch.Generator().manual_seed(seed), output_type="np").images
+    return (images * 255).round().astype(np.uint8), len(full)
 
 
 def max_level_difference(image: np.ndarray, reference: np.ndarray) -> int:

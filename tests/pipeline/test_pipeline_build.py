@@ -45,7 +45,20 @@ def test_stream_makes_a_decoupled_model_and_a_version_cannot_change_it(pipeline_
     assert build(tmp_path, pipeline_dir) == 1  # version 2 without --stream: the model's config is shared
     assert "the new version's model_transaction_policy differs from the model's config" in capsys.readouterr().err
     assert main(["build", str(tmp_path), "--name", "tiny", "--stream"]) == 1
-    assert "streaming progress is for pipeline models" in capsys.readouterr().err
+    assert "--stream and --cache are for pipeline models" in capsys.readouterr().err
+
+
+def test_cache_is_the_models_default_step_cache_and_is_checked_first(pipeline_dir, tmp_path, capsys):
+    assert build(tmp_path, pipeline_dir, "--cache", '{"method": "first_block", "threshold": -0.5}') == 1
+    assert "--cache: cache threshold -0.5 is not a finite number >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "flux").exists()  # refused before any work
+    cache = '{"method": "first_block", "threshold": 0.08}'
+    assert build(tmp_path, pipeline_dir, "--cache", cache) == 0
+    config = read_model_config(tmp_path / "flux" / "config.pbtxt")
+    assert config.parameters["cache"].string_value == cache
+    assert [(i.name, i.data_type, i.optional) for i in config.input if i.name == "cache"] == [
+        ("cache", mc.DataType.TYPE_STRING, True)]
+    assert [o.name for o in config.output] == ["image", "step", "full_steps"]
 
 
 def test_without_weights_it_says_to_give_the_directory(tmp_path, capsys):

@@ -32,7 +32,7 @@ from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from tests.conftest import start_server
 from tests.test_perf_analyzer import perf_analyzer
-from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+from tests.pipeline.pipelines import cached_reference_image, max_level_difference, reference_image, save_pipelines
 
 MODELS = {
     "dev_tp2": ("dev", ParallelPlan(tp_size=2)),
@@ -132,13 +132,16 @@ def test_kserve_http_json_infer_and_generate_get_the_image(served):
     expected = reference_image(pipelines["schnell"], ["a photo of a red cat"], 48, 64, 2, 3.5, 5)[0]
     status, answer = post(url + "/infer", {"inputs": kserve_inputs("a photo of a red cat")})
     assert status == 200, answer
-    (image,) = answer["outputs"]
-    assert image["name"] == "image" and image["datatype"] == "UINT8" and image["shape"] == [1, 48, 64, 3]
+    outputs = {output["name"]: output for output in answer["outputs"]}
+    image = outputs["image"]
+    assert image["datatype"] == "UINT8" and image["shape"] == [1, 48, 64, 3]
     assert max_level_difference(np.array(image["data"], np.uint8).reshape(48, 64, 3), expected) <= 1
+    assert outputs["full_steps"]["data"] == [2]
     status, answer = post(url + "/generate", {"prompt": "a photo of a red cat", "height": 48, "width": 64,
-                                              "num_inference_steps": 2, "seed": 5})
+                                              "num_inference_steps": 2, "seed": 5, "cache": '{"method": "none"}'})
     assert status == 200, answer
     assert max_level_difference(np.array(answer["image"], np.uint8).reshape(48, 64, 3), expected) <= 1
+    assert answer["full_steps"] == 2  # /generate answers a one-element output as a number
 
 
 BAD_HTTP = [  # (path, body, status, message)
@@ -241,6 +244,9 @@ BAD = [
     ({"max_sequence_length": 513}, "max_sequence_length 513 is out of range; send 1 to 512"),
     ({"prompt": ["a", "b", "c"]}, "3 prompts is over this model's maximum of 2 images per request"),
     ({"prompt": ["a", "b"], "prompt_2": "c"}, "prompt_2 has 1 rows, prompt 2; send one prompt_2 per prompt"),
+    ({"cache": "{method: first_block}"}, "cache is not JSON"),
+    ({"cache": {"method": "first_block", "threshold": -1}}, "cache threshold -1 is not a finite number >= 0"),
+    ({"cache": {"method": "taylorseer", "cache_interval": 0}}, "cache cache_interval 0 is not an integer >= 1"),
 ]
 
 
@@ -282,6 +288,25 @@ def test_a_prompt_that_is_not_utf8_and_one_sent_as_uint8(served):
     # (Triton's own checks answer a stream without a status code, even with triton_grpc_error.)
     assert "data-type is 'UINT8', but model 'dev_tp2' expects 'BYTES'" in answer
     assert generate(server.grpc_address, "dev_tp2", "a cat", **{**GOOD, "num_inference_steps": 1}).shape == (1, 48, 64, 3)
+
+
+@pytest.mark.timeout(300)
+def test_a_cached_image_equals_diffusers_and_says_how_many_steps_ran_whole(served, tmp_path, capsys):
+    server, pipelines = served
+    cache = {"method": "first_block", "threshold": 0.5}
+    counts = []
+    image = generate(server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5, cache=cache,
+                     on_full_steps=counts.append, timeout=240)
+    expected, full = cached_reference_image(pipelines["schnell"], ["a photo of a dog"], 48, 64, 4, 3.5, 5, 0.5)
+    assert counts == [full] == [3]
+    assert max_level_difference(image, expected) <= 1
+    generate(server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5, on_full_steps=counts.append)
+    assert counts[1] == 4  # without a cache (the model has no default) every step runs whole
+    path = tmp_path / "dog.png"
+    assert main(["generate", "schnell_tp2", "a photo of a dog", "--url", server.grpc_address, "--height", "48",
+                 "--width", "64", "--steps", "4", "--seed", "5", "--cache", json.dumps(cache), "-o", str(path)]) == 0
+    assert max_level_difference(np.asarray(Image.open(path)), expected[0]) <= 1
+    assert "3 of 4 steps ran the whole transformer" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(300)

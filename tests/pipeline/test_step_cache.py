@@ -11,10 +11,8 @@ collectives) the others skip, and hang or diverge.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
@@ -26,7 +24,7 @@ from mdtriton.engine.serving import check_request, load_engine, with_defaults
 from mdtriton.engine.step_cache import FirstBlockCache, TaylorSeer, read_cache
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.distributed import run_ranks
-from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+from tests.pipeline.pipelines import cached_reference_image, max_level_difference, reference_image, save_pipelines
 from tests.pipeline.test_flux_pipeline_engine import request
 
 PROMPTS, SIZE, STEPS, GUIDANCE, SEED = ["a red cat with a sign"], (48, 80), 8, 3.5, 7
@@ -43,18 +41,6 @@ PLANS = {
 
 def cached(inputs: dict[str, torch.Tensor], cache: str) -> dict[str, torch.Tensor]:
     return {**inputs, "cache": torch.from_numpy(prompt_tensor([cache], "cache"))}
-
-
-def diffusers_cached_image(pipeline_dir, threshold: float) -> tuple[np.ndarray, int]:
-    """diffusers' image with its First Block Cache, and how many steps ran its last block."""
-    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
-    pipeline.set_progress_bar_config(disable=True)
-    pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-    full = []
-    pipeline.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *_: full.append(1))
-    images = pipeline(PROMPTS, height=SIZE[0], width=SIZE[1], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                      generator=torch.Generator().manual_seed(SEED), output_type="np").images
-    return (images * 255).round().astype(np.uint8), len(full)
 
 
 def run_cached_then_uncached(rank: int, world_size: int, engine_dir: str) -> list[tuple[np.ndarray, int]]:
@@ -75,7 +61,7 @@ def pipeline(tmp_path_factory):
     engines = {name: build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
                                          weights_path=pipeline_dir, progress=False) / ENGINE_DIR
                for name, plan in {"one": ParallelPlan(), **PLANS}.items()}
-    expected = diffusers_cached_image(pipeline_dir, THRESHOLD)
+    expected = cached_reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED, THRESHOLD)
     uncached = reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED)
     return engines, expected, uncached
 

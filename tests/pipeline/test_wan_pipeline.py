@@ -108,6 +108,24 @@ def test_guidance_parallelism_without_guidance_runs_the_one_branch_on_both_group
     assert max_level_difference(video, expected) <= 1
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["wan21_ulysses2", "wan22_cfg2_ring2"])
+def test_first_block_cache_equals_diffusers_with_context_and_guidance_parallelism(served, pipelines, model):
+    """Each guidance branch (and each expert) keeps a cache state of its own, as diffusers' cache contexts do; under
+    guidance parallelism each guidance group runs one branch, so each decides for its own."""
+    layout = MODELS[model][0]
+    arguments = {**GOOD, "num_inference_steps": 6}
+    counts = []
+    video = generate_video(served.grpc_address, model, "a red cat", **arguments, timeout=240,
+                           cache={"method": "first_block", "threshold": 0.2}, on_full_steps=counts.append)
+    expected = reference_video(pipelines[layout], ["a red cat"], GOOD["height"], GOOD["width"], GOOD["num_frames"], 6,
+                               GOOD["guidance_scale"], GOOD["seed"], cache_threshold=0.2)
+    uncached = reference_video(pipelines[layout], ["a red cat"], GOOD["height"], GOOD["width"], GOOD["num_frames"], 6,
+                               GOOD["guidance_scale"], GOOD["seed"])
+    assert max_level_difference(video, expected) <= 1 < max_level_difference(video, uncached)
+    assert 1 <= counts[0] < 6  # the conditional branch's calls that ran every block
+
+
 # 48 tokens at most: 32x48 x 9 frames is 18 tokens, 64x64 x 9 frames 48, 64x64 x 13 frames 64.
 BAD = [
     ({"num_frames": 8}, "num_frames 8 is not 4k+1; send 5 or 9"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import AutoencoderKLWan, FirstBlockCacheConfig, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
 from mdtriton.families.wan.transformer import TINY_CONFIG
@@ -55,10 +55,15 @@ def save_tiny_wan_pipeline(directory: Path, layout: str = "wan2.1", seed: int = 
 
 
 def reference_video(pipeline_dir: Path, prompt: list[str], height: int, width: int, num_frames: int, steps: int,
-                    guidance: float, seed: int, **options) -> np.ndarray:
-    """diffusers' WanPipeline with the same components, as UINT8 [batch, frames, height, width, 3]."""
+                    guidance: float, seed: int, cache_threshold: float | None = None, **options) -> np.ndarray:
+    """diffusers' WanPipeline with the same components, as UINT8 [batch, frames, height, width, 3]; with
+    cache_threshold, each of its transformers with diffusers' First Block Cache at that threshold."""
     pipeline = WanPipeline.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
+    if cache_threshold is not None:
+        for transformer in (pipeline.transformer, pipeline.transformer_2):
+            if transformer is not None:
+                transformer.enable_cache(FirstBlockCacheConfig(threshold=cache_threshold))
     frames = pipeline(prompt, height=height, width=width, num_frames=num_frames, num_inference_steps=steps,
                       guidance_scale=guidance, generator=torch.Generator().manual_seed(seed), output_type="np",
                       **options).frames
