@@ -49,7 +49,10 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
     if missing:
         raise RequestError(f"input(s) {missing} missing; this model takes {', '.join(s.name for s in manifest.inputs)}")
     part.check_request(manifest, inputs)
-    step_cache_of(inputs)
+    cache = step_cache_of(inputs)
+    if cache is not None and cache.method not in part.cache_methods:
+        raise RequestError(f"cache method {cache.method!r} is not offered by {manifest.architecture}; its methods: "
+                           f"{', '.join(part.cache_methods + ('none',))}")
 
 
 def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],

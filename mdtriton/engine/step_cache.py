@@ -58,6 +58,7 @@ class TaylorSeer:
 
 
 CacheConfig = FirstBlockCache | TaylorSeer
+TAYLOR_FACTORS_DTYPE = torch.bfloat16  # TaylorSeerCacheConfig's default taylor_factors_dtype
 METHODS: dict[str, type[CacheConfig] | None] = {"none": None, "first_block": FirstBlockCache, "taylorseer": TaylorSeer}
 EXAMPLE = '{"method": "first_block", "threshold": 0.08}'
 
@@ -110,12 +111,49 @@ class FirstBlockState:
 
 
 @dataclass
+class TaylorSeerState:
+    """One cache context's TaylorSeer: the calls so far (`step`, from 0), the last that computed, and each cached
+    output's Taylor factors (by order, in bfloat16) and data type."""
+
+    step: int = -1
+    last_update: int | None = None
+    factors: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+
+    def update(self, outputs: list[torch.Tensor], max_order: int) -> None:
+        """New factors from the outputs computed at this step: diffusers' recursive divided differences."""
+        factors = []
+        for index, features in enumerate(outputs):
+            new = {0: features}
+            if self.last_update is not None:
+                delta = self.step - self.last_update
+                previous = self.factors[index]
+                for order in range(max_order):
+                    if order not in previous:
+                        break
+                    new[order + 1] = (new[order] - previous[order].to(features.dtype)) / delta
+            factors.append({order: factor.to(TAYLOR_FACTORS_DTYPE) for order, factor in new.items()})
+        self.factors, self.dtypes, self.last_update = factors, [output.dtype for output in outputs], self.step
+
+    def predict(self) -> list[torch.Tensor]:
+        """Each output at this step, from its Taylor expansion around the last step that computed."""
+        offset = self.step - self.last_update
+        outputs = []
+        for factors, dtype in zip(self.factors, self.dtypes):
+            output = torch.zeros_like(factors[0], dtype=dtype)
+            for order in range(len(factors)):
+                output = output + factors[order].to(dtype) * (offset**order / math.factorial(order))
+            outputs.append(output)
+        return outputs
+
+
+@dataclass
 class StepCache:
     """A request's step cache for one transformer on one rank: its config (None: no cache), the state of each cache
     context, and how many calls of the conditional context ("cond", the only one without guidance) ran every block."""
 
     config: CacheConfig | None
-    states: dict[str, FirstBlockState] = field(default_factory=dict)
+    states: dict[str, FirstBlockState | TaylorSeerState] = field(default_factory=dict)
     context: str = "cond"
     full_steps: int = 0
 
@@ -125,6 +163,8 @@ class StepCache:
         if self.config is None:
             self.count(True)
             return run(inputs)
+        if isinstance(self.config, TaylorSeer):
+            return self.taylorseer(run, inputs)
         state = self.states.setdefault(self.context, FirstBlockState())
         head = run(inputs, "first_block")
         residual = head.pop("residual")
@@ -136,6 +176,22 @@ class StepCache:
         else:
             hidden = head["hidden"] + state.rest
         return run(inputs, "finish", {**head, "hidden": hidden})
+
+    def taylorseer(self, run, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """TaylorSeer on every attention (diffusers' default modules): each call either computes them, keeping their
+        outputs to update the Taylor factors, or runs with their outputs predicted from the factors. Every attention
+        is called once per transformer call, so all of them compute at the same calls, as diffusers' hooks decide."""
+        state = self.states.setdefault(self.context, TaylorSeerState())
+        state.step += 1
+        full = self.config.computes(state.step)
+        self.count(full)
+        if not full:
+            predicted = state.predict()
+            return run(inputs, "given_attention", {f"attention.{i}": tensor for i, tensor in enumerate(predicted)})
+        outputs = run(inputs, "keep_attention")
+        kept = [outputs.pop(f"attention.{i}") for i in range(sum(name.startswith("attention.") for name in outputs))]
+        state.update(kept, self.config.max_order)
+        return outputs
 
     def count(self, full: bool) -> None:
         if full and self.context == "cond":

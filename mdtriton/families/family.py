@@ -138,6 +138,9 @@ class PipelinePart(ABC):
     # the others in the engine's data type.
     float32_components: ClassVar[tuple[str, ...]] = ()
     request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
+    # The step cache methods its transformer runs (mdtriton.engine.step_cache): First Block Cache needs the module's
+    # first_block, other_blocks and finish; TaylorSeer its keep_attention and given_attention.
+    cache_methods: ClassVar[tuple[str, ...]] = ("first_block",)
 
     @abstractmethod
     def signature(self) -> Signature:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import FirstBlockCacheConfig, FluxPipeline
+from diffusers import FluxPipeline
 
 from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
 
@@ -31,14 +31,14 @@ def reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: i
 
 
 def cached_reference_image(pipeline_dir: Path, prompt: list[str], height: int, width: int, steps: int,
-                           guidance: float, seed: int, threshold: float) -> tuple[np.ndarray, int]:
-    """diffusers' FluxPipeline image after `transformer.enable_cache(FirstBlockCacheConfig(threshold))`, and how many
-    steps ran its last block."""
+                           guidance: float, seed: int, cache) -> tuple[np.ndarray, int]:
+    """diffusers' FluxPipeline image after `transformer.enable_cache(cache)` (a diffusers cache config), and how many
+    steps ran the whole transformer (its last attention's)."""
     pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
-    pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    pipeline.transformer.enable_cache(cache)
     full = []
-    pipeline.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *_: full.append(1))
+    pipeline.transformer.single_transformer_blocks[-1].attn.to_q.register_forward_hook(lambda *_: full.append(1))
     images = pipeline(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
                       generator=torch.Generator().manual_seed(seed), output_type="np").images
     return (images * 255).round().astype(np.uint8), len(full)

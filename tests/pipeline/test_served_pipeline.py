@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from diffusers import FirstBlockCacheConfig
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -297,7 +298,8 @@ def test_a_cached_image_equals_diffusers_and_says_how_many_steps_ran_whole(serve
     counts = []
     image = generate(server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5, cache=cache,
                      on_full_steps=counts.append, timeout=240)
-    expected, full = cached_reference_image(pipelines["schnell"], ["a photo of a dog"], 48, 64, 4, 3.5, 5, 0.5)
+    expected, full = cached_reference_image(pipelines["schnell"], ["a photo of a dog"], 48, 64, 4, 3.5, 5,
+                                            FirstBlockCacheConfig(threshold=0.5))
     assert counts == [full] == [3]
     assert max_level_difference(image, expected) <= 1
     generate(server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5, on_full_steps=counts.append)

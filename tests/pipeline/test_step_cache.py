@@ -1,18 +1,23 @@
 """Step caching (mdtriton.engine.step_cache) against diffusers' own cache hooks.
 
-With the same components, seed and First Block Cache config, the image of our pipeline engine equals diffusers'
-FluxPipeline after `pipe.transformer.enable_cache(FirstBlockCacheConfig(...))` within one uint8 level, and as many
+With the same components, seed and cache config (First Block Cache, TaylorSeer), the image of our pipeline engine
+equals diffusers' FluxPipeline after `pipe.transformer.enable_cache(config)` within one uint8 level, and as many
 steps ran the whole transformer, on one rank and on every plan: tensor parallelism, each context-parallel method
 (where every rank holds part of the tokens, so the decision's sums are added across ranks) and tp x cp. The tiny
 pipeline at threshold 0.35 runs 3 of 8 steps whole (5 at 0.3, all 8 at 0.25), and its image then differs from the
 uncached one by up to 3 levels: the decisions are a mix, and a rank that decided alone would run blocks (and their
-collectives) the others skip, and hang or diverge.
+collectives) the others skip, and hang or diverge. TaylorSeer (5, 1, None, 1) computes at steps 0, 2 and 7 (3 of
+8) and predicts every attention's outputs at the others, up to 4 steps ahead; its image differs from the uncached one
+by up to 2 levels.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+
+from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
@@ -28,8 +33,11 @@ from tests.pipeline.pipelines import cached_reference_image, max_level_differenc
 from tests.pipeline.test_flux_pipeline_engine import request
 
 PROMPTS, SIZE, STEPS, GUIDANCE, SEED = ["a red cat with a sign"], (48, 80), 8, 3.5, 7
-THRESHOLD = 0.35
-CACHE = f'{{"method": "first_block", "threshold": {THRESHOLD}}}'
+CACHES = {  # ours, diffusers', full steps
+    "first_block": ('{"method": "first_block", "threshold": 0.35}', FirstBlockCacheConfig(threshold=0.35), 3),
+    "taylorseer": ('{"method": "taylorseer", "cache_interval": 5, "disable_cache_before_step": 1}',
+                   TaylorSeerCacheConfig(cache_interval=5, disable_cache_before_step=1), 3),
+}
 PLANS = {
     "tp2": ParallelPlan(tp_size=2),
     "ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
@@ -43,15 +51,19 @@ def cached(inputs: dict[str, torch.Tensor], cache: str) -> dict[str, torch.Tenso
     return {**inputs, "cache": torch.from_numpy(prompt_tensor([cache], "cache"))}
 
 
-def run_cached_then_uncached(rank: int, world_size: int, engine_dir: str) -> list[tuple[np.ndarray, int]]:
-    """On one rank: the cached request, then the same request without a cache (image, full_steps) each."""
+def run_cached_then_uncached(rank: int, world_size: int, engine_dir: str) -> dict[str, list[tuple[np.ndarray, int]]]:
+    """On one rank, for each cache: the cached request, then the same request without a cache (image, full_steps)
+    each."""
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, torch.device("cpu"))
     comm.join_groups()
     engine = load_engine(engine_dir, manifest, comm)
     inputs = request(PROMPTS, *SIZE, STEPS, GUIDANCE, SEED)
-    answers = [engine.forward(cached(inputs, CACHE)), engine.forward(inputs)]
-    return [(answer["image"].numpy(), int(answer["full_steps"][0])) for answer in answers]
+    results = {}
+    for method, (cache, _, _) in CACHES.items():
+        answers = [engine.forward(cached(inputs, cache)), engine.forward(inputs)]
+        results[method] = [(answer["image"].numpy(), int(answer["full_steps"][0])) for answer in answers]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +73,19 @@ def pipeline(tmp_path_factory):
     engines = {name: build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
                                          weights_path=pipeline_dir, progress=False) / ENGINE_DIR
                for name, plan in {"one": ParallelPlan(), **PLANS}.items()}
-    expected = cached_reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED, THRESHOLD)
+    expected = {method: cached_reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED, config)
+                for method, (_, config, _) in CACHES.items()}
     uncached = reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED)
     return engines, expected, uncached
 
 
-def check_answers(answers, expected, uncached) -> None:
-    (image, full_steps), (after, after_full_steps) = answers
-    assert full_steps == expected[1] == 3
-    assert max_level_difference(image, expected[0]) <= 1
-    assert max_level_difference(image, uncached) > 1  # the cache changed the image
-    # Nothing carries over: the next request without a cache is the uncached image, every step whole.
-    assert max_level_difference(after, uncached) <= 1 and after_full_steps == STEPS
+def check_answers(results, expected, uncached) -> None:
+    for method, ((image, full_steps), (after, after_full_steps)) in results.items():
+        assert full_steps == expected[method][1] == CACHES[method][2], method
+        assert max_level_difference(image, expected[method][0]) <= 1, method
+        assert max_level_difference(image, uncached) > 1, method  # the cache changed the image
+        # Nothing carries over: the next request without a cache is the uncached image, every step whole.
+        assert max_level_difference(after, uncached) <= 1 and after_full_steps == STEPS, method
 
 
 @pytest.mark.timeout(300)
@@ -96,11 +109,13 @@ def test_a_model_default_applies_to_requests_without_a_cache(pipeline):
     engines, _, _ = pipeline
     manifest = Manifest.read(engines["one"])
     inputs = request(PROMPTS, *SIZE, STEPS, GUIDANCE, SEED)
-    completed = with_defaults(manifest, inputs, {"cache": CACHE})
-    assert bytes(completed["cache"][0].tolist()).decode() == CACHE
-    sent = with_defaults(manifest, cached(inputs, '{"method": "none"}'), {"cache": CACHE})
+    default = CACHES["first_block"][0]
+    completed = with_defaults(manifest, inputs, {"cache": default})
+    assert bytes(completed["cache"][0].tolist()).decode() == default
+    sent = with_defaults(manifest, cached(inputs, '{"method": "none"}'), {"cache": default})
     assert bytes(sent["cache"][0].tolist()).rstrip(b"\0").decode() == '{"method": "none"}'  # the request's wins
     assert "cache" not in with_defaults(manifest, inputs, {})
+    # (served: tests/pipeline/test_served_pipeline.py; a model built with --cache: test_pipeline_build.py)
 
 
 def test_configs_read_as_diffusers_names_them():

@@ -138,6 +138,8 @@ BAD = [
     ({"max_sequence_length": 513}, "max_sequence_length 513 is out of range; send 1 to 512"),
     ({"prompt": ["a", "b", "c"]}, "3 prompts is over this model's maximum of 2 videos per request"),
     ({"prompt": ["a", "b", "c"][:2], "negative_prompt": ["x", "y", "z"]}, "negative_prompt has 3 rows, prompt 2"),
+    ({"cache": {"method": "taylorseer"}}, "cache method 'taylorseer' is not offered by wan-pipeline; its methods: "
+                                          "first_block, none"),
 ]
 
 

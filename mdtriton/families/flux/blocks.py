@@ -92,25 +92,35 @@ class FluxTransformerBlock(nn.Module):
     def fuse_projections(self) -> None:
         self.attn.fuse_projections()
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope,
-                valid_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
+                attention: tuple[torch.Tensor, torch.Tensor] | None = None, keep_attention: bool = False):
         """image [B, S_img_local, dim] and text [B, S_txt_local, dim] -> both updated; text comes first in the
-        joint sequence, so this rank's text tokens (if any) precede its image tokens."""
+        joint sequence, so this rank's text tokens (if any) precede its image tokens.
+
+        TaylorSeer (mdtriton.engine.step_cache): `attention`, the attention's outputs (image's and text's, after their
+        output projections: what diffusers' FluxAttention returns) given instead of computed; keep_attention returns
+        them too, as (image, text, (image_attention, text_attention))."""
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
         norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
-        q, k, v = self.attn.joint_qkv(norm_image, norm_text, rope)
-        # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
-        # break inside a helper would split the helper into a region of its own.
-        joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
-        # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
-        text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
+        if attention is None:
+            q, k, v = self.attn.joint_qkv(norm_image, norm_text, rope)
+            # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
+            # break inside a helper would split the helper into a region of its own.
+            joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+            # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
+            text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
+            image_attn, text_attn = self.attn.to_out[0](image_attn), self.attn.to_add_out(text_attn)
+        else:
+            image_attn, text_attn = attention
 
-        image = image + gate[:, None] * self.attn.to_out[0](image_attn)
+        image = image + gate[:, None] * image_attn
         image = image + gate_mlp[:, None] * self.ff(modulate(image, shift_mlp, scale_mlp, self.fp8))
-        text = text + c_gate[:, None] * self.attn.to_add_out(text_attn)
+        text = text + c_gate[:, None] * text_attn
         text = text + c_gate_mlp[:, None] * self.ff_context(modulate(text, c_shift_mlp, c_scale_mlp, self.fp8))
         if text.dtype == torch.float16:
             text = text.clip(-65504, 65504)
+        if keep_attention:
+            return image, text, (image_attn, text_attn)
         return image, text
 
 
@@ -140,11 +150,17 @@ class FluxSingleTransformerBlock(nn.Module):
         if not self.fp8:
             self.proj_out.split_segments()
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int) -> torch.Tensor:
-        """x [B, S_local, dim] -> updated x."""
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
+                attention: torch.Tensor | None = None, keep_attention: bool = False):
+        """x [B, S_local, dim] -> updated x. TaylorSeer: `attention`, the attention's output (before the output
+        projection: what diffusers' FluxAttention returns here) given instead of computed; keep_attention returns it
+        too, as (x, attention)."""
         norm_x, gate = self.norm(x, temb)
-        q, k, v = self.attn.joint_qkv(norm_x, None, rope)
-        attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+        if attention is None:
+            q, k, v = self.attn.joint_qkv(norm_x, None, rope)
+            attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+        else:
+            attn = attention
         if self.fp8:
             out = self.proj_out(attention_and_gelu_to_fp8(attn, self.proj_mlp(norm_x)))
         else:
@@ -152,4 +168,6 @@ class FluxSingleTransformerBlock(nn.Module):
         x = x + gate[:, None] * out
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
+        if keep_attention:
+            return x, attn
         return x

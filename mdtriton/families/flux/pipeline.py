@@ -56,6 +56,7 @@ class EngineTransformer(EngineAsTransformer):
 
 class FluxPipelinePart(PipelinePart):
     diffusers_class = "FluxPipeline"
+    cache_methods = ("first_block", "taylorseer")
 
     def signature(self) -> Signature:
         inputs = (

@@ -173,9 +173,44 @@ class Flux(nn.Module):
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         return self.finish_tokens(tokens, hidden, temb)
 
+    # TaylorSeer (mdtriton.engine.step_cache) runs the forward keeping every attention's outputs, or with them given:
+    # "attention.<i>" in the blocks' order, two per double block (image, text), one per single block.
+    def keep_attention(self, **inputs) -> dict[str, torch.Tensor]:
+        """forward's outputs, and each attention's outputs."""
+        return self.with_attention(inputs, None)
+
+    def given_attention(self, **tensors) -> dict[str, torch.Tensor]:
+        """forward's outputs, each attention's outputs taken from the tensors instead of computed."""
+        given = [tensors.pop(f"attention.{i}") for i in range(2 * len(self.transformer_blocks)
+                                                              + len(self.single_transformer_blocks))]
+        return self.with_attention(tensors, given)
+
+    def with_attention(self, inputs: dict[str, torch.Tensor],
+                       given: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        tokens = JointSlice.of(inputs["encoder_hidden_states"].shape[1], inputs["hidden_states"].shape[1], self.comm)
+        image, text, temb, cos, sin = self.embed(tokens, **inputs)
+        kept = []
+        for index, block in enumerate(self.transformer_blocks):
+            if given is None:
+                image, text, attention = block(image, text, temb, (cos, sin), tokens.valid_len, keep_attention=True)
+                kept += attention
+            else:
+                attention = (given[2 * index], given[2 * index + 1])
+                image, text = block(image, text, temb, (cos, sin), tokens.valid_len, attention=attention)
+        joint = torch.cat((text, image), dim=1)
+        del image, text
+        offset = 2 * len(self.transformer_blocks)
+        for index, block in enumerate(self.single_transformer_blocks):
+            if given is None:
+                joint, attention = block(joint, temb, (cos, sin), tokens.valid_len, keep_attention=True)
+                kept.append(attention)
+            else:
+                joint = block(joint, temb, (cos, sin), tokens.valid_len, attention=given[offset + index])
+        return {**self.finish_tokens(tokens, joint, temb), **{f"attention.{i}": t for i, t in enumerate(kept)}}
+
     def embed(self, tokens: JointSlice, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
               pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor,
-              guidance: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+              guidance: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """This rank's image and text tokens embedded (image padded), the conditioning temb, and the rotary cos and
         sin of its tokens."""
         if self.guidance_embeds and guidance is None:

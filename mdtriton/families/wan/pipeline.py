@@ -87,6 +87,9 @@ class WanPipelinePart(PipelinePart):
     float32_components = ("vae",)  # as diffusers' Wan examples load it
     transformers = ("transformer", "transformer_2")
     request_timeout_s = 3600.0  # a 50-step 720p clip with guidance took 19 minutes on one H100 (diffusers)
+    # Not TaylorSeer: diffusers' default TaylorSeer patterns ("^blocks.*attn") match no module of Wan's transformer
+    # (its attentions are attn1 and attn2), so diffusers' TaylorSeer caches nothing there.
+    cache_methods = ("first_block",)
 
     def signature(self) -> Signature:
         inputs = (
