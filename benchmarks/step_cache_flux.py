@@ -1,0 +1,326 @@
+"""Step caching of the FLUX pipeline on one GPU: First Block Cache and TaylorSeer, served and against diffusers.
+
+Every component has random weights and FLUX.1-dev's configs (pipeline_flux.py makes them). Random weights make
+other skip decisions than FLUX.1-dev's, so First Block Cache is measured at a fixed count of full steps (18 of 28 by
+default: what threshold 0.08 gives on FLUX.1-dev): the threshold that gives that count on these weights is found by
+bisection over served requests (each answer says its `full_steps`). Two parts, one device call each:
+
+- `--part served`: the pipeline built in BF16, then in FP8, each served by Triton on one rank (unary gRPC) and asked
+  for the same 1024x1024 image: uncached, with First Block Cache at the fixed count, and (BF16) TaylorSeer
+  (cache_interval 5, disable_cache_before_step 3, max_order 1). Then the FP8 images against the BF16 ones (PSNR).
+- `--part in-process`: the BF16 pipeline in this process (our pipeline engine, what a served rank runs) against
+  diffusers' FluxPipeline with its transformer compiled (`torch.compile`), uncached and with diffusers' own First Block
+  Cache (`transformer.enable_cache`) at the threshold given (--threshold: the one `--part served` found); the time of
+  a full and of a skipped transformer step through the cache's parts (CUDA graphs, as served) and of the decision
+  alone (its sums and their reduction across context-parallel ranks; on one GPU the reduction sends nothing).
+- `--part decision-cpu`: the decision's cost on 2 CPU ranks (gloo, ring context parallelism, whose ranks add their
+  sums) against a transformer step of FLUX's test config at the same tokens.
+
+    python benchmarks/step_cache_flux.py --part served --workdir /tmp/sc
+    python benchmarks/step_cache_flux.py --part in-process --threshold T --workdir /tmp/sc
+    python benchmarks/step_cache_flux.py --part decision-cpu
+    python benchmarks/step_cache_flux.py --part served --tiny      # tiny components on the CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save_pipeline_dir,  # noqa: E402
+                           scheduler, synchronize, tiny_components)
+from pipeline_fp8 import psnr  # noqa: E402
+
+from mdtriton.build_tools.build import build_model_version  # noqa: E402
+from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
+from mdtriton.client.pipeline import generate  # noqa: E402
+from mdtriton.engine.comm import Communicator  # noqa: E402
+from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
+from mdtriton.engine.plan import ParallelPlan  # noqa: E402
+from mdtriton.engine.serving import load_engine  # noqa: E402
+from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide  # noqa: E402
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
+from mdtriton.server import TritonServer  # noqa: E402
+
+TAYLORSEER = {"method": "taylorseer", "cache_interval": 5, "disable_cache_before_step": 3, "max_order": 1}
+
+
+def median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1000
+
+
+def build(args, pipeline_dir: Path, repository: Path, data_type: str, device: torch.device) -> Path:
+    return build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(), data_type,
+                               "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir, progress=False,
+                               limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
+                               random_device=device.type)
+
+
+def served_part(args, device: torch.device, workdir: Path) -> None:
+    components, config = (tiny_components() if args.tiny
+                          else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
+    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    del components
+    rows, images, thresholds = [], {}, {}
+    for data_type in (("FP32", "BF16") if args.tiny else ("BF16", "FP8")):
+        repository = workdir / f"repository-{data_type}"
+        build(args, pipeline_dir, repository, data_type, device)
+        with TritonServer(repository, log_file=workdir / f"server-{data_type}.log") as server:
+            def image(cache=None):
+                counts = []
+                start = time.perf_counter()
+                picture = generate(server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
+                                   cache=cache, on_full_steps=counts.append)[0]
+                return time.perf_counter() - start, counts[0], picture
+
+            def timed(label, cache=None):
+                image(cache)  # the first of each kind (a CUDA graph capture for the cache's parts)
+                runs = [image(cache) for _ in range(args.repeats)]
+                rows.append((data_type, label, [run[0] for run in runs], runs[0][1]))
+                return runs[0][2]
+
+            images[data_type, "uncached"] = timed("uncached")
+            threshold = full_steps_threshold(image, args.full_steps, args.steps)
+            thresholds[data_type] = threshold
+            images[data_type, "first_block"] = timed(f"First Block Cache, threshold {threshold:.5f}",
+                                                     {"method": "first_block", "threshold": threshold})
+            if data_type == "BF16" or args.tiny:
+                images[data_type, "taylorseer"] = timed("TaylorSeer (5, 3, None, 1)", TAYLORSEER)
+        shutil.rmtree(repository)
+
+    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank, unary "
+          f"gRPC, {args.size}x{args.size}, {args.steps} steps, {where}, torch {torch.__version__}; median of "
+          f"{args.repeats} images after one\n")
+    print("| transformer | cache | full steps | time per image | against the first row (uncached) |")
+    print("|---|---|---|---|---|")
+    base = median_ms(next(row[2] for row in rows if row[1] == "uncached"))
+    for data_type, label, times, full in rows:
+        print(f"| {data_type} | {label} | {full} of {args.steps} | {median_ms(times):,.0f} ms | "
+              f"{median_ms(times) / base:.3f}x |")
+    bf16, fp8 = ("FP32", "BF16") if args.tiny else ("BF16", "FP8")
+    for kind in ("uncached", "first_block"):
+        print(f"{fp8} image against the {bf16} one, {kind}: PSNR {psnr(images[fp8, kind], images[bf16, kind]):.1f} dB")
+    print(f"{bf16} First Block Cache image against the uncached one: PSNR "
+          f"{psnr(images[bf16, 'first_block'], images[bf16, 'uncached']):.1f} dB")
+    print(f"thresholds giving {args.full_steps} full steps: {json.dumps(thresholds)}")
+
+
+def full_steps_threshold(image, wanted: int, steps: int) -> float:
+    """A First Block Cache threshold at which the served image runs `wanted` full steps (bisection: fewer full steps
+    as the threshold grows)."""
+    low, high = 0.0, 1.0
+    while image({"method": "first_block", "threshold": high})[1] > wanted:
+        low, high = high, high * 4
+    for _ in range(30):
+        middle = (low + high) / 2
+        full = image({"method": "first_block", "threshold": middle})[1]
+        print(f"threshold {middle:.5f}: {full} of {steps} full steps", flush=True)
+        if full == wanted:
+            return middle
+        low, high = (middle, high) if full > wanted else (low, middle)
+    raise SystemExit(f"no threshold gives {wanted} full steps (last tried {middle}: {full})")
+
+
+def in_process_part(args, device: torch.device, workdir: Path) -> None:
+    from diffusers import FirstBlockCacheConfig, FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    components, config = (tiny_components() if args.tiny
+                          else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
+    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    version_dir = build(args, pipeline_dir, workdir / "repository", "FP32" if args.tiny else "BF16", device)
+    engine_dir = version_dir / ENGINE_DIR
+    comm = Communicator.single(device)
+    ours = load_engine(engine_dir, Manifest.read(engine_dir), comm)
+    request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.size]),
+               "width": torch.tensor([args.size]), "num_inference_steps": torch.tensor([args.steps]),
+               "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0])}
+    cache = json.dumps({"method": "first_block", "threshold": args.threshold})
+    rows = []
+    for label, inputs in (("uncached", request),
+                          (f"First Block Cache {args.threshold:.5f}",
+                           {**request, "cache": torch.from_numpy(prompt_tensor([cache]))})):
+        times, full = timed_images(lambda: ours.forward(inputs), device, args.repeats)
+        rows.append(("mdtriton pipeline engine (in-process)", label, times, int(full["full_steps"][0])))
+    steps = step_parts(ours.transformers[0].engine, ours.pipeline, args, device)
+    transformer_file = Manifest.read(engine_dir / "transformer").weight_file(engine_dir / "transformer", 0)
+    del ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**config)
+    transformer.load_state_dict(load_file(transformer_file, device=str(device)), assign=True)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    transformer = transformer.to(device=device, dtype=dtype).eval()
+    reference = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=transformer, **components)
+    reference.set_progress_bar_config(disable=True)
+    full = []
+    transformer.single_transformer_blocks[-1].attn.to_q.register_forward_hook(lambda *_: full.append(1))
+
+    def diffusers_image():
+        full.clear()
+        return reference(PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps,
+                         guidance_scale=3.5, generator=torch.Generator().manual_seed(0), output_type="np")
+
+    compiled = "torch.compile(transformer)" if not args.tiny else "eager (--tiny)"
+    if not args.tiny:
+        reference.transformer = torch.compile(transformer)
+    times, _ = timed_images(diffusers_image, device, args.repeats)
+    rows.append((f"diffusers FluxPipeline, {compiled}", "uncached", times, len(full)))
+    transformer.enable_cache(FirstBlockCacheConfig(threshold=args.threshold))
+    if not args.tiny:  # compiled again, with the cache's hooks in place
+        reference.transformer = torch.compile(transformer)
+    times, _ = timed_images(diffusers_image, device, args.repeats)
+    rows.append((f"diffusers FluxPipeline, {compiled}", f"its First Block Cache {args.threshold:.5f}", times,
+                 len(full)))
+
+    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, {args.size}x{args.size}, "
+          f"{args.steps} steps, {where}, torch {torch.__version__}; median of {args.repeats} images after one\n")
+    print("| pipeline | cache | full steps | time per image |")
+    print("|---|---|---|---|")
+    for pipeline, label, times, count in rows:
+        print(f"| {pipeline} | {label} | {count} of {args.steps} | {median_ms(times):,.0f} ms |")
+    print(f"\nour transformer step, through First Block Cache's parts: full {steps['full']:.2f} ms, skipped "
+          f"{steps['skipped']:.2f} ms (the uncached forward: {steps['forward']:.2f} ms); the decision alone "
+          f"{steps['decision']:.3f} ms ({steps['decision'] / steps['forward'] * 100:.2f}% of a step)")
+
+
+def timed_images(call, device: torch.device, repeats: int) -> tuple[list[float], object]:
+    """(seconds of each call after a first one, the last call's result)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        result = call()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times, result
+
+
+def step_parts(engine, pipeline, args, device: torch.device) -> dict[str, float]:
+    """Median ms of one transformer step at the image's size: the uncached forward, a full and a skipped step through
+    First Block Cache's parts (threshold -1: always full; a huge one: skipped after the first), the decision alone."""
+    with torch.no_grad():
+        prompt_embeds, pooled, text_ids = pipeline.encode_prompt(PROMPT, None, device=device)
+        latents, image_ids = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, args.size,
+                                                      args.size, prompt_embeds.dtype, device,
+                                                      torch.Generator().manual_seed(0))
+    inputs = {"hidden_states": latents, "encoder_hidden_states": prompt_embeds, "pooled_projections": pooled,
+              "timestep": torch.full([1], 0.5, device=device, dtype=latents.dtype), "img_ids": image_ids.float(),
+              "txt_ids": text_ids.float(), "guidance": torch.full([1], 3.5, device=device, dtype=latents.dtype)}
+
+    def step_ms(cache) -> float:
+        engine.forward(inputs, cache)
+        times = []
+        for _ in range(args.step_repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            engine.forward(inputs, cache)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        return median_ms(times)
+
+    with torch.inference_mode():
+        residual = engine.run(inputs, "first_block")["residual"]
+    previous = residual * 1.01
+
+    def decision_ms() -> float:
+        times = []
+        for _ in range(args.step_repeats * 10):
+            synchronize(device)
+            start = time.perf_counter()
+            decide(residual, previous, 0.08, engine.comm)
+            times.append(time.perf_counter() - start)
+        return median_ms(times)
+
+    return {"forward": step_ms(None), "full": step_ms(StepCache(FirstBlockCache(threshold=-1.0))),
+            "skipped": step_ms(StepCache(FirstBlockCache(threshold=math.inf))), "decision": decision_ms()}
+
+
+def decision_cpu_part(args) -> None:
+    from tests.distributed import run_ranks
+
+    text, image = 512, 4096
+    results = run_ranks(2, decision_on_rank, text, image, args.step_repeats)
+    step, decision = results[0]
+    print(f"\n2 CPU ranks (gloo), ring context parallelism, FLUX test config, {image}+{text} tokens: a transformer step "
+          f"{step:.1f} ms, the decision (sums and their all-reduce) {decision:.3f} ms = {decision / step * 100:.2f}% of "
+          "a step")
+
+
+def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats: int) -> tuple[float, float]:
+    from mdtriton.build_tools.engine_builder import random_shard
+    from mdtriton.engine.modules import loaded_module
+    from mdtriton.families import family
+    from mdtriton.families.flux.transformer import example_inputs
+
+    flux = family("flux")
+    config = flux.default_config()
+    comm = Communicator(ParallelPlan(cp_size=2, cp_method="ring"), rank, torch.device("cpu"))
+    comm.join_groups()
+    module = loaded_module("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0))
+    inputs = example_inputs(config, text, image, torch.float32)
+    with torch.inference_mode():
+        module(**inputs)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            module(**inputs)
+        step = (time.perf_counter() - start) / repeats * 1000
+        residual = module.first_block(**inputs)["residual"]
+        previous = residual * 1.01
+        times = []
+        for _ in range(repeats * 20):
+            start = time.perf_counter()
+            decide(residual, previous, 0.08, comm)
+            times.append(time.perf_counter() - start)
+    return step, median_ms(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", required=True, choices=("served", "in-process", "decision-cpu"))
+    parser.add_argument("--tiny", action="store_true", help="tiny components on the CPU (checks the script)")
+    parser.add_argument("--size", type=int, help="image side in pixels (default 1024; --tiny: 64)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default 28; --tiny: 6)")
+    parser.add_argument("--full-steps", type=int, help="First Block Cache's full steps (default 18; --tiny: 4)")
+    parser.add_argument("--threshold", type=float, help="in-process: the First Block Cache threshold (served found it)")
+    parser.add_argument("--repeats", type=int, default=2, help="images timed after the first of each kind (default 2)")
+    parser.add_argument("--step-repeats", type=int, default=10, help="transformer steps timed (default 10)")
+    parser.add_argument("--workdir", type=Path, help="pipeline directory and repositories (default: a temporary "
+                                                     "directory; FLUX.1-dev size needs 45 GB of disk)")
+    args = parser.parse_args()
+    args.size = args.size or (64 if args.tiny else 1024)
+    args.steps = args.steps or (6 if args.tiny else 28)
+    args.full_steps = args.full_steps or (4 if args.tiny else 18)
+    if args.part == "decision-cpu":
+        decision_cpu_part(args)
+        return 0
+    if args.part == "in-process" and args.threshold is None:
+        parser.error("--part in-process needs --threshold (the one --part served printed)")
+    device = torch.device("cpu" if args.tiny else "cuda:0")
+    with tempfile.TemporaryDirectory(prefix="step-cache-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        (served_part if args.part == "served" else in_process_part)(args, device, workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
