@@ -32,9 +32,9 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -155,7 +155,7 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     for label, inputs in (("uncached", request),
                           (f"First Block Cache {args.threshold:.5f}",
                            {**request, "cache": torch.from_numpy(prompt_tensor([cache]))})):
-        times, full = timed_images(lambda: ours.forward(inputs), device, args.repeats)
+        times, full = timed_images(partial(ours.forward, inputs), device, args.repeats)
         rows.append(("mdtriton pipeline engine (in-process)", label, times, int(full["full_steps"][0])))
     steps = step_parts(ours.transformers[0].engine, ours.pipeline, args, device)
     transformer_file = Manifest.read(engine_dir / "transformer").weight_file(engine_dir / "transformer", 0)
@@ -261,9 +261,9 @@ def decision_cpu_part(args) -> None:
     text, image = 512, 4096
     results = run_ranks(2, decision_on_rank, text, image, args.step_repeats)
     step, decision = results[0]
-    print(f"\n2 CPU ranks (gloo), ring context parallelism, FLUX test config, {image}+{text} tokens: a transformer step "
-          f"{step:.1f} ms, the decision (sums and their all-reduce) {decision:.3f} ms = {decision / step * 100:.2f}% of "
-          "a step")
+    print(f"\n2 CPU ranks (gloo), ring context parallelism, FLUX test config, {image}+{text} tokens: a transformer "
+          f"step {step:.1f} ms, the decision (sums and their all-reduce) {decision:.3f} ms = "
+          f"{decision / step * 100:.2f}% of a step")
 
 
 def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats: int) -> tuple[float, float]:
