@@ -167,15 +167,14 @@ class StepCache:
             return self.taylorseer(run, inputs)
         state = self.states.setdefault(self.context, FirstBlockState())
         head = run(inputs, "first_block")
-        residual = head.pop("residual")
+        residual, first = head.pop("residual"), head.pop("hidden")
         full = decide(residual, state.residual, self.config.threshold, comm)
         self.count(full)
-        if full:
-            hidden = run(inputs, "other_blocks", head)["hidden"]
-            state.residual, state.rest = residual, hidden - head["hidden"]
-        else:
-            hidden = head["hidden"] + state.rest
-        return run(inputs, "finish", {**head, "hidden": hidden})
+        if not full:
+            return run(inputs, "finish", {**head, "hidden": first + state.rest})
+        outputs = run(inputs, "other_blocks", head)
+        state.residual, state.rest = residual, outputs.pop("hidden") - first
+        return outputs
 
     def taylorseer(self, run, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """TaylorSeer on every attention (diffusers' default modules): each call either computes them, keeping their

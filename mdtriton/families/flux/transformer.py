@@ -158,18 +158,19 @@ class Flux(nn.Module):
     def other_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                      **_) -> dict[str, torch.Tensor]:
-        """Every block after the first: {"hidden": the last block's output, joint [text; image]}."""
+        """Every block after the first, then the output: forward's outputs, and "hidden", the last block's output
+        (joint [text; image])."""
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         for block in self.transformer_blocks[1:]:
             image, text = block(image, text, temb, (cos, sin), tokens.valid_len)
         joint = torch.cat((text, image), dim=1)
         for block in self.single_transformer_blocks:
             joint = block(joint, temb, (cos, sin), tokens.valid_len)
-        return {"hidden": joint}
+        return {**self.finish_tokens(tokens, joint, temb), "hidden": joint}
 
     def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
                encoder_hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
-        """The output of the last block's output `hidden`."""
+        """The output of the last block's output `hidden` (a step that skips the other blocks)."""
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         return self.finish_tokens(tokens, hidden, temb)
 

@@ -262,22 +262,24 @@ class Wan(nn.Module):
     # by name and what the parts before it returned.
     def first_block(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
                     encoder_hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The embeddings and the first block: its output `hidden`, and its `residual` (output minus input) on this
-        rank's tokens, which decides whether the other blocks run."""
+        """The embeddings and the first block: its output (as `x` for the blocks after it, and as `hidden`, which the
+        last block's output is compared with), and its `residual` (output minus input) on this rank's tokens, which
+        decides whether the other blocks run."""
         x, temb, modulation, text, cos, sin = self.embed(hidden_states, timestep, encoder_hidden_states)
         hidden = self.run_blocks(self.blocks[:1], x, modulation, text, cos, sin, hidden_states)
         _, tokens, first, end = self.layout(hidden_states)
-        return {"hidden": hidden, "residual": (hidden - x)[:, :end - first], "temb": temb, "modulation": modulation,
-                "text": text, "cos": cos, "sin": sin}
+        return {"hidden": hidden, "x": hidden, "residual": (hidden - x)[:, :end - first], "temb": temb,
+                "modulation": modulation, "text": text, "cos": cos, "sin": sin}
 
-    def other_blocks(self, hidden: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
-        """Every block after the first: {"hidden": the last block's output}."""
-        return {"hidden": self.run_blocks(self.blocks[1:], hidden, modulation, text, cos, sin, hidden_states)}
+    def other_blocks(self, x: torch.Tensor, temb: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
+        """Every block after the first, then the output: forward's outputs, and "hidden", the last block's output."""
+        hidden = self.run_blocks(self.blocks[1:], x, modulation, text, cos, sin, hidden_states)
+        return {**self.finish(hidden, temb, hidden_states), "hidden": hidden}
 
     def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
                **_) -> dict[str, torch.Tensor]:
-        """The output {"sample"} of the last block's output `hidden`."""
+        """The output {"sample"} of the last block's output `hidden` (also a step that skips the other blocks)."""
         batch, _, frames, height, width = hidden_states.shape
         grid, tokens, _, _ = self.layout(hidden_states)
         p_t, p_h, p_w = self.patch_size
