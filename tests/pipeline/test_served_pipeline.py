@@ -302,8 +302,15 @@ def test_a_cached_image_equals_diffusers_and_says_how_many_steps_ran_whole(serve
                                             FirstBlockCacheConfig(threshold=0.5))
     assert counts == [full] == [3]
     assert max_level_difference(image, expected) <= 1
-    generate(server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5, on_full_steps=counts.append)
-    assert counts[1] == 4  # without a cache (the model has no default) every step runs whole
+    # Beside each other, a cached and an uncached request each get their own image (the ranks run one at a time, and
+    # a request's cache state is its own), and without a cache (the model has no default) every step runs whole.
+    uncached = reference_image(pipelines["schnell"], ["a photo of a dog"], 48, 64, 4, 3.5, 5)
+    with ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(generate, server.grpc_address, "schnell_tp2", "a photo of a dog", 48, 64, 4, 3.5, 5,
+                            cache=option, on_full_steps=counts.append, timeout=240) for option in (cache, None)]
+        images = [future.result() for future in both]
+    assert max_level_difference(images[0], expected) <= 1 and max_level_difference(images[1], uncached) <= 1
+    assert sorted(counts[1:]) == [3, 4]
     path = tmp_path / "dog.png"
     assert main(["generate", "schnell_tp2", "a photo of a dog", "--url", server.grpc_address, "--height", "48",
                  "--width", "64", "--steps", "4", "--seed", "5", "--cache", json.dumps(cache), "-o", str(path)]) == 0
