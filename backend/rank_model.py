@@ -109,12 +109,11 @@ class RankModel:
             raise EngineError(f"{engine_dir}: engine has {self.manifest.plan.world_size} ranks ({self.manifest.plan}) "
                               f"but the model config starts {self.placement.world_size} instances; they must match")
         self.metrics = RankMetrics(args["model_name"], args["model_version"], self.placement.rank)
-        crash_on = parameters.get("test_crash_on_first_value")
         spec = WorkerSpec(engine_dir=str(engine_dir), rank=self.placement.rank, device=str(self.placement.device),
                           rendezvous_dir=str(rendezvous_dir(args["model_name"], args["model_version"])),
                           request_timeout=self.request_timeout,
                           join_timeout=float(parameters.get("join_timeout_s", "600")),
-                          threads=self._cpu_threads(), crash_on_first_value=None if crash_on is None else float(crash_on))
+                          threads=self._cpu_threads())
         # Started before the worker keeper, whose thread messages the server: the watchdog takes this process's parent,
         # now, as the server to watch (a stub whose server died before that would never see it go).
         self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()

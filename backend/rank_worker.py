@@ -54,26 +54,9 @@ class WorkerSpec:
     request_timeout: float  # the longest a job waits for all ranks, and a collective for its peers
     join_timeout: float
     threads: int | None  # torch threads on CPU; None: torch's default (OMP_NUM_THREADS is set)
-    crash_on_first_value: float | None = None  # test-only: see EngineThatCrashes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
-
-
-class EngineThatCrashes(Engine):
-    """Test-only (config parameter `test_crash_on_first_value`): the engine, except that a job whose first input
-    starts with that value kills the worker as a segfault in a kernel would, on every rank."""
-
-    def __init__(self, engine: Engine, value: float):
-        self.engine, self.manifest, self.warm_up_seconds, self.value = engine, engine.manifest, engine.warm_up_seconds, value
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        first = next(iter(inputs.values())).reshape(-1)
-        if first.numel() and float(first[0]) == self.value:
-            # Raised in this thread, as a kernel's segfault is: os.kill(getpid()) woke another thread to take it, and
-            # meanwhile this one could finish a small job and send its answer.
-            signal.raise_signal(signal.SIGSEGV)
-        return self.engine.forward(inputs)
 
 
 def die_with_stub(stub_pid: int) -> None:
@@ -125,8 +108,6 @@ class RankWorker:
         log.info("rank %d/%d (worker pid %d) loaded %s on %s in %.2f s (%.2f s of it warming up)", comm.rank,
                  manifest.plan.world_size, os.getpid(), self.spec.engine_dir, self.device, time.perf_counter() - start,
                  engine.warm_up_seconds)
-        if self.spec.crash_on_first_value is not None:
-            return EngineThatCrashes(engine, self.spec.crash_on_first_value)
         return engine
 
     def _take_jobs(self, runner: JobRunner) -> None:

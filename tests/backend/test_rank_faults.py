@@ -18,19 +18,20 @@ import tritonclient.grpc as grpcclient
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
+from tests.backend.crashing_family import POISON
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask, large_input, send
 from tests.backend.triton_processes import memory_capped, rank_workers, stub_processes, wait_for_stubs, worker_rank
 
 MODEL = "tiny"
 SEED = 5
-POISON = 1234.5  # a request whose first value is this crashes every rank's engine (test_crash_on_first_value)
 HEALED_WITHIN_S = 30.0
 
 
-def serve(tmp_path, server_factory, request_timeout_s: float, world_size: int = 2, **parameters):
-    """Serve the tiny transformer, tensor-parallel over world_size CPU ranks, with these config.pbtxt parameters;
-    the server, its stubs and rank -> worker pid."""
-    version_dir = build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG,
+def serve(tmp_path, server_factory, request_timeout_s: float, world_size: int = 2,
+          architecture: str = "tiny_transformer", **parameters):
+    """Serve the tiny transformer (or architecture: "tiny_crashing", the crashing_family fixture's), tensor-parallel
+    over world_size CPU ranks, with these config.pbtxt parameters; the server, its stubs and rank -> worker pid."""
+    version_dir = build_model_version(tmp_path / "repo", MODEL, architecture, CONFIG,
                                       ParallelPlan(tp_size=world_size), "FP32", "cpu", seed=SEED,
                                       request_timeout_s=request_timeout_s, progress=False)
     config = read_model_config(version_dir.parent / "config.pbtxt")
@@ -134,8 +135,8 @@ def test_a_stopped_worker_is_healed_after_the_timeout(tmp_path, rendezvous_root,
 
 @pytest.mark.timeout(300)
 def test_a_poison_request_fails_clearly_after_the_second_crash_and_the_others_succeed(tmp_path, rendezvous_root,
-                                                                                     server_factory):
-    server, stubs, workers = serve(tmp_path, server_factory, request_timeout_s=60, test_crash_on_first_value=POISON)
+                                                                                     server_factory, crashing_family):
+    server, stubs, workers = serve(tmp_path, server_factory, request_timeout_s=60, architecture=crashing_family)
     reference = Reference(SEED)
     clients = Clients(server.grpc_address, MODEL, reference, count=2).start()
     time.sleep(1.5)

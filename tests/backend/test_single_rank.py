@@ -53,9 +53,9 @@ def test_one_rank_runs_its_jobs_without_a_hub_refuses_nan_and_counts_every_job(t
 
 @pytest.mark.timeout(300)
 def test_one_rank_heals_after_a_kill_and_a_failed_job_and_fails_a_poison_request(tmp_path, rendezvous_root,
-                                                                                  server_factory):
+                                                                                  server_factory, crashing_family):
     server, stubs, workers = serve(tmp_path, server_factory, request_timeout_s=60, world_size=1,
-                                   test_crash_on_first_value=1234.5)
+                                   architecture=crashing_family)
     reference = Reference(SEED)
     client = grpcclient.InferenceServerClient(server.grpc_address)
     clients = Clients(server.grpc_address, MODEL, reference, count=2).start()
