@@ -46,7 +46,7 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+def fan_in_scaled_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Full float32 weights: matrices ~ N(0, 1/fan_in), norm scales ~ 1 +- 0.2, biases ~ +- 0.1 (non-zero, so a
     bias added on every tensor-parallel rank shows)."""
     generator = torch.Generator().manual_seed(seed)

@@ -16,7 +16,7 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, write_engine
+from tests.engine.flux_cases import fan_in_scaled_weights, flux_inputs, max_relative_error, write_engine
 
 # (batch, text tokens, image tokens): none of them the warm-up's, and batch sizes on both sides of 1.
 CASES = [(1, 5, 10), (3, 4, 12), (2, 7, 30)]
@@ -38,7 +38,7 @@ def compiled_against_eager(rank: int, world_size: int, engine_dir: str) -> tuple
 
 def test_compiled_tensor_parallel_engine_matches_eager_and_never_compiles_after_load(tmp_path):
     config = FLUX.default_config()
-    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(tp_size=2), random_weights(config, seed=3))
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(tp_size=2), fan_in_scaled_weights(config, seed=3))
     results = run_ranks(2, compiled_against_eager, str(engine_dir), timeout=540)
     for errors, new_graphs, warm_up_seconds in results:
         assert max(errors) < 1e-5, errors
@@ -74,7 +74,7 @@ def test_a_gpu_engine_replays_short_requests_as_cuda_graphs_with_the_same_answer
     """A compiled engine on a GPU captures a graph at the first request of each short shape and replays it; the
     answers equal the compiled module's own, bit for bit, and requests over GRAPH_MAX_TOKENS run without graphs."""
     config = FLUX.default_config()
-    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), random_weights(config, seed=3))
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), fan_in_scaled_weights(config, seed=3))
     comm = Communicator.single(torch.device("cuda", 0))
     engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), comm)
     long_request = (1, 16, GRAPH_MAX_TOKENS)

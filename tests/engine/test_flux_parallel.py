@@ -12,7 +12,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import Flux, JointSlice
 from tests.distributed import run_ranks
-from tests.engine.flux_cases import flux_inputs, max_relative_error, random_weights, run_engines, write_engine
+from tests.engine.flux_cases import fan_in_scaled_weights, flux_inputs, max_relative_error, run_engines, write_engine
 
 # (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
 # 4 ranks the last rank holds only padding and the one before it a real token and padding.
@@ -28,7 +28,7 @@ PLANS = {
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_engines_match_one_rank(tmp_path, world_size):
     config = FLUX.default_config()
-    weights = random_weights(config, seed=1)
+    weights = fan_in_scaled_weights(config, seed=1)
     cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
 
     one_rank = write_engine(tmp_path / "one_rank", config, ParallelPlan(), weights)
