@@ -4,6 +4,8 @@ what was compiled is kept in the engine directory."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -14,6 +16,7 @@ from mdtriton.engine.cuda_graphs import GRAPH_MAX_TOKENS, MAX_GRAPHS
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.step_cache import FirstBlockCache, StepCache, TaylorSeer
 from mdtriton.families.flux import FLUX
 from tests.distributed import run_ranks
 from tests.engine.flux_cases import fan_in_scaled_weights, flux_inputs, max_relative_error, write_engine
@@ -84,4 +87,26 @@ def test_a_gpu_engine_replays_short_requests_as_cuda_graphs_with_the_same_answer
         with torch.inference_mode():
             direct = engine.module(**{name: tensor.cuda() for name, tensor in inputs.items()})["sample"]
         assert torch.equal(served, direct)
-    assert len(engine.run.graphs.graphs) == MAX_GRAPHS  # the two most recent short shapes; none for the long one
+    # The two most recent short shapes; none for the long one.
+    assert len(engine.run.graphs["forward"].graphs) == MAX_GRAPHS
+
+
+@pytest.mark.gpu
+def test_step_cache_parts_replay_graphs_of_their_own_and_answer_as_the_forward(tmp_path):
+    """On a GPU the step cache's parts (First Block Cache's three, TaylorSeer's two) replay CUDA graphs of their own
+    through the compiled blocks. With the same inputs twice, a step that skips the other blocks (or predicts every
+    attention from the step before, max_order 0) gives the forward's answer again, up to rounding."""
+    config = FLUX.default_config()
+    engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), fan_in_scaled_weights(config, seed=3))
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single(torch.device("cuda", 0)))
+    inputs = flux_inputs(config, 7, 30, seed=1)
+    expected = engine.forward(inputs)["sample"]
+    always = StepCache(FirstBlockCache(threshold=-1.0))
+    assert max_relative_error(engine.forward(inputs, always)["sample"], expected) < 1e-6
+    for cache in (StepCache(FirstBlockCache(threshold=math.inf)),
+                  StepCache(TaylorSeer(cache_interval=5, disable_cache_before_step=1, max_order=0))):
+        answers = [engine.forward(inputs, cache)["sample"] for _ in range(2)]
+        assert cache.full_steps == 1  # the second call skipped (or predicted)
+        assert max(max_relative_error(answer, expected) for answer in answers) < 1e-3
+    assert set(engine.run.graphs) == {"forward", "first_block", "other_blocks", "finish", "keep_attention",
+                                      "given_attention"}
