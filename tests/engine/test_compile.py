@@ -103,10 +103,13 @@ def test_step_cache_parts_replay_graphs_of_their_own_and_answer_as_the_forward(t
     expected = engine.forward(inputs)["sample"]
     always = StepCache(FirstBlockCache(threshold=-1.0))
     assert max_relative_error(engine.forward(inputs, always)["sample"], expected) < 1e-6
-    for cache in (StepCache(FirstBlockCache(threshold=math.inf)),
-                  StepCache(TaylorSeer(cache_interval=5, disable_cache_before_step=1, max_order=0))):
+    # TaylorSeer keeps its factors in bfloat16, as diffusers does: the predicted attentions are rounded to 8 bits.
+    for cache, bound in ((StepCache(FirstBlockCache(threshold=math.inf)), 1e-4),
+                         (StepCache(TaylorSeer(cache_interval=5, disable_cache_before_step=1, max_order=0)), 2e-2)):
         answers = [engine.forward(inputs, cache)["sample"] for _ in range(2)]
         assert cache.full_steps == 1  # the second call skipped (or predicted)
-        assert max(max_relative_error(answer, expected) for answer in answers) < 1e-3
+        errors = [max_relative_error(answer, expected) for answer in answers]
+        print(f"{type(cache.config).__name__}: relative errors {errors}")
+        assert max(errors) < bound
     assert set(engine.run.graphs) == {"forward", "first_block", "other_blocks", "finish", "keep_attention",
                                       "given_attention"}
