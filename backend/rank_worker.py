@@ -32,6 +32,8 @@ from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.worker_messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
+                                              Refused, Serving, Started, Stop, receive, send)
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
@@ -88,9 +90,9 @@ class RankWorker:
         except Exception as error:  # noqa: BLE001 - any load failure: tell the other ranks, then the stub
             message = f"{type(error).__name__}: {error}"
             rendezvous.fail(entered, message)  # waits until the other ranks have seen it
-            self.link.send({"type": "given_up", "reason": f"rank {spec.rank} could not load: {message}"})
+            send(self.link, GivenUp(f"rank {spec.rank} could not load: {message}"))
             return
-        self.link.send({"type": "loaded"})
+        send(self.link, Loaded())
         timer = JobTimer(self.device, self._report_job_time)
         comm.collective_timer = timer.time_collective
         runner = JobRunner(engine, comm, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
@@ -98,8 +100,7 @@ class RankWorker:
         runner.start()
         threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
         end = runner.wait_ended()
-        self.link.send({"type": "given_up" if end.given_up else "ended", "reason": end.reason,
-                        "unloading": end.unloading})
+        send(self.link, (GivenUp if end.given_up else Ended)(end.reason, end.unloading))
 
     def _load(self, manifest: Manifest, comm: Communicator) -> Engine:
         start = time.perf_counter()
@@ -114,41 +115,48 @@ class RankWorker:
         """Submit the stub's jobs to the runner; stop the runner when the stub says so, or is gone."""
         while True:
             try:
-                message = self.link.receive()
+                message = receive(self.link)
             except (EOFError, OSError):
-                message = {"type": "stop"}
-            if message["type"] == "stop":
-                runner.stop()
-                return
-            try:
-                job = runner.submit(message["tensors"], message["id"],
-                                    on_progress=partial(self._report_progress, message["id"]) if message["progress"]
-                                    else None)
-            except RanksUnavailable:
-                continue  # the generation is ending: the stub sends the job again to the next worker
-            job.result.add_done_callback(partial(self._answer, message["id"]))
+                message = Stop()
+            except ProtocolError as error:
+                log.error("rank %d: %s: leaving", self.spec.rank, error)
+                message = Stop()
+            match message:
+                case Stop():
+                    runner.stop()
+                    return
+                case Job(id=job_id, progress=progress, tensors=inputs):
+                    try:
+                        job = runner.submit(inputs, job_id,
+                                            on_progress=partial(self._report_progress, job_id) if progress else None)
+                    except RanksUnavailable:
+                        continue  # the generation is ending: the stub sends the job again to the next worker
+                    job.result.add_done_callback(partial(self._answer, job_id))
+                case _:
+                    log.error("rank %d: a worker takes jobs and stops, not %s: leaving", self.spec.rank, message)
+                    runner.stop()
+                    return
 
     def _answer(self, job_id: str, result) -> None:
         """Send the stub a job's outputs, or why its request is refused (inputs that are not finite). A job that
         failed otherwise failed with its generation: the stub hands it to the next worker, so no answer here."""
         error = result.exception()
         if error is None:
-            self.link.send({"type": "done", "id": job_id}, result.result())
+            send(self.link, Done(job_id, result.result()))
         elif isinstance(error, RequestError):
-            self.link.send({"type": "refused", "id": job_id, "reason": str(error)})
+            send(self.link, Refused(job_id, str(error)))
 
     def _report_serving(self, generation: Generation) -> None:
-        self.link.send({"type": "serving", "generation": generation.number,
-                        "members": {str(rank): pid for rank, pid in generation.members.items()}})
+        send(self.link, Serving(generation.number, dict(generation.members)))
 
     def _report_started(self, job_id: str) -> None:
-        self.link.send({"type": "started", "id": job_id})
+        send(self.link, Started(job_id))
 
     def _report_progress(self, job_id: str, done: int, total: int) -> None:
-        self.link.send({"type": "progress", "id": job_id, "done": done, "total": total})
+        send(self.link, Progress(job_id, done, total))
 
     def _report_job_time(self, communication: float, compute: float, waited: float) -> None:
-        self.link.send({"type": "job_timed", "communication": communication, "compute": compute, "waited": waited})
+        send(self.link, JobTimed(communication, compute, waited))
 
 
 def main(argv: list[str]) -> None:

@@ -37,6 +37,8 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.worker_messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
+                                              Refused, Serving, Started, Stop, receive, send)
 from mdtriton.engine.progress import ProgressListener
 from mdtriton.engine.request_check import RequestError
 
@@ -169,7 +171,7 @@ class WorkerKeeper:
             link, worker = self._worker_link, self._worker
         if link is not None:
             try:
-                link.send({"type": "stop"})
+                send(link, Stop())
             except OSError:
                 pass
         if worker is not None:
@@ -186,8 +188,7 @@ class WorkerKeeper:
         """Hand a request to the current worker (under the lock); a send to a worker that just died is retried by
         the next healing."""
         try:
-            self._link.send({"type": "job", "id": request.id, "progress": request.on_progress is not None},
-                            request.inputs)
+            send(self._link, Job(request.id, request.on_progress is not None, request.inputs))
             request.sent_at = time.monotonic()
         except OSError:
             pass
@@ -220,19 +221,19 @@ class WorkerKeeper:
             self._first_load_over.set()
             self._first_start_over.set()
 
-    def _heal(self, worker: subprocess.Popen, ending: dict | None, members: dict[int, int]) -> bool:
+    def _heal(self, worker: subprocess.Popen, ending: Ended | GivenUp | None, members: dict[int, int]) -> bool:
         """After a worker has ended (its last word: `ending`, None if it died without one): get ready for the next
         one and say True, or say False if no worker is to serve again."""
         if self._healing_since is None:
             self._healing_since = time.monotonic()
-        if self._stopping.is_set() or (ending is not None and ending.get("unloading")):
+        if self._stopping.is_set() or (ending is not None and ending.unloading):
             self._fail_all("the model is being unloaded")
             return False
-        if ending is not None and ending["type"] == "given_up":
-            log.error("rank %d: %s", self.rank, ending["reason"])
-            self._fail_all(ending["reason"])
+        if isinstance(ending, GivenUp):
+            log.error("rank %d: %s", self.rank, ending.reason)
+            self._fail_all(ending.reason)
             return False
-        why = ending["reason"] if ending is not None else (
+        why = ending.reason if ending is not None else (
             f"rank {self.rank}'s worker (pid {worker.pid}) died: {how_it_ended(worker.returncode)}")
         self._end_peers(members)
         self._fail_or_requeue(why)
@@ -262,7 +263,7 @@ class WorkerKeeper:
             self._worker_link = TensorLink(Connection(ours.detach()), lends_shared_files=True)
             return self._worker, self._worker_link
 
-    def _serve(self, worker: subprocess.Popen, link: TensorLink) -> tuple[dict | None, dict[int, int]]:
+    def _serve(self, worker: subprocess.Popen, link: TensorLink) -> tuple[Ended | GivenUp | None, dict[int, int]]:
         """Relay between the worker and the requests until the worker ends; its last word (None if it died without
         one) and the members of its generation (rank -> pid)."""
         members: dict[int, int] = {}
@@ -275,39 +276,41 @@ class WorkerKeeper:
                     worker.kill()
                 continue
             try:
-                message = link.receive()
+                message = receive(link)
             except (EOFError, OSError):
                 return None, members
-            kind = message["type"]
-            if kind == "loaded":
-                self._first_load_over.set()
-            elif kind == "serving":
-                members = {int(rank): pid for rank, pid in message["members"].items()}
-                self._now_serving(link)
-            elif kind == "started":
-                with self._lock:
-                    if message["id"] in self._requests:
-                        self._requests[message["id"]].running = True
-                self._record_job_times()
-            elif kind == "done":
-                with self._lock:
-                    request = self._requests.pop(message["id"], None)
-                if request is not None and not request.abandoned:
-                    request.answer.set_result(message["tensors"])
-            elif kind == "refused":  # its inputs are not finite: it fails now and is never run again
-                with self._lock:
-                    request = self._requests.pop(message["id"], None)
-                if request is not None and not request.abandoned:
-                    request.answer.set_exception(RequestError(message["reason"]))
-            elif kind == "progress":
-                with self._lock:
-                    request = self._requests.get(message["id"])
-                if request is not None and not request.abandoned and request.on_progress is not None:
-                    request.on_progress(message["done"], message["total"])
-            elif kind == "job_timed":
-                self._job_times.append((message["communication"], message["compute"], message["waited"]))
-            else:  # "ended" or "given_up": the worker exits next
-                return message, members
+            match message:
+                case Loaded():
+                    self._first_load_over.set()
+                case Serving(members=generation_members):
+                    members = generation_members
+                    self._now_serving(link)
+                case Started(id=job_id):
+                    with self._lock:
+                        if job_id in self._requests:
+                            self._requests[job_id].running = True
+                    self._record_job_times()
+                case Done(id=job_id, tensors=outputs):
+                    with self._lock:
+                        request = self._requests.pop(job_id, None)
+                    if request is not None and not request.abandoned:
+                        request.answer.set_result(outputs)
+                case Refused(id=job_id, reason=reason):  # its inputs are not finite: it fails now, never runs again
+                    with self._lock:
+                        request = self._requests.pop(job_id, None)
+                    if request is not None and not request.abandoned:
+                        request.answer.set_exception(RequestError(reason))
+                case Progress(id=job_id, done=done, total=total):
+                    with self._lock:
+                        request = self._requests.get(job_id)
+                    if request is not None and not request.abandoned and request.on_progress is not None:
+                        request.on_progress(done, total)
+                case JobTimed(communication=communication, compute=compute, waited=waited):
+                    self._job_times.append((communication, compute, waited))
+                case Ended() | GivenUp():  # the worker exits next
+                    return message, members
+                case _:
+                    raise ProtocolError(f"a stub takes a worker's reports, not {message}")
 
     def _record_job_times(self) -> None:
         """Hand the jobs' times to on_job_timed (Triton's metrics: each update is a round trip to the server process).
