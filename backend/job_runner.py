@@ -37,6 +37,7 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
+from mdtriton.backend.messages import EndGeneration, Leave, ProtocolError, Run, Submit
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import CommunicationError, Communicator
@@ -156,7 +157,7 @@ class JobRunner:
             link = self._link
         if link is not None:
             try:
-                link.send({"type": "leave", "reason": "the model is being unloaded", "unloading": True})
+                link.send(Leave("the model is being unloaded", True))
             except OSError:
                 pass
         self._thread.join(timeout)
@@ -215,14 +216,17 @@ class JobRunner:
                     self._check_and_submit(self._arrivals.recv_bytes().decode(), link)
                 if link not in ready:
                     continue
-                message = link.receive()
-                if message["type"] == "stop":
-                    if message["unloading"]:
-                        # Triton unloads every instance of the model: this rank's own stop follows.
-                        self._stopping.set()
-                    return message["reason"]
-                with self.timer.job():
-                    self._execute(message)
+                match link.receive():
+                    case EndGeneration(reason=reason, unloading=unloading):
+                        if unloading:
+                            # Triton unloads every instance of the model: this rank's own stop follows.
+                            self._stopping.set()
+                        return reason
+                    case Run() as run:
+                        with self.timer.job():
+                            self._execute(run)
+                    case message:
+                        raise ProtocolError(f"a runner takes jobs to run and the generation's end, not {message}")
         except (EOFError, ConnectionError):
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
         except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
@@ -245,7 +249,7 @@ class JobRunner:
         """NCCL only: abort this generation's groups as soon as another member's process has exited.
 
         NCCL has no error for a lost peer: a collective with a killed rank blocks until its timeout, and the hub's
-        "stop" waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after its
+        EndGeneration waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after its
         grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
         rather than say why, and its stub would count a death of its own against heal_limit. Aborted, the blocked
         collective raises within WATCH_INTERVAL_S, this worker ends its generation like a gloo rank does (gloo
@@ -278,7 +282,7 @@ class JobRunner:
             return
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
         try:
-            link.send({"type": "submit", "job": job.id, "origin": self.comm.rank, "inputs": header})
+            link.send(Submit(job.id, self.comm.rank, header))
         except OSError:
             pass  # the hub has gone, so this generation is ending: the job fails with it
 
@@ -295,20 +299,20 @@ class JobRunner:
             copies[name].copy_(tensor, non_blocking=True)
         return copies
 
-    def _execute(self, message: dict) -> None:
+    def _execute(self, run: Run) -> None:
         """Run one job with all ranks.
 
         Any exception leaves the collective order unknown, so it ends the generation; the job stays in
         _pending until it has its outputs, so the end of the generation fails it with the reason.
         """
-        origin = message["origin"]
+        origin = run.origin
         with self._lock:
-            job = self._pending[message["job"]] if origin == self.comm.rank else None
+            job = self._pending[run.job] if origin == self.comm.rank else None
         if job is not None:
             self._on_started(job.id)
             self.timer.waited(time.monotonic() - job.submitted)
         inputs = {}
-        for name, data_type, shape in message["inputs"]:
+        for name, data_type, shape in run.inputs:
             # The origin broadcasts its checked copy; the others receive into fresh tensors of the same kind.
             tensor = job.on_device[name] if job is not None else torch.empty(shape, dtype=TORCH_DTYPES[data_type],
                                                                                device=self.comm.device)
@@ -355,7 +359,7 @@ class JobRunner:
                                                       f"{what}"))
         if link is not None:
             try:
-                link.send({"type": "leave", "reason": reason, "unloading": self._stopping.is_set()})
+                link.send(Leave(reason, self._stopping.is_set()))
             except OSError:
                 pass
             link.close()

@@ -32,7 +32,7 @@ from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
-from mdtriton.backend.worker_messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
+from mdtriton.backend.messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
                                               Refused, Serving, Started, Stop, receive, send)
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine

@@ -37,7 +37,7 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
-from mdtriton.backend.worker_messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
+from mdtriton.backend.messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
                                               Refused, Serving, Started, Stop, receive, send)
 from mdtriton.engine.progress import ProgressListener
 from mdtriton.engine.request_check import RequestError

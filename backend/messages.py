@@ -1,13 +1,18 @@
-"""The messages between a rank's stub (WorkerKeeper) and its worker process (RankWorker): frozen records, JSON only at
-the edge (TensorLink's header; a message's tensors travel beside it, in shared memory).
+"""The messages of the backend's two links, as frozen records; JSON only at the edge.
 
-`send(link, message)` and `receive(link)` turn them into and out of headers; a header of a kind not listed here is a
-ProtocolError, never taken for another kind.
+- Between a rank's stub (WorkerKeeper) and its worker process (RankWorker), over a TensorLink (a message's tensors
+  travel beside its header, in shared memory): `send` and `receive`.
+- Between a worker's job runner and rank 0's job hub (or, in a world of one rank, SingleRankLink), over a
+  multiprocessing Connection: `send_over` and `receive_over`.
+
+A header of a kind not listed here is a ProtocolError, never taken for another kind.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from multiprocessing.connection import Connection
 from typing import ClassVar
 
 import torch
@@ -121,13 +126,66 @@ class GivenUp:
     unloading: bool = False
 
 
-Message = Job | Stop | Loaded | Serving | Started | Progress | Done | Refused | JobTimed | Ended | GivenUp
+# --- from a job runner to the job hub ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message on a runner's connection: which rank it is."""
+
+    kind: ClassVar[str] = "hello"
+    rank: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A job this rank received, to be put in the order: its id, this rank, its inputs' [name, data type, shape]."""
+
+    kind: ClassVar[str] = "submit"
+    job: str
+    origin: int
+    inputs: list
+
+
+@dataclass(frozen=True)
+class Leave:
+    """This rank leaves the generation: why, and whether because the model is unloading."""
+
+    kind: ClassVar[str] = "leave"
+    reason: str
+    unloading: bool
+
+
+# --- from the job hub to every runner ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """Run this job now, every rank: a Submit, numbered in the order."""
+
+    kind: ClassVar[str] = "run"
+    job: str
+    origin: int
+    inputs: list
+    sequence: int
+
+
+@dataclass(frozen=True)
+class EndGeneration:
+    """The generation is over for every rank: why, and whether because the model is unloading."""
+
+    kind: ClassVar[str] = "end_generation"
+    reason: str
+    unloading: bool
+
+
+Message = (Job | Stop | Loaded | Serving | Started | Progress | Done | Refused | JobTimed | Ended | GivenUp | Hello
+           | Submit | Leave | Run | EndGeneration)
 KINDS: dict[str, type] = {cls.kind: cls for cls in (Job, Stop, Loaded, Serving, Started, Progress, Done, Refused,
-                                                     JobTimed, Ended, GivenUp)}
+                                                     JobTimed, Ended, GivenUp, Hello, Submit, Leave, Run,
+                                                     EndGeneration)}
 
 
-def send(link: TensorLink, message: Message) -> None:
-    """Send message over link: its fields as the header, its tensors (if any) beside it."""
+def header_of(message: Message) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """The JSON header of message, and its tensors (if any), which travel beside it."""
     header = {"type": message.kind}
     tensors = None
     for item in fields(message):
@@ -138,15 +196,34 @@ def send(link: TensorLink, message: Message) -> None:
             header["members"] = {str(rank): pid for rank, pid in value.items()}  # JSON keys are text
         else:
             header[item.name] = value
-    link.send(header, tensors)
+    return header, tensors
 
 
-def receive(link: TensorLink) -> Message:
-    """The next message on link; ProtocolError for a kind this module does not list."""
-    header = link.receive()
+def message_of(header: dict) -> Message:
+    """The message of a header (with its tensors under "tensors"); ProtocolError for a kind not listed here."""
     kind = header.pop("type", None)
     if kind not in KINDS:
-        raise ProtocolError(f"a message of unknown kind {kind!r} (the stub and the worker run different code?)")
+        raise ProtocolError(f"a message of unknown kind {kind!r} (the two ends run different code?)")
     if kind == Serving.kind:
         header["members"] = {int(rank): pid for rank, pid in header["members"].items()}
     return KINDS[kind](**header)
+
+
+def send(link: TensorLink, message: Message) -> None:
+    """Send message over a stub-worker link: its fields as the header, its tensors (if any) beside it."""
+    link.send(*header_of(message))
+
+
+def receive(link: TensorLink) -> Message:
+    """The next message on a stub-worker link."""
+    return message_of(link.receive())
+
+
+def send_over(connection: Connection, message: Message) -> None:
+    """Send message (without tensors) over a runner-hub connection."""
+    connection.send_bytes(json.dumps(header_of(message)[0]).encode())
+
+
+def receive_over(connection: Connection) -> Message:
+    """The next message on a runner-hub connection."""
+    return message_of(json.loads(connection.recv_bytes()))

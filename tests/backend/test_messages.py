@@ -1,0 +1,73 @@
+"""The backend's messages (backend/messages.py): over a real TensorLink (stub and worker) and a real pipe (runner and
+job hub) each kind arrives as the record it was sent as, tensors included; a world of one rank's SingleRankLink answers
+as the hub would; a header of a kind not listed is a ProtocolError, never taken for another kind."""
+
+from __future__ import annotations
+
+import socket
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.job_hub import SingleRankLink
+from mdtriton.backend.messages import (Done, EndGeneration, Ended, GivenUp, Hello, Job, JobTimed, Leave, Loaded,
+                                       Progress, ProtocolError, Refused, Run, Serving, Started, Stop, Submit, receive,
+                                       receive_over, send, send_over)
+
+
+@pytest.fixture
+def links():
+    ours, theirs = socket.socketpair()
+    a, b = TensorLink(Connection(ours.detach())), TensorLink(Connection(theirs.detach()))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_every_kind_arrives_as_it_was_sent(links):
+    sender, receiver = links
+    inputs = {"x": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    messages = [Stop(), Loaded(), Serving(3, {0: 101, 1: 102}), Started("j1"), Progress("j1", 2, 28),
+                Refused("j2", "input 'x' holds NaN"), JobTimed(0.5, 1.5, 0.25), Ended("rank 1 left", False),
+                GivenUp("rank 0 could not load", True)]
+    for message in messages:
+        send(sender, message)
+        assert receive(receiver) == message
+    for message in (Job("j3", True, inputs), Done("j3", inputs)):
+        send(sender, message)
+        got = receive(receiver)
+        assert type(got) is type(message) and got.id == "j3" and torch.equal(got.tensors["x"], inputs["x"])
+    assert receive_after(sender, receiver, Job("j4", False, inputs)).progress is False
+
+
+def receive_after(sender, receiver, message):
+    send(sender, message)
+    return receive(receiver)
+
+
+def test_an_unknown_kind_is_a_protocol_error(links):
+    sender, receiver = links
+    sender.send({"type": "finished", "reason": "?"})
+    with pytest.raises(ProtocolError, match="a message of unknown kind 'finished'"):
+        receive(receiver)
+
+
+def test_runner_and_hub_messages_arrive_as_sent_and_one_rank_is_answered_as_the_hub_would():
+    reader, writer = Pipe(duplex=False)
+    inputs = [["hidden_states", "FP32", [1, 4, 64]]]
+    for message in (Hello(1), Submit("j1", 1, inputs), Leave("unloading", True), Run("j1", 1, inputs, 7),
+                    EndGeneration("rank 1 left: out of memory", False)):
+        send_over(writer, message)
+        assert receive_over(reader) == message
+    link = SingleRankLink()
+    link.send(Submit("a", 0, inputs))
+    link.send(Submit("b", 0, inputs))
+    link.send(Leave("the model is being unloaded", True))
+    assert [link.receive() for _ in range(3)] == [Run("a", 0, inputs, 1), Run("b", 0, inputs, 2),
+                                                  EndGeneration("rank 0 left: the model is being unloaded", True)]
+    with pytest.raises(ProtocolError, match="a runner submits jobs and leaves"):
+        link.send(Hello(0))
+    link.close()
