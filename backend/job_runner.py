@@ -249,8 +249,8 @@ class JobRunner:
         """NCCL only: abort this generation's groups as soon as another member's process has exited.
 
         NCCL has no error for a lost peer: a collective with a killed rank blocks until its timeout, and the hub's
-        EndGeneration waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after its
-        grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
+        EndGeneration waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after
+        its grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
         rather than say why, and its stub would count a death of its own against heal_limit. Aborted, the blocked
         collective raises within WATCH_INTERVAL_S, this worker ends its generation like a gloo rank does (gloo
         fails such a collective at once by itself), and its requests run on the next one. A stopped peer is left
