@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save_pipeline_dir,  # noqa: E402
-                           scheduler, synchronize, tiny_components)
+                           scheduler, tiny_components)
 from pipeline_fp8 import psnr  # noqa: E402
 
+from mdtriton.bench import time_calls  # noqa: E402
 from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
@@ -57,10 +58,6 @@ from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 
 TAYLORSEER = {"method": "taylorseer", "cache_interval": 5, "disable_cache_before_step": 3, "max_order": 1}
-
-
-def median_ms(times: list[float]) -> float:
-    return statistics.median(times) * 1000
 
 
 def build(args, pipeline_dir: Path, repository: Path, data_type: str, device: torch.device) -> Path:
@@ -85,7 +82,7 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
                 start = time.perf_counter()
                 picture = generate(server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
                                    cache=cache, on_full_steps=counts.append)[0]
-                return time.perf_counter() - start, counts[0], picture
+                return (time.perf_counter() - start) * 1000, counts[0], picture
 
             def timed(label, cache=None):
                 image(cache)  # the first of each kind (a CUDA graph capture for the cache's parts)
@@ -108,10 +105,10 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
           f"{args.repeats} images after one\n")
     print("| transformer | cache | full steps | time per image | against the first row (uncached) |")
     print("|---|---|---|---|---|")
-    base = median_ms(next(row[2] for row in rows if row[1] == "uncached"))
+    base = statistics.median(next(row[2] for row in rows if row[1] == "uncached"))
     for data_type, label, times, full in rows:
-        print(f"| {data_type} | {label} | {full} of {args.steps} | {median_ms(times):,.0f} ms | "
-              f"{median_ms(times) / base:.3f}x |")
+        print(f"| {data_type} | {label} | {full} of {args.steps} | {statistics.median(times):,.0f} ms | "
+              f"{statistics.median(times) / base:.3f}x |")
     bf16, fp8 = ("FP32", "BF16") if args.tiny else ("BF16", "FP8")
     for kind in ("uncached", "first_block"):
         print(f"{fp8} image against the {bf16} one, {kind}: PSNR {psnr(images[fp8, kind], images[bf16, kind]):.1f} dB")
@@ -156,7 +153,7 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     for label, inputs in (("uncached", request),
                           (f"First Block Cache {args.threshold:.5f}",
                            {**request, "cache": torch.from_numpy(prompt_tensor([cache]))})):
-        times, full = timed_images(partial(ours.forward, inputs), device, args.repeats)
+        times, full = time_calls(partial(ours.forward, inputs), device.type == "cuda", 1, args.repeats)
         rows.append(("mdtriton pipeline engine (in-process)", label, times, int(full["full_steps"][0])))
     steps = step_parts(ours.transformers[0].engine, ours.pipeline, args, device)
     transformer_file = Manifest.read(engine_dir / "transformer").weight_file(engine_dir / "transformer", 0)
@@ -189,12 +186,12 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     compiled = "torch.compile(transformer)" if not args.tiny else "eager (--tiny)"
     if not args.tiny:
         reference.transformer = torch.compile(transformer)
-    times, _ = timed_images(diffusers_image, device, args.repeats)
+    times, _ = time_calls(diffusers_image, device.type == "cuda", 1, args.repeats)
     rows.append((f"diffusers FluxPipeline, {compiled}", "uncached", times, args.steps))
     transformer.enable_cache(FirstBlockCacheConfig(threshold=args.threshold))
     if not args.tiny:  # compiled again, with the cache's hooks in place
         reference.transformer = torch.compile(transformer)
-    times, _ = timed_images(diffusers_image, device, args.repeats)
+    times, _ = time_calls(diffusers_image, device.type == "cuda", 1, args.repeats)
     rows.append((f"diffusers FluxPipeline, {compiled}", f"its First Block Cache {args.threshold:.5f}", times,
                  sum(decisions)))
 
@@ -204,23 +201,10 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     print("| pipeline | cache | full steps | time per image |")
     print("|---|---|---|---|")
     for pipeline, label, times, count in rows:
-        print(f"| {pipeline} | {label} | {count} of {args.steps} | {median_ms(times):,.0f} ms |")
+        print(f"| {pipeline} | {label} | {count} of {args.steps} | {statistics.median(times):,.0f} ms |")
     print(f"\nour transformer step, through First Block Cache's parts: full {steps['full']:.2f} ms, skipped "
           f"{steps['skipped']:.2f} ms (the uncached forward: {steps['forward']:.2f} ms); the decision alone "
           f"{steps['decision']:.3f} ms ({steps['decision'] / steps['forward'] * 100:.2f}% of a step)")
-
-
-def timed_images(call, device: torch.device, repeats: int) -> tuple[list[float], object]:
-    """(seconds of each call after a first one, the last call's result)."""
-    call()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        result = call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times, result
 
 
 def step_parts(engine, pipeline, args, device: torch.device) -> dict[str, float]:
@@ -235,29 +219,18 @@ def step_parts(engine, pipeline, args, device: torch.device) -> dict[str, float]
               "timestep": torch.full([1], 0.5, device=device, dtype=latents.dtype), "img_ids": image_ids.float(),
               "txt_ids": text_ids.float(), "guidance": torch.full([1], 3.5, device=device, dtype=latents.dtype)}
 
+    cuda = device.type == "cuda"
+
     def step_ms(cache) -> float:
-        engine.forward(inputs, cache)
-        times = []
-        for _ in range(args.step_repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            engine.forward(inputs, cache)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        return median_ms(times)
+        return statistics.median(time_calls(partial(engine.forward, inputs, cache), cuda, 1, args.step_repeats)[0])
 
     with torch.inference_mode():
         residual = engine.run(inputs, "first_block")["residual"]
     previous = residual * 1.01
 
     def decision_ms() -> float:
-        times = []
-        for _ in range(args.step_repeats * 10):
-            synchronize(device)
-            start = time.perf_counter()
-            decide(residual, previous, 0.08, engine.comm)
-            times.append(time.perf_counter() - start)
-        return median_ms(times)
+        call = partial(decide, residual, previous, 0.08, engine.comm)
+        return statistics.median(time_calls(call, cuda, 1, args.step_repeats * 10)[0])
 
     return {"forward": step_ms(None), "full": step_ms(StepCache(FirstBlockCache(threshold=-1.0))),
             "skipped": step_ms(StepCache(FirstBlockCache(threshold=math.inf))), "decision": decision_ms()}
@@ -287,19 +260,10 @@ def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats:
     module = loaded_module("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0))
     inputs = example_inputs(config, text, image, torch.float32)
     with torch.inference_mode():
-        module(**inputs)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            module(**inputs)
-        step = (time.perf_counter() - start) / repeats * 1000
+        step = statistics.median(time_calls(partial(module, **inputs), False, 1, repeats)[0])
         residual = module.first_block(**inputs)["residual"]
-        previous = residual * 1.01
-        times = []
-        for _ in range(repeats * 20):
-            start = time.perf_counter()
-            decide(residual, previous, 0.08, comm)
-            times.append(time.perf_counter() - start)
-    return step, median_ms(times)
+        decision = time_calls(partial(decide, residual, residual * 1.01, 0.08, comm), False, 1, repeats * 20)[0]
+    return step, statistics.median(decision)
 
 
 def main() -> int:
