@@ -26,6 +26,7 @@ from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
+from mdtriton.lora.directory import DEFAULT_CACHE_MIB, adapters_dir
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -104,6 +105,8 @@ class RankModel:
         # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
+        # A pipeline's LoRA adapters are the model's, beside its versions (mdtriton.lora).
+        self.adapters_dir = adapters_dir(Path(args["model_repository"]))
         self.manifest = Manifest.read(engine_dir)
         if self.manifest.plan.world_size != self.placement.world_size:
             raise EngineError(f"{engine_dir}: engine has {self.manifest.plan.world_size} ranks ({self.manifest.plan}) "
@@ -111,7 +114,8 @@ class RankModel:
         self.metrics = RankMetrics(args["model_name"], args["model_version"], self.placement.rank)
         spec = WorkerSpec(engine_dir=str(engine_dir), rank=self.placement.rank, device=str(self.placement.device),
                           rendezvous_dir=str(rendezvous_dir(args["model_name"], args["model_version"])),
-                          request_timeout=self.request_timeout,
+                          request_timeout=self.request_timeout, adapters_dir=str(self.adapters_dir),
+                          lora_cache_mib=int(parameters.get("lora_cache_mib", DEFAULT_CACHE_MIB)),
                           join_timeout=float(parameters.get("join_timeout_s", "600")),
                           threads=self._cpu_threads())
         # Started before the worker keeper, whose thread messages the server: the watchdog takes this process's parent,
@@ -160,7 +164,7 @@ class RankModel:
         """The request's job, or the error response that answers it now; sender (decoupled models) gets progress."""
         try:
             inputs = with_defaults(self.manifest, self._inputs(request), self.parameters)
-            check_request(self.manifest, inputs)
+            check_request(self.manifest, inputs, self.adapters_dir)
             return self.workers.submit(inputs, on_progress=partial(send_progress, sender) if sender else None)
         except RequestError as error:
             return error_response(str(error), pb_utils.TritonError.INVALID_ARG)

@@ -39,6 +39,7 @@ from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.serving import load_engine
+from mdtriton.lora.directory import AdapterSettings
 
 log = logging.getLogger("mdtriton.backend")
 
@@ -54,6 +55,8 @@ class WorkerSpec:
     device: str  # "cpu" or "cuda:N"
     rendezvous_dir: str  # the area of this model version in this server (the stub knows the server's pid)
     request_timeout: float  # the longest a job waits for all ranks, and a collective for its peers
+    adapters_dir: str  # where a pipeline's LoRA adapters are kept (mdtriton.lora)
+    lora_cache_mib: int  # how much of them the rank keeps loaded
     join_timeout: float
     threads: int | None  # torch threads on CPU; None: torch's default (OMP_NUM_THREADS is set)
 
@@ -104,7 +107,8 @@ class RankWorker:
 
     def _load(self, manifest: Manifest, comm: Communicator) -> Engine:
         start = time.perf_counter()
-        engine = load_engine(Path(self.spec.engine_dir), manifest, comm)
+        engine = load_engine(Path(self.spec.engine_dir), manifest, comm,
+                             AdapterSettings(Path(self.spec.adapters_dir), self.spec.lora_cache_mib))
         # benchmarks/serving.py reads this line to split a healing's time.
         log.info("rank %d/%d (worker pid %d) loaded %s on %s in %.2f s (%.2f s of it warming up)", comm.rank,
                  manifest.plan.world_size, os.getpid(), self.spec.engine_dir, self.device, time.perf_counter() - start,

@@ -113,6 +113,9 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME[=SCALE]", type=lora_argument,
+                        help="apply the model's LoRA adapter NAME (mdtriton lora list) at SCALE (default 1.0); "
+                             "repeat for several")
     parser.add_argument("--fps", type=int, default=16, help="videos: frames per second of the MP4 (default 16, Wan's)")
     parser.add_argument("-o", "--output", type=Path,
                         help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
@@ -205,6 +208,15 @@ def sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def lora_argument(text: str) -> tuple[str, float]:
+    """--lora NAME or NAME=SCALE."""
+    name, sep, scale = text.partition("=")
+    try:
+        return name, float(scale) if sep else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME or NAME=SCALE, SCALE a number") from None
+
+
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`)."""
     with Client(args.url, timeout=args.timeout) as client:
@@ -222,7 +234,7 @@ def generate_media(args: argparse.Namespace) -> int:
         print(f"{args.model} answers once, at the end (build it with --stream for progress per step)", file=sys.stderr)
     with tqdm(total=steps, desc="denoising", unit="step", disable=not streamed) as bar:
         full_steps = []
-        progress = dict(cache=args.cache, on_step=lambda done, total: bar.update(done - bar.n),
+        progress = dict(cache=args.cache, loras=dict(args.lora), on_step=lambda done, total: bar.update(done - bar.n),
                         on_full_steps=full_steps.append, timeout=args.timeout)
         if video:
             frames = generate_video(args.url, args.model, args.prompt, args.height or 480, args.width or 832,

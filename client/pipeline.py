@@ -6,7 +6,8 @@ decoupled, each request opens a gRPC stream, and the server sends one response p
 done) and then the image. generate() asks the model's config which it is. The stream asks Triton to end with the
 request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
 server's message, as a unary call does. Every answer says how many of its steps ran the whole transformer
-(`full_steps`: fewer with a step cache, the `cache` input).
+(`full_steps`: fewer with a step cache, the `cache` input). A request may name LoRA adapters kept with the model
+(`loras`: `mdtriton lora add`), each with its scale.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
                     seed: int, prompts_2: list[str] | None = None, max_sequence_length: int | None = None,
-                    cache: str | dict | None = None) -> list[grpcclient.InferInput]:
+                    cache: str | dict | None = None,
+                    loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
     """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache, a step
-    cache config: a dict or its JSON text)."""
+    cache config: a dict or its JSON text; loras, adapter names and scales)."""
     arrays = {
         "prompt": texts(prompts),
         "height": np.array([height], np.int32),
@@ -41,15 +43,16 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
         arrays["prompt_2"] = texts(prompts_2)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(with_cache(arrays, cache))
+    return infer_inputs(with_shared(arrays, cache, loras))
 
 
 def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, num_inference_steps: int,
                  guidance_scale: float, seed: int, negative_prompts: list[str] | None = None,
                  guidance_scale_2: float | None = None, max_sequence_length: int | None = None,
-                 cache: str | dict | None = None) -> list[grpcclient.InferInput]:
-    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache as
-    pipeline_inputs takes it)."""
+                 cache: str | dict | None = None,
+                 loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
+    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache and loras
+    as pipeline_inputs takes them)."""
     arrays = {
         "prompt": texts(prompts),
         "height": np.array([height], np.int32),
@@ -65,14 +68,18 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
         arrays["guidance_scale_2"] = np.array([guidance_scale_2], np.float32)
     if max_sequence_length is not None:
         arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(with_cache(arrays, cache))
+    return infer_inputs(with_shared(arrays, cache, loras))
 
 
-def with_cache(arrays: dict[str, np.ndarray], cache: str | dict | None) -> dict[str, np.ndarray]:
-    """arrays and, if given, the `cache` input (JSON text; the server checks it)."""
-    if cache is None:
-        return arrays
-    return {**arrays, "cache": texts([cache if isinstance(cache, str) else json.dumps(cache)])}
+def with_shared(arrays: dict[str, np.ndarray], cache: str | dict | None,
+                loras: dict[str, float] | None) -> dict[str, np.ndarray]:
+    """arrays and, if given, the inputs every pipeline takes: `cache` and `loras` (JSON text; the server checks
+    them)."""
+    if cache is not None:
+        arrays = {**arrays, "cache": texts([cache if isinstance(cache, str) else json.dumps(cache)])}
+    if loras:
+        arrays = {**arrays, "loras": texts([json.dumps(loras)])}
+    return arrays
 
 
 def texts(prompts: list[str]) -> np.ndarray:
@@ -96,18 +103,20 @@ def as_list(prompt: str | list[str] | None) -> list[str] | None:
 def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
              num_inference_steps: int = 28, guidance_scale: float = 3.5, seed: int = 0,
              prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
-             cache: str | dict | None = None, on_step: Callable[[int, int], None] | None = None,
+             cache: str | dict | None = None, loras: dict[str, float] | None = None,
+             on_step: Callable[[int, int], None] | None = None,
              on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
     """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as FluxPipeline makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
     model streams its progress (built with --stream).
 
     cache: the step cache, e.g. {"method": "first_block", "threshold": 0.08} (docs/client.md; None: the model's
-    default). on_full_steps(n) gets how many steps ran the whole transformer. timeout: seconds the whole request may
-    take (None: no limit). Failures raise ClientError (one line).
+    default). loras: the model's adapters to apply, by name, each with its scale, e.g. {"style": 0.8} (`mdtriton lora
+    list` shows them; None: none). on_full_steps(n) gets how many steps ran the whole transformer. timeout: seconds
+    the whole request may take (None: no limit). Failures raise ClientError (one line).
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
-                             as_list(prompt_2), max_sequence_length, cache)
+                             as_list(prompt_2), max_sequence_length, cache, loras)
     return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 
@@ -115,18 +124,18 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int = 
                    num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int = 0,
                    negative_prompt: str | list[str] | None = None, guidance_scale_2: float | None = None,
                    max_sequence_length: int | None = None, cache: str | dict | None = None,
-                   on_step: Callable[[int, int], None] | None = None,
+                   loras: dict[str, float] | None = None, on_step: Callable[[int, int], None] | None = None,
                    on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
     """Videos for prompt (one per prompt) as UINT8 [batch, frames, height, width, 3], as WanPipeline makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
     model streams its progress (built with --stream).
 
     negative_prompt: one for all prompts or one each (default: none, as WanPipeline's). guidance_scale_2: Wan 2.2
-    A14B's guidance for its low-noise expert (default: guidance_scale). cache and on_full_steps as generate's
-    (with guidance, the count is of the conditional branch's calls). Failures raise ClientError (one line).
+    A14B's guidance for its low-noise expert (default: guidance_scale). cache, loras and on_full_steps as
+    generate's (with guidance, the count is of the conditional branch's calls). Failures raise ClientError (one line).
     """
     inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
-                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, cache)
+                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, cache, loras)
     return ask(url, model, inputs, "video", num_inference_steps, on_step, on_full_steps, timeout)
 
 

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from mdtriton.build_tools import cli as build_cli
     from mdtriton.build_tools import verify
     from mdtriton.client import cli as client_cli
+    from mdtriton.lora import cli as lora_cli
 
     parser = argparse.ArgumentParser(prog="mdtriton", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mdtriton {__version__}")
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_parser(subparsers)
     add_serve_parser(subparsers)
     client_cli.add_parsers(subparsers)
+    lora_cli.add_parser(subparsers)
     demo.add_parser(subparsers)
     bench.add_parser(subparsers)
     args = parser.parse_args(argv)

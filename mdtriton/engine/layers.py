@@ -124,6 +124,7 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(in_features, local_out, local_out if bias else None, fp8)
         self.comm = comm
         self.out_segments = segments
+        self.parts: dict[str, list[int]] | None = None  # the layers it joins, if fused (fuse_columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.local_linear(x, self.bias)
@@ -139,20 +140,23 @@ class ColumnParallelLinear(ParallelLinear):
         return specs
 
 
-def fuse_columns(layers: list[ColumnParallelLinear]) -> ColumnParallelLinear:
+def fuse_columns(layers: dict[str, ColumnParallelLinear]) -> ColumnParallelLinear:
     """One column-parallel layer computing [layer(x) for layer in layers] concatenated, with one GEMM.
 
-    Each rank concatenates its own slices, so the fused layer holds this rank's share of every part, in order.
+    Each rank concatenates its own slices, so the fused layer holds this rank's share of every part, in order. Its
+    `parts` keeps each part's name (the layer's, under the same parent) and output segments, so a change to one of
+    the joined layers (a LoRA adapter: mdtriton.lora.weights) finds its rows.
     """
-    first = layers[0]
+    first = next(iter(layers.values()))
     comm, in_features = first.comm, first.weight.shape[1]
-    parts = [segment for layer in layers for segment in layer.out_segments]
+    segments = [segment for layer in layers.values() for segment in layer.out_segments]
     with torch.device("meta"):
-        fused = ColumnParallelLinear(in_features, sum(parts), comm, bias=first.bias is not None, out_segments=parts,
-                                     fp8=first.fp8)
+        fused = ColumnParallelLinear(in_features, sum(segments), comm, bias=first.bias is not None,
+                                     out_segments=segments, fp8=first.fp8)
     for name in ("weight", "weight_scale", "bias"):
         if getattr(fused, name) is not None:
-            setattr(fused, name, nn.Parameter(torch.cat([getattr(layer, name) for layer in layers])))
+            setattr(fused, name, nn.Parameter(torch.cat([getattr(layer, name) for layer in layers.values()])))
+    fused.parts = {name: layer.out_segments for name, layer in layers.items()}
     return fused
 
 

@@ -19,27 +19,31 @@ from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import pipeline_part
+from mdtriton.lora.directory import AdapterSettings, adapter_names
 from mdtriton.pipeline.prompts import text_rows
-from mdtriton.pipeline.request_checks import step_cache_of
+from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s; the build writes it, a pipeline's
 # longer: PipelinePart.request_timeout_s) when a config does not say.
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
-def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator) -> Engine:
-    """This rank's engine of engine_dir, whose manifest the caller has read."""
+def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
+                adapters: AdapterSettings | None = None) -> Engine:
+    """This rank's engine of engine_dir, whose manifest the caller has read; a pipeline's requests may name the
+    adapters kept where `adapters` says (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
         return TorchEngine.load(engine_dir, manifest, comm)
     # Imported here: diffusers and transformers (the `pipeline` extra) are needed only to serve pipelines.
     from mdtriton.pipeline.engine import PipelineEngine
 
-    return PipelineEngine.load(engine_dir, manifest, comm, part)
+    return PipelineEngine.load(engine_dir, manifest, comm, part, adapters)
 
 
-def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
-    """Raise RequestError, saying what to send, if the inputs are not a request this engine can run."""
+def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_dir: Path | None = None) -> None:
+    """Raise RequestError, saying what to send, if the inputs are not a request this engine can run; a pipeline's
+    adapters must be kept in adapters_dir (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
         request_check.check_request(manifest, inputs)
@@ -53,6 +57,13 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
     if cache is not None and cache.method not in part.cache_methods:
         raise RequestError(f"cache method {cache.method!r} is not offered by {manifest.architecture}; its methods: "
                            f"{', '.join(part.cache_methods + ('none',))}")
+    loras = loras_of(inputs)
+    if loras:
+        kept = adapter_names(adapters_dir) if adapters_dir is not None else []
+        unknown = [name for name in loras if name not in kept]
+        if unknown:
+            raise RequestError(f"this model has no adapter {unknown[0]!r}; its adapters: {', '.join(kept) or 'none'} "
+                               "(mdtriton lora add puts one there)")
 
 
 def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],

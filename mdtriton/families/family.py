@@ -114,9 +114,10 @@ class Family(ABC):
 
 
 # What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:
-# mdtriton.engine.step_cache; left out, the model's default from config.pbtxt's parameters, else none) and how many
-# denoising steps ran every transformer block.
-SHARED_INPUTS = (TensorSpec("cache", "STRING", (1,)),)
+# mdtriton.engine.step_cache; left out, the model's default from config.pbtxt's parameters, else none), the LoRA
+# adapters merged into the transformer for this request (a JSON object of names and scales: mdtriton.lora; left out,
+# none), and how many denoising steps ran every transformer block.
+SHARED_INPUTS = (TensorSpec("cache", "STRING", (1,)), TensorSpec("loras", "STRING", (1,)))
 SHARED_OUTPUTS = (TensorSpec("full_steps", "INT32", (1,)),)
 
 

@@ -39,7 +39,7 @@ class TransformerBlock(nn.Module):
         return x.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
 
     def fuse_projections(self) -> None:
-        self.to_qkv = fuse_columns([self.to_q, self.to_k, self.to_v])
+        self.to_qkv = fuse_columns({"to_q": self.to_q, "to_k": self.to_k, "to_v": self.to_v})
         del self.to_q, self.to_k, self.to_v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

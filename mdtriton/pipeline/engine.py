@@ -22,9 +22,12 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.progress import report_progress
+from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.step_cache import StepCache
 from mdtriton.families import PipelinePart
-from mdtriton.pipeline.request_checks import step_cache_of
+from mdtriton.lora.directory import AdapterSettings
+from mdtriton.lora.weights import AdapterWeights
+from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 
@@ -32,18 +35,22 @@ class PipelineEngine(Engine):
     """One rank's pipeline: the replicated components and its shard of the transformer."""
 
     def __init__(self, manifest: Manifest, part: PipelinePart, pipeline: DiffusionPipeline, comm: Communicator,
-                 transformers: list[EngineAsTransformer], warm_up_seconds: float):
+                 transformers: list[EngineAsTransformer], warm_up_seconds: float, adapters: AdapterWeights | None):
         self.manifest = manifest
         self.part = part
         self.pipeline = pipeline
         self.comm = comm
         self.transformers = transformers
         self.warm_up_seconds = warm_up_seconds
+        self.adapters = adapters
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator, part: PipelinePart) -> "PipelineEngine":
+    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator, part: PipelinePart,
+             adapters: AdapterSettings | None = None) -> "PipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
-        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here)."""
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here). Requests may name
+        the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
+        diffusers' LoRA loaders do)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):
@@ -68,12 +75,22 @@ class PipelineEngine(Engine):
         for folder, transformer in zip(engines, transformers):
             setattr(pipeline, folder, transformer)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
+        first = next(iter(engines.values()))
+        adapter_weights = None if adapters is None else AdapterWeights(
+            first.module, adapters.directory, adapters.cache_mib * 2**20, TORCH_DTYPES[first.manifest.data_type])
         return cls(manifest, part, pipeline, comm, transformers,
-                   sum(engine.warm_up_seconds for engine in engines.values()))
+                   sum(engine.warm_up_seconds for engine in engines.values()), adapter_weights)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The request's outputs (the family's PipelinePart says which) and `full_steps`, progress reported after
-        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache)."""
+        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache);
+        the request's adapters are merged into the transformer's weights first, or the base weights put back if it
+        names none (mdtriton.lora.weights)."""
+        loras = loras_of(inputs)
+        if self.adapters is not None:
+            self.adapters.activate(loras)
+        elif loras:
+            raise RequestError("this pipeline was loaded without an adapters directory: its requests name no adapters")
         config = step_cache_of(inputs)
         caches = [StepCache(config) for _ in self.transformers]
         try:

@@ -1,9 +1,10 @@
 """The checks every pipeline's requests share, each raising RequestError that says what to send instead: prompts,
-the batch, image sides, the text length, step counts, finite guidance, the step cache. A family's
+the batch, image sides, the text length, step counts, finite guidance, the step cache, the adapters. A family's
 PipelinePart.check_request calls them with its own limits and words (no diffusers needed)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.step_cache import CacheConfig, read_cache
+from mdtriton.lora.directory import check_name
 from mdtriton.pipeline.prompts import read_prompts
 
 MAX_STEPS = 1000
@@ -70,3 +72,26 @@ def step_cache_of(inputs: dict[str, torch.Tensor]) -> CacheConfig | None:
         return read_cache(prompts_of(inputs, "cache")[0])
     except ValueError as error:
         raise RequestError(str(error)) from None
+
+
+def loras_of(inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The request's adapters and their scales: its `loras` input, a JSON object {"NAME": scale, ...} (mdtriton.lora),
+    read; {} without one."""
+    if "loras" not in inputs:
+        return {}
+    example = 'send an object of adapter names and scales, e.g. {"style": 0.8, "detail": 0.5}'
+    try:
+        loras = json.loads(prompts_of(inputs, "loras")[0])
+    except json.JSONDecodeError as error:
+        raise RequestError(f"loras is not JSON ({error}); {example}") from None
+    if not isinstance(loras, dict):
+        raise RequestError(f"loras is a JSON {type(loras).__name__}, not an object; {example}")
+    for name, scale in loras.items():
+        try:
+            check_name(name)
+        except ValueError as error:
+            raise RequestError(f"loras: {error}") from None
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise RequestError(f"loras: the scale of {name!r} is {json.dumps(scale)}; send a finite number "
+                               "(1.0: the adapter as trained)")
+    return {name: float(scale) for name, scale in loras.items()}

@@ -50,10 +50,11 @@ class FluxAttention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Image (or joint) q/k/v as one layer; in double blocks the text stream's too."""
-        self.to_qkv = fuse_columns([self.to_q, self.to_k, self.to_v])
+        self.to_qkv = fuse_columns({"to_q": self.to_q, "to_k": self.to_k, "to_v": self.to_v})
         del self.to_q, self.to_k, self.to_v
         if hasattr(self, "add_q_proj"):
-            self.add_qkv = fuse_columns([self.add_q_proj, self.add_k_proj, self.add_v_proj])
+            self.add_qkv = fuse_columns({"add_q_proj": self.add_q_proj, "add_k_proj": self.add_k_proj,
+                                         "add_v_proj": self.add_v_proj})
             del self.add_q_proj, self.add_k_proj, self.add_v_proj
 
     def joint_qkv(self, x: torch.Tensor, text: torch.Tensor | None,

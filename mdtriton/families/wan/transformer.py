@@ -154,7 +154,7 @@ class CrossAttention(nn.Module):
         self.to_out = nn.ModuleList([RowParallelLinear(dim, dim, comm, fp8=fp8)])
 
     def fuse_projections(self) -> None:
-        self.to_kv = fuse_columns([self.to_k, self.to_v])
+        self.to_kv = fuse_columns({"to_k": self.to_k, "to_v": self.to_v})
         del self.to_k, self.to_v
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, norm: nn.LayerNorm | None) -> torch.Tensor:
