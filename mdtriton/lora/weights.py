@@ -12,7 +12,8 @@ compiled code and CUDA graphs, which read the weights in place, run as they are 
 capture). The weights an adapter changes are first copied aside (W0), once, on the same device, and copied back
 when a request names other adapters or none: a request without adapters gets exactly the base weights. That copy is
 the cost in memory: one more copy of the weights the request's adapters change, while they are merged.
-FP8 weights (e4m3 with row scales) are dequantized, updated in float32 and quantized again per row.
+FP8 weights (e4m3 with row scales) are dequantized to the engine's compute type (bf16), updated and quantized again
+per row (one pass: fused_activations.rows_to_fp8); the copy aside is of the e4m3 values and scales.
 
 Requests that name the same adapters and scales as the one before run with nothing to do. The adapters' factors stay
 on the device after their request, the most recently used first, up to `cache_bytes` on this rank (the model's
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mdtriton.engine.fp8 import quantize_weight
+from mdtriton.engine.fused_activations import rows_to_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, take_shard
 from mdtriton.lora.adapter_file import AdapterError, read_adapter
 from mdtriton.lora.directory import adapter_path
@@ -217,8 +218,10 @@ class AdapterWeights:
                                   scale_parameter)
         values, scales, _ = self.saved[weight]
         fp8 = scale_parameter is not None
-        full = values.float() * scales[:, None] if fp8 else weight
-        if not fp8:
+        if fp8:  # dequantized in the engine's compute type (a rounding far below e4m3's), updated, quantized again
+            full = values.to(self.dtype).mul_(scales[:, None])
+        else:
+            full = weight
             weight.copy_(values)
         by_rows: dict[tuple, list[tuple[Update, float]]] = {}
         for update, scale in updates:
@@ -231,6 +234,6 @@ class AdapterWeights:
             lora_a = torch.cat([update.lora_a.to(dtype) for update, _ in row_updates], dim=0)
             full[start:stop].addmm_(lora_b, lora_a)
         if fp8:
-            quantized, row_scales = quantize_weight(full)
-            weight.copy_(quantized)
-            scale_parameter.copy_(row_scales)
+            quantized = rows_to_fp8(full)
+            weight.copy_(quantized.values)
+            scale_parameter.copy_(quantized.scale.squeeze(-1))
