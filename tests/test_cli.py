@@ -22,7 +22,8 @@ def mdtriton(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     result = mdtriton("--help")
     assert result.returncode == 0
-    for command in ("build", "serve", "infer", "sample", "health", "metadata", "models", "load", "unload", "demo"):
+    for command in ("build", "serve", "infer", "sample", "health", "metadata", "models", "load", "unload", "demo",
+                    "lora"):
         assert command in result.stdout
 
 
