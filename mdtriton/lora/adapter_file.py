@@ -76,6 +76,8 @@ def read_user_adapter(path: Path, diffusers_class: str) -> dict[str, Factors]:
         raise AdapterError(f"{path}: the adapter also changes {', '.join(others)}; mdtriton applies adapters to the "
                            "transformer only: give an adapter of the transformer alone")
     weights = {key.removeprefix(TRANSFORMER_PREFIX): value for key, value in state_dict.items()}
+    if not with_alphas:  # a loader that keeps network alphas in the state dict (Wan's): diffusers' peft ignores them
+        weights = {key: value for key, value in weights.items() if not key.endswith(".alpha")}
     if not weights:
         raise AdapterError(f"{path}: holds no LoRA weights")
     unusable = sorted(key for key in weights if not key.endswith((".lora_A.weight", ".lora_B.weight")))
