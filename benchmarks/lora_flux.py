@@ -5,8 +5,8 @@ Random weights of FLUX.1-dev's size; two adapters of rank 64 on every linear lay
 factors random at about 1% of the weights. Two parts, one device call each:
 
 - `--part forward`: the transformer engine (random weights, BF16, then FP8) made as the server loads it
-  (TorchEngine.from_weights: compiled, CUDA graphs), at 4,096 + 512 tokens: a forward without an adapter, with `a` merged
-  (mdtriton.lora.weights), the first merge (the file read, split and moved to the GPU), switching a -> b, b -> a, to
+  (TorchEngine.from_weights: compiled, CUDA graphs), at 4,096 + 512 tokens: a forward without an adapter, with `a`
+  merged (mdtriton.lora.weights), the first merge (the file read, split and moved to the GPU), switching a -> b, b -> a, to
   none and back; whether anything recompiled (after each switch a forward at 4,096 + 512 tokens, which replays its
   CUDA graph, and one at 16,384 + 512, which runs the compiled blocks themselves, under torch.compiler's
   "fail_on_recompile" stance, and Dynamo's graph count compared) or was captured again (the engine's CUDA graphs);
@@ -160,7 +160,8 @@ def forward_part(args, device: torch.device, workdir: Path) -> None:
         recaptured = captured_graphs(engine) - captured_before
         factor_bytes = sum(adapter.bytes for adapter in merged.loaded.values())
         outputs[data_type] = (base_output.float().cpu(), adapted_output.float().cpu())
-        rows.append({"data_type": data_type, "base_ms": base_ms, "adapted_ms": adapted_ms, "first_merge_ms": first_merge,
+        rows.append({"data_type": data_type, "base_ms": base_ms, "adapted_ms": adapted_ms,
+                     "first_merge_ms": first_merge,
                      "switches": {label: statistics.median(times) for label, times in switches.items()},
                      "recompiled": recompiled, "recaptured": recaptured, "back_to_base": back_to_base,
                      "merged_extra_gib": (memory_merged - memory_base) / 2**30,

@@ -25,6 +25,8 @@ from mdtriton.lora.repository import add_adapter, list_adapters
 from tests.lora.adapters import diffusers_lora
 from tests.pipeline.pipelines import save_pipelines
 
+TEXT_ENCODER_Q = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
@@ -77,8 +79,8 @@ def mangled(path, tmp_path, change) -> str:
                          "transformer.transformer_blocks.7.attn.to_q.lora_B.weight": torch.zeros(64, 4)}),
      "the adapter changes transformer_blocks.7.attn.to_q, which is not a linear layer of flux version 1's flux "
      "transformer: it was made for another model"),
-    (lambda t: t.update({"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 24),
-                         "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(24, 4)}),
+    (lambda t: t.update({f"{TEXT_ENCODER_Q}.lora_A.weight": torch.zeros(4, 24),
+                         f"{TEXT_ENCODER_Q}.lora_B.weight": torch.zeros(24, 4)}),
      "the adapter also changes text_encoder; mdtriton applies adapters to the transformer only"),
     (lambda t: t.pop("transformer.x_embedder.lora_B.weight"), "module x_embedder has no lora_B"),
     (lambda t: t.update({"transformer.x_embedder.lora_magnitude_vector": torch.ones(64)}),
