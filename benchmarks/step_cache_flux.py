@@ -44,7 +44,6 @@ from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save
                            scheduler, tiny_components)
 from pipeline_fp8 import psnr  # noqa: E402
 
-from mdtriton.bench import time_calls  # noqa: E402
 from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
@@ -54,6 +53,7 @@ from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.engine.serving import load_engine  # noqa: E402
 from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.harness import bench_engine, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 
@@ -249,7 +249,6 @@ def decision_cpu_part(args) -> None:
 
 def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats: int) -> tuple[float, float]:
     from mdtriton.build_tools.engine_builder import random_shard
-    from mdtriton.engine.modules import loaded_module
     from mdtriton.families import family
     from mdtriton.families.flux.transformer import example_inputs
 
@@ -257,11 +256,11 @@ def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats:
     config = flux.default_config()
     comm = Communicator(ParallelPlan(cp_size=2, cp_method="ring"), rank, torch.device("cpu"))
     comm.join_groups()
-    module = loaded_module("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0))
+    engine = bench_engine("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0), "FP32")
     inputs = example_inputs(config, text, image, torch.float32)
+    step = statistics.median(time_calls(partial(engine.forward, inputs), False, 1, repeats)[0])
     with torch.inference_mode():
-        step = statistics.median(time_calls(partial(module, **inputs), False, 1, repeats)[0])
-        residual = module.first_block(**inputs)["residual"]
+        residual = engine.module.first_block(**inputs)["residual"]
         decision = time_calls(partial(decide, residual, residual * 1.01, 0.08, comm), False, 1, repeats * 20)[0]
     return step, statistics.median(decision)
 

@@ -78,9 +78,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/xdit_flux.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from mdtriton.bench import attention_flops, flux_inputs, plans_for, relative_error, time_calls  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.flux import FLUX  # noqa: E402
+from mdtriton.harness import attention_flops, flux_inputs, plans_for, relative_error, time_calls  # noqa: E402
 from mdtriton.server import free_port  # noqa: E402
 
 IMPLS = ("xdit", "mdtriton", "yunchang+diffusers")
