@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mdtriton.build_tools.build import MODEL_INDEX, build_model_version  # noqa: E402
+from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.model_config import read_model_config, write_model_config  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
@@ -58,8 +57,8 @@ from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.engine.serving import load_engine  # noqa: E402
-from mdtriton.harness import markdown_table, time_calls  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
@@ -139,19 +138,12 @@ def parts_of_our_image(pipeline: FluxPipeline, args, device: torch.device) -> di
                 for name, call in (("encode", encode), ("step", step), ("decode", decode))}
 
 
-def save_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
-    """A diffusers FLUX directory of the components, whose transformer/ holds only its config (random weights)."""
-    index = {"_class_name": "FluxPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "transformer": ["diffusers", "FluxTransformer2DModel"]}
-    scheduler(FLUX_DEV_SCHEDULER).save_pretrained(directory / "scheduler")
-    for name, component in components.items():
-        component.save_pretrained(directory / name)
-        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel",
-                                                                          **config}))
-    (directory / MODEL_INDEX).write_text(json.dumps(index))
-    return directory
+def save_flux_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
+    """A diffusers FLUX directory of the components and FLUX.1-dev's scheduler, whose transformer/ holds only its
+    config (random weights)."""
+    return save_pipeline_dir(directory, {"_class_name": "FluxPipeline",
+                                                 "transformer": ["diffusers", "FluxTransformer2DModel"]},
+                                     {"scheduler": scheduler(FLUX_DEV_SCHEDULER), **components}, config)
 
 
 def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
@@ -222,7 +214,7 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
             workdir: Path) -> tuple[list, dict]:
     """The table's rows (label, repeat times, first time, GiB) and the parts of our image."""
     start = time.perf_counter()
-    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
     version_dir = build_model_version(
         workdir / "repository", "flux", "flux-pipeline", None, ParallelPlan(), data_type, "cpu" if args.tiny else "gpu",
         weights_path=pipeline_dir, limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,

@@ -11,7 +11,8 @@
 - **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), written with the rows'
   JSON by `write_results`.
 - What every FLUX benchmark measures with: random weights with trained-like modulation scales (`bench_weights`), a
-  request's inputs (`flux_inputs`), and the relative error of an output (`relative_error`).
+  request's inputs (`flux_inputs`), and the relative error of an output (`relative_error`); and what the pipeline
+  benchmarks build from: a diffusers pipeline directory whose transformer has random weights (`save_pipeline_dir`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mdtriton.build_tools.build import MODEL_INDEX
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
@@ -169,6 +171,22 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
+    """A diffusers pipeline directory of components (each saved by its save_pretrained), whose transformer/ holds only
+    its config: what `mdtriton build --architecture NAME-pipeline --weights DIR` builds from with random transformer
+    weights. index: model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class]
+    and any other); the components' entries are added."""
+    index = dict(index)
+    for name, component in components.items():
+        component.save_pretrained(directory / name)
+        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
+                                                                       **transformer_config}))
+    (directory / MODEL_INDEX).write_text(json.dumps(index))
+    return directory
 
 
 def write_results(output_dir: Path, text: str, data: dict) -> None:
