@@ -15,7 +15,7 @@ could break the capture).
 The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
 NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
 that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank
-stopped or stuck), a job of this rank gets no turn within the timeout (the hub's rank stopped or stuck), or a
+stopped or stuck), a job of this rank gets no turn by its deadline (the hub's rank stopped or stuck), or a
 job raises on this rank (its peers may be waiting in a collective that will never complete, so the job order
 cannot be trusted any more). Every job still pending then fails at once, saying
 why, and the runner ends: its worker exits, and the stub starts a new worker, which meets the other ranks' new
@@ -79,7 +79,7 @@ def wait_for_device(timeout: float) -> None:
 @dataclass
 class Job:
     inputs: dict[str, torch.Tensor]
-    deadline: float  # time.monotonic() by which all ranks must have run it
+    deadline: float  # time.monotonic() by which all ranks must have run it: the request's, set by its stub
     id: str  # the stub's id of the request
     on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     result: Future = field(default_factory=Future)
@@ -102,10 +102,10 @@ class JobRunner:
                  on_started: Callable[[str], None]):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
-        (Rendezvous.enter); timeout: the longest a job may wait for all ranks, and a collective for its peers,
-        before the ranks are taken as lost; timer: wraps each job (backend/job_timer.py); on_serving(generation):
-        called once the ranks have met; on_started(job id): called as a job this rank submitted starts running (both
-        in the runner thread)."""
+        (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
+        lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
+        on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
+        submitted starts running (both in the runner thread)."""
         self.engine = engine
         self.comm = comm
         self.rendezvous = rendezvous
@@ -136,11 +136,14 @@ class JobRunner:
         self._ended.wait()
         return self._end
 
-    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, on_progress: ProgressListener | None = None) -> Job:
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float,
+               on_progress: ProgressListener | None = None) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
         infinity, or RanksUnavailable if the generation ends first. Raises RanksUnavailable if the generation is not
-        serving. on_progress: called, on the runner thread, with the steps the engine reports (pipelines do)."""
-        job = Job(inputs, deadline=time.monotonic() + self.timeout, id=job_id, on_progress=on_progress)
+        serving. deadline: the request's, a time.monotonic() set by its stub (backend/messages.py, Job: one clock for
+        every process of the machine); on_progress: called, on the runner thread, with the steps the engine reports
+        (pipelines do)."""
+        job = Job(inputs, deadline=deadline, id=job_id, on_progress=on_progress)
         with self._lock:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")

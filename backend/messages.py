@@ -28,11 +28,16 @@ class ProtocolError(RuntimeError):
 
 @dataclass(frozen=True)
 class Job:
-    """Run a request; `progress`: report each step of it."""
+    """Run a request; `progress`: report each step of it; `deadline`: the request's one deadline, set by the stub as it
+    received the request, by which the ranks must have answered it.
+
+    The deadline is a time.monotonic() of the stub's process, read by the worker, another process: on Linux
+    time.monotonic() is CLOCK_MONOTONIC, one clock for the whole system, and a stub and its worker share a machine."""
 
     kind: ClassVar[str] = "job"
     id: str
     progress: bool
+    deadline: float
     tensors: dict[str, torch.Tensor] = field(repr=False)
 
 

@@ -121,7 +121,7 @@ class RankModel:
         # Started before the worker keeper, whose thread messages the server: the watchdog takes this process's parent,
         # now, as the server to watch (a stub whose server died before that would never see it go).
         self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()
-        self.workers = WorkerKeeper(spec, self.placement.world_size, self.request_timeout,
+        self.workers = WorkerKeeper(spec, self.placement.world_size,
                                     heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
                                     heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
                                     on_job_timed=self.metrics.job_done).start()
@@ -150,8 +150,11 @@ class RankModel:
     def execute(self, requests: list) -> list | None:
         self.watchdog.check()
         senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
+        # Each request's one deadline, set here, as this stub receives it: the stub answers UNAVAILABLE at it, and the
+        # keeper and the worker's job runner take the ranks as stopped or stuck if it passes without an answer.
+        deadline = time.monotonic() + self.request_timeout
         # Submit every request first so all of them are ordered and running before we wait on any.
-        submitted = [self._submit(request, sender) for request, sender in zip(requests, senders)]
+        submitted = [self._submit(request, sender, deadline) for request, sender in zip(requests, senders)]
         # Counted while the worker runs them, not before: a metric update is a round trip to the server process.
         self.metrics.received(len(requests))
         if not self.decoupled:
@@ -160,12 +163,13 @@ class RankModel:
             send(sender, self._answer(item), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
-    def _submit(self, request, sender):
-        """The request's job, or the error response that answers it now; sender (decoupled models) gets progress."""
+    def _submit(self, request, sender, deadline: float):
+        """The request's job, or the error response that answers it now; sender (decoupled models) gets progress;
+        deadline: the time.monotonic() by which the ranks must answer it."""
         try:
             inputs = with_defaults(self.manifest, self._inputs(request), self.parameters)
             check_request(self.manifest, inputs, self.adapters_dir)
-            return self.workers.submit(inputs, on_progress=partial(send_progress, sender) if sender else None)
+            return self.workers.submit(inputs, deadline, on_progress=partial(send_progress, sender) if sender else None)
         except RequestError as error:
             return error_response(str(error), pb_utils.TritonError.INVALID_ARG)
         except RanksUnavailable as error:

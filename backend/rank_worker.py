@@ -54,7 +54,7 @@ class WorkerSpec:
     rank: int
     device: str  # "cpu" or "cuda:N"
     rendezvous_dir: str  # the area of this model version in this server (the stub knows the server's pid)
-    request_timeout: float  # the longest a job waits for all ranks, and a collective for its peers
+    request_timeout: float  # the longest a collective waits for its peers (each job brings its own deadline)
     adapters_dir: str  # where a pipeline's LoRA adapters are kept (mdtriton.lora)
     lora_cache_mib: int  # how much of them the rank keeps loaded
     join_timeout: float
@@ -129,9 +129,9 @@ class RankWorker:
                 case Stop():
                     runner.stop()
                     return
-                case Job(id=job_id, progress=progress, tensors=inputs):
+                case Job(id=job_id, progress=progress, deadline=deadline, tensors=inputs):
                     try:
-                        job = runner.submit(inputs, job_id,
+                        job = runner.submit(inputs, job_id, deadline,
                                             on_progress=partial(self._report_progress, job_id) if progress else None)
                     except RanksUnavailable:
                         continue  # the generation is ending: the stub sends the job again to the next worker

@@ -7,7 +7,7 @@ keeper *heals*: it gives the other workers of that generation 2 s to end by them
 not (a stopped or stuck one), then starts a new worker, which loads again and meets the other ranks' new workers.
 
 Requests are never lost to a healing: a job is a pure function of its inputs, so requests in flight and those
-that arrive meanwhile wait (up to the request timeout) and run on the new workers. A request that was running at
+that arrive meanwhile wait (up to their deadline) and run on the new workers. A request that was running at
 two failures in a row is the likely cause: it fails, saying so, and is not run again (a poison request). A rank
 whose worker keeps dying is given up after `heal_limit` deaths within `heal_window_s`: its requests, and through
 the rendezvous every other rank's, then fail at once, naming the rank and what to do.
@@ -61,10 +61,10 @@ class Request:
     """One request of this instance, kept until it is answered, so that it can be run again after a healing."""
 
     inputs: dict[str, torch.Tensor]
-    deadline: float  # time.monotonic() after which its caller gives up
+    deadline: float  # time.monotonic() by which the ranks must answer it (set by the stub as it received it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     answer: Future = field(default_factory=Future)
-    sent_at: float | None = None  # when it was handed to the current worker
+    held: bool = False  # handed to the current worker
     running: bool = False  # the ranks are running it (the worker said so)
     failures: int = 0  # failures of the ranks while it was running
     abandoned: bool = False  # its caller stopped waiting; kept until the worker is done with it
@@ -92,15 +92,13 @@ def how_it_ended(returncode: int) -> str:
 
 
 class WorkerKeeper:
-    def __init__(self, spec: WorkerSpec, world_size: int, timeout: float, heal_limit: int, heal_window_s: float,
-                 on_job_timed):
-        """timeout: the longest a request waits for its answer; on_job_timed(communication_s, compute_s, waited_s):
-        called for every job the worker ran (backend/metrics.py), on the keeper thread, when no answer of this
-        instance is on its way back (see _record_job_times)."""
+    def __init__(self, spec: WorkerSpec, world_size: int, heal_limit: int, heal_window_s: float, on_job_timed):
+        """on_job_timed(communication_s, compute_s, waited_s): called for every job the worker ran
+        (backend/metrics.py), on the keeper thread, when no answer of this instance is on its way back (see
+        _record_job_times)."""
         self.spec = spec
         self.rank = spec.rank
         self.world_size = world_size
-        self.timeout = timeout
         self.heal_limit = heal_limit
         self.heal_window_s = heal_window_s
         self._on_job_timed = on_job_timed
@@ -143,11 +141,13 @@ class WorkerKeeper:
         """Why requests wait or fail now ("" while serving)."""
         return self._problem or ""
 
-    def submit(self, inputs: dict[str, torch.Tensor], on_progress: ProgressListener | None = None) -> Request:
+    def submit(self, inputs: dict[str, torch.Tensor], deadline: float,
+               on_progress: ProgressListener | None = None) -> Request:
         """Queue a request; it runs as soon as the ranks serve; its `answer` gets the outputs, or RequestError if the
         worker finds NaN or infinity in its inputs. Raises RanksUnavailable if the ranks never serve again.
-        on_progress: called, on the keeper thread, with the steps the engine reports (pipelines do)."""
-        request = Request(inputs, deadline=time.monotonic() + self.timeout, on_progress=on_progress)
+        deadline: the request's time.monotonic() by which the ranks must answer it, which travels with its job to the
+        worker; on_progress: called, on the keeper thread, with the steps the engine reports (pipelines do)."""
+        request = Request(inputs, deadline=deadline, on_progress=on_progress)
         with self._lock:
             if self._given_up or self._stopping.is_set():
                 raise RanksUnavailable(self._given_up or "the model is being unloaded")
@@ -160,7 +160,7 @@ class WorkerKeeper:
         """Forget a request whose caller stopped waiting (its deadline passed); one the worker holds is forgotten
         once the worker is done with it (until then, it tells whether the worker is stuck)."""
         with self._lock:
-            if request.sent_at is None:
+            if not request.held:
                 self._requests.pop(request.id, None)
             request.abandoned = True
 
@@ -188,8 +188,8 @@ class WorkerKeeper:
         """Hand a request to the current worker (under the lock); a send to a worker that just died is retried by
         the next healing."""
         try:
-            send(self._link, Job(request.id, request.on_progress is not None, request.inputs))
-            request.sent_at = time.monotonic()
+            send(self._link, Job(request.id, request.on_progress is not None, request.deadline, request.inputs))
+            request.held = True
         except OSError:
             pass
 
@@ -271,8 +271,9 @@ class WorkerKeeper:
             if not link.poll(WATCH_INTERVAL_S):
                 self._record_job_times()
                 if self._overdue():
-                    log.error("rank %d: worker (pid %d) gave no answer within %.0f s (%s): killing it", self.rank,
-                              worker.pid, self.timeout, process_state(worker.pid).value)
+                    log.error("rank %d: worker (pid %d) holds a request past its deadline (request_timeout_s %.0f s; "
+                              "%s): killing it", self.rank, worker.pid, self.spec.request_timeout,
+                              process_state(worker.pid).value)
                     worker.kill()
                 continue
             try:
@@ -327,7 +328,7 @@ class WorkerKeeper:
         with self._lock:
             self._link, self._problem = link, None
             for request in self._requests.values():
-                if request.sent_at is None:
+                if not request.held:
                     self._send(request)
         if self._healing_since is not None:
             log.warning("rank %d: healed in %.2f s: the ranks serve again", self.rank,
@@ -336,12 +337,11 @@ class WorkerKeeper:
         self._first_start_over.set()
 
     def _overdue(self) -> bool:
-        """Whether the worker has held a request for longer than the timeout (it is stopped or stuck, and its peers
-        may never notice: they only do when they wait for it in a collective)."""
+        """Whether the worker holds a request past its deadline (it is stopped or stuck, and its peers may never
+        notice: they only do when they wait for it in a collective)."""
         now = time.monotonic()
         with self._lock:
-            return any(request.sent_at is not None and now - request.sent_at > self.timeout
-                       for request in self._requests.values())
+            return any(request.held and request.deadline < now for request in self._requests.values())
 
     def _end_peers(self, members: dict[int, int]) -> None:
         """Give the other workers of the ended generation a moment to end by themselves; kill those still there."""
@@ -372,7 +372,7 @@ class WorkerKeeper:
                     request.answer.set_exception(PoisonRequest(
                         f"this request was running at two failures of the ranks in a row (the last: {why}); it is "
                         f"the likely cause, so it is not run again"))
-                request.sent_at, request.running = None, False
+                request.held, request.running = False, False
 
     def _died_too_often(self) -> bool:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """One attention call at FLUX.1-dev's shapes (batch 1, 24 heads of 128) by each kernel on this GPU: torch's
 cuDNN SDPA (what the engine ran until 2026-11-24), FlashAttention-3 in bf16 and FlashAttention-3 in FP8 (the
-`fa3-fwd` wheel, Hopper), timed with CUDA events, and each one's error against float32 attention.
+`fa3-fwd` wheel, Hopper), timed by the benchmark harness (mdtriton/harness.py: CUDA events, the median after 3
+warm-up calls), and each one's error against float32 attention.
 
 The error inputs are q, k and v as the engine makes them: q and k RMS-normed per head (then scaled, since
 trained norm weights are not all ones: --qk-scale), v as a projection gives it. FP8 attention takes q, k and v in
@@ -17,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mdtriton.bench import relative_error
 from mdtriton.engine.attention import fa3
 from mdtriton.engine.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from mdtriton.harness import markdown_table, relative_error, time_calls, timing
 
 HEADS, HEAD_DIM = 24, 128
 
@@ -60,20 +61,6 @@ def prepared(prepare, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     return (q, k, v) if prepare is None else prepare(q, k, v)
 
 
-def time_ms(call, iterations: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="4608,16896,66048", help="joint sequence lengths, comma-separated")
@@ -96,16 +83,18 @@ def main() -> None:
               for name, (prepare, kernel) in kernels.items()}
     print(f"{torch.cuda.get_device_name()}, batch 1, {HEADS} heads x {HEAD_DIM}; error vs float32 at "
           f"{args.error_tokens:,} tokens (q, k RMS-normed x {args.qk_scale})\n")
-    print("| tokens | kernel | median ms | TFLOP/s | vs cuDNN | rel. error vs float32 |\n|---|---|---|---|---|---|")
+    rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         q, k, v = engine_like_inputs(tokens, args.qk_scale, generator)
         flops = 4 * tokens * tokens * HEADS * HEAD_DIM
         base = None
         for name, (prepare, kernel) in kernels.items():
             inputs = prepared(prepare, q, k, v)
-            ms = time_ms(lambda: kernel(*inputs), args.iterations)
+            ms = timing(time_calls(lambda: kernel(*inputs), True, 3, args.iterations)[0])["median_ms"]
             base = base or ms
-            print(f"| {tokens:,} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base / ms:.2f}x | {errors[name]:.1e} |")
+            rows.append([f"{tokens:,}", name, f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", f"{base / ms:.2f}x",
+                         f"{errors[name]:.1e}"])
+    print(markdown_table(["tokens", "kernel", "median ms", "TFLOP/s", "vs cuDNN", "rel. error vs float32"], rows))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The 1-GPU peer: diffusers' FluxTransformer2DModel at FLUX.1-dev size (random bf16 weights, batch 1), eager and
 with torch.compile of the whole model, cuDNN attention first as in our engine. Run it in the same device call as
-`mdtriton bench --gpus 1`, so both are timed on one machine. The first compiled call per length compiles; its
-time is printed apart from the median of the timed calls.
+`mdtriton bench --gpus 1`, so both are timed on one machine, by the same timer (mdtriton/harness.py). The first
+compiled call per length compiles; its time is printed apart from the median of the timed calls.
 
     python benchmarks/diffusers_flux.py --image-tokens 4096,16384 --modes eager,compile
 """
@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from diffusers import FluxTransformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mdtriton.bench import flux_inputs, time_calls
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
+from mdtriton.harness import flux_inputs, markdown_table, time_calls, timing
 
 
 def main() -> None:
@@ -40,19 +38,15 @@ def main() -> None:
         for image_tokens in [int(n) for n in args.image_tokens.split(",")]:
             inputs = flux_inputs(FLUX_DEV_CONFIG, args.text_tokens, image_tokens, device)
             with torch.inference_mode(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                start = time.perf_counter()
-                forward(**inputs, return_dict=False)
-                torch.cuda.synchronize()
-                first_s = time.perf_counter() - start
+                first, _ = time_calls(lambda: forward(**inputs, return_dict=False), True, 0, 1)
                 times, _ = time_calls(lambda: forward(**inputs, return_dict=False), True, args.warmup, args.iterations)
             row = {"peer": f"diffusers {mode}", "image_tokens": image_tokens, "text_tokens": args.text_tokens,
-                   "median_ms": statistics.median(times), "first_call_s": first_s}
+                   "median_ms": timing(times)["median_ms"], "first_call_s": first[0] / 1000}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("| peer | image+text tokens | median ms | first call s |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['peer']} | {row['image_tokens']:,}+{row['text_tokens']} | {row['median_ms']:.1f} | "
-              f"{row['first_call_s']:.1f} |")
+    print(markdown_table(["peer", "image+text tokens", "median ms", "first call s"],
+                         [[row["peer"], f"{row['image_tokens']:,}+{row['text_tokens']}", f"{row['median_ms']:.1f}",
+                           f"{row['first_call_s']:.1f}"] for row in rows]))
 
 
 if __name__ == "__main__":

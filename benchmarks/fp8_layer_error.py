@@ -1,7 +1,8 @@
 """Per-linear-layer error of FP8 and of bf16 on real activations of the FLUX transformer.
 
 The measure of docs/benchmarks.md ("Accuracy: FP8 per linear layer"). One bf16 forward of the model as an engine
-serves it (projections fused) runs with every GEMM of the linear layers that an FP8 engine quantizes recorded (the
+serves it (loaded as the server loads it, by the benchmark harness: projections fused; uncompiled, so that every
+GEMM's input can be read) runs with every GEMM of the linear layers that an FP8 engine quantizes recorded (the
 blocks' tensor-parallel linears; embedders, modulations and the output projection stay bf16). The single blocks'
 output projection runs as two GEMMs, one per input part (attention, MLP), and is measured per part; its FP8 row
 scales are then each part's own (an FP8 engine's cover the whole row). For each GEMM, with X its input in that
@@ -14,7 +15,7 @@ forward and W, b its bf16 weight and bias (the GELU or accumulation that follows
 
 Every layer sees the activation the bf16 model gives it, so errors do not compound through the blocks as they do in
 a whole forward. (An FP8 build quantizes W from the checkpoint's values; here from the bf16 weight, so both errors
-are against the same reference.) Weights are random, with trained-like modulation scales (mdtriton.bench).
+are against the same reference.) Weights are random, with trained-like modulation scales (mdtriton.harness).
 
 On GPUs of compute capability 8.9+, fp8_linear is the engine's (torch._scaled_mm). Elsewhere the quantization is
 emulated (emulated_fp8_linear: the same e4m3 values and scales, the product in float32), so the script runs on CPU
@@ -34,14 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mdtriton.bench import bench_weights, relative_error
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device, fp8_linear, quantize_rows, quantize_weight
 from mdtriton.engine.layers import ParallelLinear
-from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import example_inputs
+from mdtriton.harness import bench_engine, bench_weights, markdown_table, relative_error
 
 BLOCK_KINDS = {"transformer_blocks": "double", "single_transformer_blocks": "single"}
 
@@ -83,10 +83,8 @@ def layer_kind(name: str) -> str:
 
 def measure(config: dict, image_tokens: int, text_tokens: int, device: torch.device, scaled_mm: bool) -> list[dict]:
     """Each FP8-able linear layer's errors over one bf16 forward, in the order the forward runs them."""
-    comm = Communicator.single(device)
     weights = bench_weights(config, ParallelPlan(), 0, device, torch.bfloat16, None)
-    model = loaded_module("flux", config, comm, weights)
-    del weights
+    engine = bench_engine("flux", config, Communicator.single(device), weights, "BF16", compiled=False)
     rows = []
 
     def recording(name: str, layer: ParallelLinear):
@@ -100,12 +98,10 @@ def measure(config: dict, image_tokens: int, text_tokens: int, device: torch.dev
             return linear(x, weight, bias, gelu, accumulate)
         return record_and_run
 
-    for name, layer in model.named_modules():
+    for name, layer in engine.module.named_modules():
         if isinstance(layer, ParallelLinear):
             layer.linear = recording(name, layer)  # every GEMM of a layer runs through its linear()
-    inputs = example_inputs(config, text_tokens, image_tokens, torch.bfloat16)
-    with torch.inference_mode():
-        model(**{name: tensor.to(device) for name, tensor in inputs.items()})
+    engine.forward(example_inputs(config, text_tokens, image_tokens, torch.bfloat16))
     return rows
 
 
@@ -122,14 +118,15 @@ def summary(rows: list[dict]) -> dict[str, dict]:
 
 
 def table(kinds: dict[str, dict]) -> str:
-    lines = ["| layer kind | layers | fp8 error min / median / max | bf16 error min / median / max "
-             "| fp8 / bf16 min / median / max |", "|---|---|---|---|---|"]
+    header = ["layer kind", "layers", "fp8 error min / median / max", "bf16 error min / median / max",
+              "fp8 / bf16 min / median / max"]
+    rows = []
     for kind, values in kinds.items():
         cells = [" / ".join(f"{values[key][stat]:.2e}" for stat in ("min", "median", "max"))
                  for key in ("fp8_error", "bf16_error")]
         cells.append(" / ".join(f"{values['ratio'][stat]:.1f}" for stat in ("min", "median", "max")))
-        lines.append(f"| {kind} | {values['layers']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([kind, values["layers"], *cells])
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from mdtriton.bench import flux_inputs
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.reassemble import streamed_reference
 from mdtriton.client.grpc_client import Client, to_torch
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
+from mdtriton.harness import flux_inputs
 from mdtriton.server import TritonServer
 
 MODEL = "flux_large"

@@ -6,9 +6,9 @@ factors random at about 1% of the weights. Two parts, one device call each:
 
 - `--part forward`: the transformer engine (random weights, BF16, then FP8) made as the server loads it
   (TorchEngine.from_weights: compiled, CUDA graphs), at 4,096 + 512 tokens: a forward without an adapter, with `a`
-  merged (mdtriton.lora.weights), the first merge (the file read, split and moved to the GPU), switching a -> b, b -> a, to
-  none and back; whether anything recompiled (after each switch a forward at 4,096 + 512 tokens, which replays its
-  CUDA graph, and one at 16,384 + 512, which runs the compiled blocks themselves, under torch.compiler's
+  merged (mdtriton.lora.weights), the first merge (the file read, split and moved to the GPU), switching a -> b,
+  b -> a, to none and back; whether anything recompiled (after each switch a forward at 4,096 + 512 tokens, which
+  replays its CUDA graph, and one at 16,384 + 512, which runs the compiled blocks themselves, under torch.compiler's
   "fail_on_recompile" stance, and Dynamo's graph count compared) or was captured again (the engine's CUDA graphs);
   the memory the merge holds (the base weights' copy, the factors); the output back to the first base output, bit for
   bit. FP8: the adapter's effect against BF16's (relative error of the outputs). Then diffusers'
@@ -32,7 +32,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
@@ -43,16 +42,15 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mdtriton.bench import flux_inputs, time_calls  # noqa: E402
 from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.engine_builder import random_shard  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.engine import TorchEngine  # noqa: E402
+from mdtriton.harness import bench_engine, flux_inputs, markdown_table, relative_error, time_calls  # noqa: E402
 from mdtriton.engine.layers import ParallelLinear  # noqa: E402
-from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
+from mdtriton.engine.manifest import EngineLimits  # noqa: E402
 from mdtriton.engine.modules import meta_module  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.flux import FLUX  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG  # noqa: E402
 from mdtriton.lora.adapter_file import Factors, write_adapter  # noqa: E402
 from mdtriton.lora.weights import AdapterWeights  # noqa: E402
@@ -110,16 +108,13 @@ def forward_part(args, device: torch.device, workdir: Path) -> None:
     for name, seed in (("a", 1), ("b", 2)):
         write_adapter(adapters / f"{name}.safetensors", random_factors(config, seed, args.rank, dtype))
     inputs = flux_inputs(config, TEXT_TOKENS, IMAGE_TOKENS, device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows, outputs = [], {}
     for data_type in (("FP32",) if args.tiny else ("BF16", "FP8")):
         quantization = "fp8" if data_type == "FP8" else None
         weights = random_shard("flux", config, ParallelPlan(), 0, seed=0, device=device, dtype=dtype,
                                quantization=quantization)
-        signature_inputs, signature_outputs = FLUX.signature(config, data_type if quantization is None else "BF16")
-        manifest = Manifest("flux", config, ParallelPlan(), "BF16" if quantization else data_type, signature_inputs,
-                            signature_outputs, quantization=quantization)
-        engine = TorchEngine.from_weights(manifest, Communicator.single(device), weights)
+        engine = bench_engine("flux", config, Communicator.single(device), weights,
+                              "BF16" if quantization else data_type, quantization)
         merged = AdapterWeights(engine.module, adapters, 4096 * 2**20, dtype)
 
         def forward():
@@ -129,11 +124,7 @@ def forward_part(args, device: torch.device, workdir: Path) -> None:
             return statistics.median(time_calls(forward, cuda, 2, args.iterations)[0])
 
         def switch_ms(scales: dict[str, float]) -> float:
-            sync()
-            start = time.perf_counter()
-            merged.activate(scales)
-            sync()
-            return (time.perf_counter() - start) * 1000
+            return time_calls(partial(merged.activate, scales), cuda, 0, 1)[0][0]
 
         base_ms = forward_ms()
         base_output = forward().clone()
@@ -166,7 +157,7 @@ def forward_part(args, device: torch.device, workdir: Path) -> None:
                      "recompiled": recompiled, "recaptured": recaptured, "back_to_base": back_to_base,
                      "merged_extra_gib": (memory_merged - memory_base) / 2**30,
                      "factor_mib_each": factor_bytes / len(merged.loaded) / 2**20})
-        del engine, merged
+        engine = merged = None  # freed before the next data type's engine is made
         if cuda:
             torch.cuda.empty_cache()
 
@@ -201,28 +192,28 @@ def diffusers_rows(args, config, dtype, device, inputs, adapters) -> dict[str, f
     return result
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
-
-
 def report_forward(args, rows, outputs, peft, device) -> None:
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, {IMAGE_TOKENS}+{TEXT_TOKENS} tokens, "
           f"{where}, torch {torch.__version__}; adapters of rank {args.rank} on every linear layer of the blocks "
           f"(median of {args.iterations} forwards; switches: median of {args.switches})\n")
-    print("| engine | forward | with `a` merged | cost | first merge (read + split + merge) | a -> b | b -> a | "
-          "a -> none | none -> a | recompiled / captured again | base output back exactly | memory while merged |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["engine", "forward", "with `a` merged", "cost", "first merge (read + split + merge)", "a -> b",
+              "b -> a", "a -> none", "none -> a", "recompiled / captured again", "base output back exactly",
+              "memory while merged"]
+    cells = []
     for row in rows:
         switches = row["switches"]
-        print(f"| mdtriton {row['data_type']} | {row['base_ms']:.2f} ms | {row['adapted_ms']:.2f} ms | "
-              f"{(row['adapted_ms'] / row['base_ms'] - 1) * 100:+.2f}% | {row['first_merge_ms']:.0f} ms | "
-              f"{switches['a -> b']:.1f} ms | {switches['b -> a']:.1f} ms | {switches['a -> none']:.1f} ms | "
-              f"{switches['none -> a']:.1f} ms | {row['recompiled']} / {row['recaptured']} | {row['back_to_base']} | "
-              f"+{row['merged_extra_gib']:.2f} GiB (factors {row['factor_mib_each']:.0f} MiB each) |")
-    print(f"| diffusers eager, peft | {peft['base_ms']:.2f} ms | unfused {peft['unfused_ms']:.2f} ms, fused "
-          f"{peft['fused_ms']:.2f} ms | {(peft['unfused_ms'] / peft['base_ms'] - 1) * 100:+.2f}% unfused | "
-          f"fuse_lora {peft['fuse_ms']:.0f} ms | | | | | | | |")
+        cells.append([f"mdtriton {row['data_type']}", f"{row['base_ms']:.2f} ms", f"{row['adapted_ms']:.2f} ms",
+                      f"{(row['adapted_ms'] / row['base_ms'] - 1) * 100:+.2f}%", f"{row['first_merge_ms']:.0f} ms",
+                      *(f"{switches[label]:.1f} ms" for label in ("a -> b", "b -> a", "a -> none", "none -> a")),
+                      f"{row['recompiled']} / {row['recaptured']}", row["back_to_base"],
+                      f"+{row['merged_extra_gib']:.2f} GiB (factors {row['factor_mib_each']:.0f} MiB each)"])
+    cells.append(["diffusers eager, peft", f"{peft['base_ms']:.2f} ms",
+                  f"unfused {peft['unfused_ms']:.2f} ms, fused {peft['fused_ms']:.2f} ms",
+                  f"{(peft['unfused_ms'] / peft['base_ms'] - 1) * 100:+.2f}% unfused",
+                  f"fuse_lora {peft['fuse_ms']:.0f} ms",
+                  *[""] * 7])
+    print(markdown_table(header, cells))
     if "FP8" in outputs:
         (bf16_base, bf16_adapted), (fp8_base, fp8_adapted) = outputs["BF16"], outputs["FP8"]
         print(f"\nthe adapter's change of the output: BF16 {relative_error(bf16_adapted, bf16_base):.4f}, FP8 "
@@ -243,11 +234,11 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     from mdtriton.client.pipeline import generate
     from mdtriton.lora.repository import add_adapter
     from mdtriton.server import TritonServer
-    from pipeline_flux import PROMPT, flux_dev_components, save_pipeline_dir, tiny_components
+    from pipeline_flux import PROMPT, flux_dev_components, save_flux_pipeline_dir, tiny_components
 
     components, config = (tiny_components() if args.tiny
                           else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
     del components
     if device.type == "cuda":
         torch.cuda.empty_cache()  # this process's share of the GPU, so that the server's shows
@@ -259,19 +250,17 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     rows, images = [], {}  # images by their adapter (None: none)
     with TritonServer(repository, log_file=workdir / "server-lora.log") as server:
         def image(loras):
-            start = time.perf_counter()
-            picture = generate(server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
-                               loras=loras)[0]
-            return (time.perf_counter() - start) * 1000, picture
+            call = partial(generate, server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
+                           loras=loras)
+            times, pictures = time_calls(call, False, 0, 1)  # a client call: wall time
+            return times[0], pictures[0]
 
         image(None)  # the ranks meet, the graphs are captured
         for name, seed in (("a", 1), ("b", 2)):
             file = workdir / f"{name}-diffusers.safetensors"
             save_file(diffusers_keys(random_factors(config, seed, args.rank, dtype)), file)
-            start = time.perf_counter()
-            add_adapter(repository, "flux", file, name)
-            rows.append((f"mdtriton lora add {name} (server running)", (time.perf_counter() - start) * 1000,
-                         free_gib(device)))
+            times, _ = time_calls(partial(add_adapter, repository, "flux", file, name), False, 0, 1)
+            rows.append((f"mdtriton lora add {name} (server running)", times[0], free_gib(device)))
         for label, loras in (("none", None), ("none", None), ("a (first: read from the repository)", {"a": 1.0}),
                              ("a", {"a": 1.0}), ("a", {"a": 1.0}), ("switched to b", {"b": 1.0}),
                              ("switched back to a", {"a": 1.0}), ("switched to none", None)):
@@ -282,10 +271,8 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     print(f"\nFLUX.1-dev pipeline size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank "
           f"(BF16), unary gRPC, {args.size}x{args.size}, {args.steps} steps, {where}; adapters of rank {args.rank} on "
           "every linear layer of the blocks\n")
-    print("| what | time | GPU memory free after it |")
-    print("|---|---|---|")
-    for label, elapsed, free in rows:
-        print(f"| {label} | {elapsed:,.0f} ms | {free} |")
+    print(markdown_table(["what", "time", "GPU memory free after it"],
+                         [[label, f"{elapsed:,.0f} ms", free] for label, elapsed, free in rows]))
     for name, pictures in images.items():
         differences = [int(np.abs(picture.astype(np.int16) - pictures[0]).max()) for picture in pictures[1:]]
         print(f"images with adapters {name or 'none'}: the largest level difference of each later one from the first: "

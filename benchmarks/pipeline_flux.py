@@ -12,8 +12,9 @@ diffusers' FluxTransformer2DModel, so every row computes with the same weights. 
   a second model built as `--stream` makes it (decoupled: a progress response per step over a gRPC stream), each
   served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate` (unary gRPC infer, or the
   stream); its memory is the GPU memory in use after its images, as seen from outside the server (not a peak);
-- mdtriton in-process: `PipelineEngine.forward` in this process on the same engine (what the served rank
-  runs per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);
+- mdtriton in-process: the same model version loaded in this process as a served rank loads it (`load_engine`: the
+  components from the engine directory, then the transformer engine), and its `forward` (what the served rank runs
+  per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);
 - diffusers eager: FluxPipeline with diffusers' FluxTransformer2DModel;
 - diffusers compiled: the same with `torch.compile` of its transformer (first call, compile included, reported
   apart).
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -49,17 +49,16 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mdtriton.build_tools.build import MODEL_INDEX, build_model_version  # noqa: E402
+from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.model_config import read_model_config, write_model_config  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.engine import TorchEngine  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.flux import FLUX  # noqa: E402
+from mdtriton.engine.serving import load_engine  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
-from mdtriton.pipeline.engine import PipelineEngine  # noqa: E402
+from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
@@ -101,24 +100,17 @@ def scheduler(schedule: dict) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(**schedule)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(call, device: torch.device, repeats: int) -> tuple[list[float], float, float]:
-    """(seconds of each repeat after one warm-up call, the warm-up's seconds, peak GPU GiB over all calls)."""
-    if device.type == "cuda":
+def timed(call, device: torch.device, repeats: int, on_this_gpu: bool = True) -> tuple[list[float], float, float]:
+    """(seconds of each repeat after one warm-up call, the warm-up's seconds, peak GPU GiB over all calls), by the
+    benchmark harness's timer: CUDA events where the call's work runs on this process's GPU (on_this_gpu), else wall
+    time (a served image: the server does the work)."""
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return times[1:], times[0], peak
+    first, _ = time_calls(call, cuda and on_this_gpu, 0, 1)
+    times, _ = time_calls(call, cuda and on_this_gpu, 0, repeats)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    return [ms / 1000 for ms in times], first[0] / 1000, peak
 
 
 def parts_of_our_image(pipeline: FluxPipeline, args, device: torch.device) -> dict[str, float]:
@@ -146,19 +138,12 @@ def parts_of_our_image(pipeline: FluxPipeline, args, device: torch.device) -> di
                 for name, call in (("encode", encode), ("step", step), ("decode", decode))}
 
 
-def save_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
-    """A diffusers FLUX directory of the components, whose transformer/ holds only its config (random weights)."""
-    index = {"_class_name": "FluxPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "transformer": ["diffusers", "FluxTransformer2DModel"]}
-    scheduler(FLUX_DEV_SCHEDULER).save_pretrained(directory / "scheduler")
-    for name, component in components.items():
-        component.save_pretrained(directory / name)
-        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel",
-                                                                          **config}))
-    (directory / MODEL_INDEX).write_text(json.dumps(index))
-    return directory
+def save_flux_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
+    """A diffusers FLUX directory of the components and FLUX.1-dev's scheduler, whose transformer/ holds only its
+    config (random weights)."""
+    return save_pipeline_dir(directory, {"_class_name": "FluxPipeline",
+                                                 "transformer": ["diffusers", "FluxTransformer2DModel"]},
+                                     {"scheduler": scheduler(FLUX_DEV_SCHEDULER), **components}, config)
 
 
 def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
@@ -181,7 +166,7 @@ def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
                 return generate(server.grpc_address, model, PROMPT, args.height, args.width, args.steps, 3.5, 0,
                                 max_sequence_length=args.max_sequence_length)
 
-            times, first, _ = timed(image, device, args.repeats)
+            times, first, _ = timed(image, device, args.repeats, on_this_gpu=False)
             in_use = (gpu_bytes_in_use(device) - in_use_before) / 2**30
         rows.append((f"mdtriton served (Triton, 1 rank, {label})", times, first, in_use))
     return rows
@@ -229,41 +214,38 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
             workdir: Path) -> tuple[list, dict]:
     """The table's rows (label, repeat times, first time, GiB) and the parts of our image."""
     start = time.perf_counter()
-    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
     version_dir = build_model_version(
         workdir / "repository", "flux", "flux-pipeline", None, ParallelPlan(), data_type, "cpu" if args.tiny else "gpu",
         weights_path=pipeline_dir, limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
         random_device=device.type)
     print(f"built the pipeline in {time.perf_counter() - start:.1f} s ({version_dir})", flush=True)
     rows = []
+    for name in ("text_encoder", "text_encoder_2", "vae"):  # the GPU to the server and our engine while they run
+        components[name].to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not args.no_served:
-        for name in ("text_encoder", "text_encoder_2", "vae"):  # the GPU to the server while it runs
-            components[name].to("cpu")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         rows += served_rows(args, version_dir, device)
-        for name in ("text_encoder", "text_encoder_2", "vae"):
-            components[name].to(device)
 
-    comm = Communicator.single(device)
-    transformer_dir = version_dir / ENGINE_DIR / "transformer"
-    engine = TorchEngine.load(transformer_dir, Manifest.read(transformer_dir), comm)
-    ours = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=None, **components)
-    ours.transformer = FLUX.pipeline.transformer(engine, ours)
-    ours.set_progress_bar_config(disable=True)
-    in_process = PipelineEngine(Manifest.read(version_dir / ENGINE_DIR), FLUX.pipeline, ours, engine.warm_up_seconds)
+    # Loaded as a served rank loads it: the components from the engine directory, then the transformer engine.
+    engine_dir = version_dir / ENGINE_DIR
+    in_process = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single(device))
     request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),
                "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0]),
                "max_sequence_length": torch.tensor([args.max_sequence_length])}
     times, first, peak = timed(lambda: in_process.forward(request), device, args.repeats)
     rows.append(("mdtriton pipeline engine (1 rank, in-process)", times, first, peak))
-    parts = parts_of_our_image(ours, args, device)
-    weights = load_file(engine.manifest.weight_file(transformer_dir, 0), device=str(device))
-    del ours, in_process, engine
+    parts = parts_of_our_image(in_process.pipeline, args, device)
+    transformer_dir = engine_dir / "transformer"
+    weights = load_file(Manifest.read(transformer_dir).weight_file(transformer_dir, 0), device=str(device))
+    del in_process
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    for name in ("text_encoder", "text_encoder_2", "vae"):
+        components[name].to(device)
 
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**config)
@@ -292,11 +274,10 @@ def report(args, rows: list, parts: dict, device: torch.device, data_type: str) 
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\n{name}, {args.height}x{args.width}, {args.steps} steps, {args.max_sequence_length} T5 tokens, "
           f"{data_type}, batch 1, {where}, torch {torch.__version__}; median of {args.repeats} images after a warm-up\n")
-    print("| pipeline | time per image | first image | GPU memory |")
-    print("|---|---|---|---|")
-    for label, times, first, memory in rows:
-        memory = f"{memory:.1f} GiB" if device.type == "cuda" else "-"
-        print(f"| {label} | {statistics.median(times) * 1000:,.0f} ms | {first * 1000:,.0f} ms | {memory} |")
+    print(markdown_table(["pipeline", "time per image", "first image", "GPU memory"],
+                         [[label, f"{statistics.median(times) * 1000:,.0f} ms", f"{first * 1000:,.0f} ms",
+                           f"{memory:.1f} GiB" if device.type == "cuda" else "-"]
+                          for label, times, first, memory in rows]))
     parts_sum = parts["encode"] + args.steps * parts["step"] + parts["decode"]
     ours = statistics.median(next(row[1] for row in rows if "in-process" in row[0]))
     print(f"\nmdtriton's parts alone: text encoding {parts['encode'] * 1000:,.1f} ms + {args.steps} x transformer step "

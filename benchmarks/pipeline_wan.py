@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mdtriton.build_tools.build import MODEL_INDEX, build_model_version  # noqa: E402
+from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate_video  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
@@ -41,6 +40,7 @@ from mdtriton.engine.manifest import Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.engine.serving import load_engine  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
+from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 from tests.backend.test_metrics import settled  # noqa: E402
@@ -65,31 +65,15 @@ def components(device: torch.device, dtype: torch.dtype) -> dict:
                                                  flow_shift=3.0)}
 
 
-def save_pipeline_dir(directory: Path, parts: dict, transformer_config: dict) -> Path:
-    """A diffusers Wan directory of the components, whose transformer/ holds only its config (random weights)."""
-    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+# model_index.json of a Wan 2.1 text-to-video pipeline (one transformer); the components' entries are added.
+WAN_INDEX = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
              "transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
-    for name, component in parts.items():
-        component.save_pretrained(directory / name)
-        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel",
-                                                                       **transformer_config}))
-    (directory / MODEL_INDEX).write_text(json.dumps(index))
-    return directory
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def seconds(call, device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    call()
-    synchronize(device)
-    return time.perf_counter() - start
+    """Seconds of one call, by the benchmark harness's timer (CUDA events on a GPU: pass the CPU for a served call,
+    whose work is the server's, to time it by the wall clock)."""
+    return time_calls(call, device.type == "cuda", 0, 1)[0][0] / 1000
 
 
 def job_seconds(metrics_url: str) -> float:
@@ -128,7 +112,7 @@ def main() -> int:
             config = {key: config[key] for key in WAN.default_config()}
         else:
             parts, config = components(device, torch.bfloat16), WAN.presets()["wan2.1-t2v-14b"]
-        pipeline_dir = save_pipeline_dir(workdir / "pipeline", parts, config)
+        pipeline_dir = save_pipeline_dir(workdir / "pipeline", WAN_INDEX, parts, config)
         del parts
         gc.collect()
         if device.type == "cuda":
@@ -146,13 +130,13 @@ def main() -> int:
             def served():
                 videos.append(generate_video(server.grpc_address, "wan", PROMPT, **clip))
 
-            first_served = seconds(served, device)
+            first_served = seconds(served, torch.device("cpu"))
             print(f"server start to first clip {time.perf_counter() - start:.1f} s (that clip {first_served:.1f} s)",
                   flush=True)
             clips = []  # (the client's seconds, the rank's job seconds) of each served clip
             for _ in range(args.clips):
                 before = job_seconds(server.metrics_url)
-                clips.append((seconds(served, device), job_seconds(server.metrics_url) - before))
+                clips.append((seconds(served, torch.device("cpu")), job_seconds(server.metrics_url) - before))
         video = videos[-1]
         served_clip = statistics.median(client for client, _ in clips)
         serving_cost = statistics.median(client - job for client, job in clips)
@@ -185,14 +169,13 @@ def main() -> int:
     print(f"\n{'tiny Wan' if args.tiny else 'Wan 2.1 T2V 14B size (random weights)'}, {args.width}x{args.height} x "
           f"{args.frames} frames, {args.steps} steps with guidance ({calls} transformer calls), one rank, {where}, "
           f"torch {torch.__version__}\n")
-    print("| | seconds |")
-    print("|---|---|")
-    print(f"| served clip (Triton, unary gRPC infer; median of {args.clips}) | {served_clip:.2f} |")
-    print(f"| of it outside the rank's job (median of the clips' client time - job time) | {serving_cost:.3f} |")
-    print(f"| the same clip in-process (the rank's pipeline engine) | {in_process:.2f} |")
-    print(f"| parts: text encoding (both prompts) | {encode:.3f} |")
-    print(f"| parts: {calls} x transformer call | {calls} x {step:.3f} = {calls * step:.2f} |")
-    print(f"| parts: VAE decode | {decode:.2f} ({decode / served_clip * 100:.0f}% of the clip) |")
+    print(markdown_table(["", "seconds"], [
+        [f"served clip (Triton, unary gRPC infer; median of {args.clips})", f"{served_clip:.2f}"],
+        ["of it outside the rank's job (median of the clips' client time - job time)", f"{serving_cost:.3f}"],
+        ["the same clip in-process (the rank's pipeline engine)", f"{in_process:.2f}"],
+        ["parts: text encoding (both prompts)", f"{encode:.3f}"],
+        [f"parts: {calls} x transformer call", f"{calls} x {step:.3f} = {calls * step:.2f}"],
+        ["parts: VAE decode", f"{decode:.2f} ({decode / served_clip * 100:.0f}% of the clip)"]]))
     print(f"\nserving adds {serving_cost / (served_clip - serving_cost) * 100:+.1f}% to the rank's job of the same "
           f"clips, {(served_clip / in_process - 1) * 100:+.1f}% to the in-process clip; the in-process clip is "
           f"{(in_process / parts_sum - 1) * 100:+.1f}% beyond its parts; served and in-process videos "

@@ -1,6 +1,8 @@
 """Where a 1-GPU FLUX forward spends its GPU time, by kernel kind: ours (compiled, eager or FP8) or diffusers'
 (eager or torch.compile), FLUX.1-dev size, random bf16 weights, batch 1. Prints the time per kind (GEMMs,
-attention, fused Triton kernels, other) and the largest kernels, from one profiled forward after warm-up.
+attention, fused Triton kernels, other) and the largest kernels, from one profiled forward after warm-up. Ours is
+loaded as the server loads it and runs as the server runs it (the benchmark harness, mdtriton/harness.py: its
+forward, CUDA graphs included where the server replays them).
 
     python benchmarks/profile_flux.py --impl mdtriton --variant compiled --image-tokens 4096
 """
@@ -14,12 +16,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from mdtriton.bench import bench_weights, flux_inputs
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.compile import compile_and_warm_up
-from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
+from mdtriton.harness import bench_engine, bench_weights, flux_inputs, markdown_table
 
 KINDS = (("attention", ("attention", "fmha", "flash", "cudnn")), ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "gemv")),
          ("fused (Triton)", ("triton_",)))
@@ -39,14 +39,11 @@ def model_for(impl: str, variant: str, device: torch.device):
         model = model.to(torch.bfloat16).eval()
         model = torch.compile(model) if variant == "compiled" else model
         return lambda inputs: model(**inputs, return_dict=False)
-    comm = Communicator.single(device)
     quantization = "fp8" if variant == "fp8" else None
-    module = loaded_module("flux", FLUX_DEV_CONFIG, comm,
-                           bench_weights(FLUX_DEV_CONFIG, ParallelPlan(), 0, device, torch.bfloat16, quantization),
-                           quantization)
-    if variant != "eager":
-        compile_and_warm_up(module, "flux", FLUX_DEV_CONFIG, torch.bfloat16, comm)
-    return lambda inputs: module(**inputs)
+    engine = bench_engine("flux", FLUX_DEV_CONFIG, Communicator.single(device),
+                          bench_weights(FLUX_DEV_CONFIG, ParallelPlan(), 0, device, torch.bfloat16, quantization),
+                          "BF16", quantization, compiled=variant != "eager")
+    return engine.forward
 
 
 def main() -> None:
@@ -73,12 +70,11 @@ def main() -> None:
     for event in kernels:
         by_kind[kind_of(event.key)] += event.self_device_time_total / 1000
     print(f"{args.impl} {args.variant}, {args.image_tokens:,}+{args.text_tokens} tokens: {total:.1f} ms of kernels")
-    print("| kind | ms | share |\n|---|---|---|")
-    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
-        print(f"| {kind} | {ms:.1f} | {100 * ms / total:.0f}% |")
-    print("| kernel | calls | ms |\n|---|---|---|")
-    for event in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
-        print(f"| {event.key[:110]} | {event.count} | {event.self_device_time_total / 1000:.2f} |")
+    print(markdown_table(["kind", "ms", "share"], [[kind, f"{ms:.1f}", f"{100 * ms / total:.0f}%"]
+                                                   for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])]))
+    print(markdown_table(["kernel", "calls", "ms"],
+                         [[event.key[:110], event.count, f"{event.self_device_time_total / 1000:.2f}"]
+                          for event in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]]))
 
 
 if __name__ == "__main__":

@@ -48,9 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from mdtriton.bench import time_calls
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.client.shared_memory import cuda_shared_memory_available
@@ -60,7 +58,8 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, example_inputs
-from mdtriton.server import TritonServer, free_port
+from mdtriton.harness import init_rank, run_ranks, time_calls
+from mdtriton.server import TritonServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
 
@@ -214,16 +213,10 @@ def heal(server: TritonServer, inputs: dict, log_file: Path, timeout: float) -> 
 
 
 def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs: dict, args, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = not args.tiny
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
+    if not cuda:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))  # as a served CPU rank
-    if world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
-                                device_id=device if cuda else None)
+    device = init_rank(rank, world_size, port, cuda)
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, device)
     comm.join_groups()
@@ -313,8 +306,10 @@ def main() -> None:
             progress("stopping the server")
         progress("the engine alone, one process per rank")
         result_path = Path(scratch) / "engine.json"
-        mp.spawn(_engine_rank, args=(plan.world_size, free_port(), str(version_dir / "engine"), inputs, args,
-                                     str(result_path)), nprocs=plan.world_size)
+        problem = run_ranks(_engine_rank, plan.world_size,
+                            (str(version_dir / "engine"), inputs, args, str(result_path)))
+        if problem:
+            raise RuntimeError(problem)
         direct = json.loads(result_path.read_text())
     rows.update({"engine_median_ms": statistics.median(direct["times"]), "cached_load_s": direct["load_s"],
                  "cached_warm_up_s": direct["warm_up_s"]})

@@ -3,7 +3,8 @@
 Serves an identity model (Python backend, output = input, float32) with the embedded Triton server and
 sends one tensor of each size through our Client three ways: in the gRPC messages, through system
 shared memory, and (with a GPU and cuda-python) from a CUDA tensor through CUDA shared memory. The
-model does no work, so the times are the transport's. Median of --repeat requests after 3 warm-ups.
+model does no work, so the times are the transport's. Median of --repeat requests after 3 warm-ups, timed by the
+benchmark harness (mdtriton/harness.py).
 
     python3 benchmarks/shared_memory.py [--sizes-kib 16 64 256 1024 4096 16384 65536] [--repeat 20]
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.model_config import write_model_config
 from mdtriton.client.grpc_client import Client
+from mdtriton.harness import markdown_table, time_calls, timing
 from mdtriton.server import TritonServer
 
 IDENTITY_MODEL = '''
@@ -52,15 +53,11 @@ def write_identity_model(repository: Path) -> None:
 
 
 def median_ms(client: Client, value, repeat: int) -> float:
-    for _ in range(3):  # registers the regions, learns the output size
-        output = client.infer("identity", {"INPUT": value})["OUTPUT"]
-    assert output.shape == tuple(value.shape)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        client.infer("identity", {"INPUT": value})
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    """The median milliseconds of a round trip of value, after 3 (which register the regions and learn the output
+    size)."""
+    times, outputs = time_calls(lambda: client.infer("identity", {"INPUT": value}), False, 3, repeat)
+    assert outputs["OUTPUT"].shape == tuple(value.shape)
+    return timing(times)["median_ms"]
 
 
 def cuda_available() -> bool:
@@ -85,18 +82,17 @@ def main() -> int:
                 Client(server.grpc_address, shm_threshold=0) as shared:
             print(f"# {platform.node()}, {platform.processor() or platform.machine()}, "
                   f"{time.strftime('%Y-%m-%d')}; median of {args.repeat} round trips, identity model")
-            header = "| size | gRPC messages (ms) | system shm (ms) | speed-up |" + (" CUDA shm (ms) |" if cuda else "")
-            print(header)
-            print("|" + "---|" * (header.count("|") - 1))
+            rows = []
             for kib in args.sizes_kib:
                 value = np.random.default_rng(0).standard_normal(kib * 256, dtype=np.float32)
                 plain_ms, shm_ms = median_ms(plain, value, args.repeat), median_ms(shared, value, args.repeat)
-                row = f"| {kib} KiB | {plain_ms:.2f} | {shm_ms:.2f} | {plain_ms / shm_ms:.2f}x |"
+                rows.append([f"{kib} KiB", f"{plain_ms:.2f}", f"{shm_ms:.2f}", f"{plain_ms / shm_ms:.2f}x"])
                 if cuda:
                     import torch
 
-                    row += f" {median_ms(shared, torch.from_numpy(value).cuda(), args.repeat):.2f} |"
-                print(row, flush=True)
+                    rows[-1].append(f"{median_ms(shared, torch.from_numpy(value).cuda(), args.repeat):.2f}")
+    print(markdown_table(["size", "gRPC messages (ms)", "system shm (ms)", "speed-up"]
+                         + (["CUDA shm (ms)"] if cuda else []), rows))
     return 0
 
 

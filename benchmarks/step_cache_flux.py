@@ -31,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
@@ -40,11 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save_pipeline_dir,  # noqa: E402
+from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save_flux_pipeline_dir,  # noqa: E402
                            scheduler, tiny_components)
 from pipeline_fp8 import psnr  # noqa: E402
 
-from mdtriton.bench import time_calls  # noqa: E402
 from mdtriton.build_tools.build import build_model_version  # noqa: E402
 from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.client.pipeline import generate  # noqa: E402
@@ -54,6 +52,7 @@ from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.engine.serving import load_engine  # noqa: E402
 from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.harness import bench_engine, markdown_table, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
 from mdtriton.server import TritonServer  # noqa: E402
 
@@ -70,7 +69,7 @@ def build(args, pipeline_dir: Path, repository: Path, data_type: str, device: to
 def served_part(args, device: torch.device, workdir: Path) -> None:
     components, config = (tiny_components() if args.tiny
                           else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
     del components
     rows, images, thresholds = [], {}, {}
     for data_type in (("FP32", "BF16") if args.tiny else ("BF16", "FP8")):
@@ -78,11 +77,12 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
         build(args, pipeline_dir, repository, data_type, device)
         with TritonServer(repository, log_file=workdir / f"server-{data_type}.log") as server:
             def image(cache=None):
+                """(ms, full steps, the image) of one served image, by the wall clock (the server does the work)."""
                 counts = []
-                start = time.perf_counter()
-                picture = generate(server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
-                                   cache=cache, on_full_steps=counts.append)[0]
-                return (time.perf_counter() - start) * 1000, counts[0], picture
+                times, picture = time_calls(lambda: generate(server.grpc_address, "flux", PROMPT, args.size, args.size,
+                                                             args.steps, 3.5, 0, cache=cache,
+                                                             on_full_steps=counts.append)[0], False, 0, 1)
+                return times[0], counts[0], picture
 
             def timed(label, cache=None):
                 image(cache)  # the first of each kind (a CUDA graph capture for the cache's parts)
@@ -103,12 +103,10 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank, unary "
           f"gRPC, {args.size}x{args.size}, {args.steps} steps, {where}, torch {torch.__version__}; median of "
           f"{args.repeats} images after one\n")
-    print("| transformer | cache | full steps | time per image | against the first row (uncached) |")
-    print("|---|---|---|---|---|")
     base = statistics.median(next(row[2] for row in rows if row[1] == "uncached"))
-    for data_type, label, times, full in rows:
-        print(f"| {data_type} | {label} | {full} of {args.steps} | {statistics.median(times):,.0f} ms | "
-              f"{statistics.median(times) / base:.3f}x |")
+    print(markdown_table(["transformer", "cache", "full steps", "time per image", "against the first row (uncached)"],
+                         [[data_type, label, f"{full} of {args.steps}", f"{statistics.median(times):,.0f} ms",
+                           f"{statistics.median(times) / base:.3f}x"] for data_type, label, times, full in rows]))
     bf16, fp8 = ("FP32", "BF16") if args.tiny else ("BF16", "FP8")
     for kind in ("uncached", "first_block"):
         print(f"{fp8} image against the {bf16} one, {kind}: PSNR {psnr(images[fp8, kind], images[bf16, kind]):.1f} dB")
@@ -140,7 +138,7 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
 
     components, config = (tiny_components() if args.tiny
                           else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_pipeline_dir(workdir / "pipeline", components, config)
+    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
     version_dir = build(args, pipeline_dir, workdir / "repository", "FP32" if args.tiny else "BF16", device)
     engine_dir = version_dir / ENGINE_DIR
     comm = Communicator.single(device)
@@ -198,10 +196,9 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, {args.size}x{args.size}, "
           f"{args.steps} steps, {where}, torch {torch.__version__}; median of {args.repeats} images after one\n")
-    print("| pipeline | cache | full steps | time per image |")
-    print("|---|---|---|---|")
-    for pipeline, label, times, count in rows:
-        print(f"| {pipeline} | {label} | {count} of {args.steps} | {statistics.median(times):,.0f} ms |")
+    print(markdown_table(["pipeline", "cache", "full steps", "time per image"],
+                         [[pipeline, label, f"{count} of {args.steps}", f"{statistics.median(times):,.0f} ms"]
+                          for pipeline, label, times, count in rows]))
     print(f"\nour transformer step, through First Block Cache's parts: full {steps['full']:.2f} ms, skipped "
           f"{steps['skipped']:.2f} ms (the uncached forward: {steps['forward']:.2f} ms); the decision alone "
           f"{steps['decision']:.3f} ms ({steps['decision'] / steps['forward'] * 100:.2f}% of a step)")
@@ -249,7 +246,6 @@ def decision_cpu_part(args) -> None:
 
 def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats: int) -> tuple[float, float]:
     from mdtriton.build_tools.engine_builder import random_shard
-    from mdtriton.engine.modules import loaded_module
     from mdtriton.families import family
     from mdtriton.families.flux.transformer import example_inputs
 
@@ -257,11 +253,11 @@ def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats:
     config = flux.default_config()
     comm = Communicator(ParallelPlan(cp_size=2, cp_method="ring"), rank, torch.device("cpu"))
     comm.join_groups()
-    module = loaded_module("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0))
+    engine = bench_engine("flux", config, comm, random_shard("flux", config, comm.plan, rank, seed=0), "FP32")
     inputs = example_inputs(config, text, image, torch.float32)
+    step = statistics.median(time_calls(partial(engine.forward, inputs), False, 1, repeats)[0])
     with torch.inference_mode():
-        step = statistics.median(time_calls(partial(module, **inputs), False, 1, repeats)[0])
-        residual = module.first_block(**inputs)["residual"]
+        residual = engine.module.first_block(**inputs)["residual"]
         decision = time_calls(partial(decide, residual, residual * 1.01, 0.08, comm), False, 1, repeats * 20)[0]
     return step, statistics.median(decision)
 

@@ -1,12 +1,12 @@
 """One Wan transformer forward on one GPU: ours (bf16, FP8) against diffusers' WanTransformer3DModel (eager, and
 regional torch.compile), at 480p and 720p x 81 frames, in one process.
 
-Ours is loaded the way the server loads it (TorchEngine.from_weights: the module, then its compile and warm-up at
-two request shapes), with random weights made on the GPU from one seed; diffusers' model gets its own random
-weights (the same sizes; random weights time the same as trained ones). Inputs as WanPipeline makes them: the
-latent video [1, 16, 21, H/8, W/8], timestep 500, 512 text tokens. Times: CUDA events around whole forwards, the
-median of --iterations after the first call at each size (reported apart: a recompile would show there); peak
-memory allocated during each size.
+Ours is loaded the way the server loads it (the benchmark harness, mdtriton/harness.py: TorchEngine.from_weights,
+the module, then its compile and warm-up at two request shapes), with random weights made on the GPU from one seed;
+diffusers' model gets its own random weights (the same sizes; random weights time the same as trained ones). Inputs
+as WanPipeline makes them: the latent video [1, 16, 21, H/8, W/8], timestep 500, 512 text tokens. Times: the
+harness's timer (CUDA events) around whole forwards, the median of --iterations after the first call at each size
+(reported apart: a recompile would show there); peak memory allocated during each size.
 
     python benchmarks/wan_forward.py                                  # Wan 2.1 14B, 480p and 720p, one GPU
     python benchmarks/wan_forward.py --tiny                           # checks the script on the CPU
@@ -29,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mdtriton.build_tools.engine_builder import random_shard  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.engine import TorchEngine  # noqa: E402
-from mdtriton.engine.manifest import Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
+from mdtriton.harness import bench_engine, markdown_table, time_calls  # noqa: E402
 
 # (label, height, width) of the videos; 81 frames each (5 s at 16 fps).
 SIZES = {"480p": (480, 832), "720p": (720, 1280)}
@@ -46,29 +45,14 @@ def video_inputs(config: dict, height: int, width: int, frames: int, device: tor
 
 
 def timed(call, device: torch.device, iterations: int) -> tuple[float, list[float], float]:
-    """(seconds of the first call, seconds of each later one, peak GiB allocated)."""
-    if device.type == "cuda":
+    """(seconds of the first call, seconds of each later one, peak GiB allocated), by the harness's timer."""
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(iterations):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            call()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(begin.elapsed_time(end) / 1000)
-        else:
-            begin = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - begin)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return first, times, peak
+    first, _ = time_calls(call, cuda, 0, 1)
+    times, _ = time_calls(call, cuda, 0, iterations)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    return first[0] / 1000, [ms / 1000 for ms in times], peak
 
 
 def ours(args, config: dict, device: torch.device, quantization: str | None) -> dict:
@@ -79,9 +63,7 @@ def ours(args, config: dict, device: torch.device, quantization: str | None) -> 
     weights = random_shard("wan", config, ParallelPlan(), 0, seed=0, device=device, dtype=dtype,
                            quantization=quantization)
     made = time.perf_counter() - start
-    inputs, outputs = WAN.signature(config, data_type)
-    manifest = Manifest("wan", config, ParallelPlan(), data_type, inputs, outputs, quantization=quantization)
-    engine = TorchEngine.from_weights(manifest, Communicator.single(device), weights)
+    engine = bench_engine("wan", config, Communicator.single(device), weights, data_type, quantization)
     print(f"ours ({quantization or data_type}): weights made in {made:.0f} s, loaded in {engine.load_seconds:.1f} s, "
           f"compiled and warmed up in {engine.warm_up_seconds:.0f} s", flush=True)
     results = {}
@@ -149,17 +131,20 @@ def main() -> int:
     print(f"\n{'tiny Wan' if args.tiny else args.preset}, {args.frames} frames, batch 1, 512 text tokens, {where}, "
           f"torch {torch.__version__}; median of {args.iterations} forwards after the first\n")
     baseline = rows.get("diffusers compile")
-    print("| forward | " + " | ".join(f"{label} ({WAN.check_request(config, video_inputs(config, *SIZES[label], args.frames, torch.device('meta'), torch.float32)).tokens:,} tokens)" for label in args.sizes) + " | first call | peak |")
-    print("|---|" + "---|" * (len(args.sizes) + 2))
+    tokens = {label: WAN.check_request(config, video_inputs(config, *SIZES[label], args.frames, torch.device("meta"),
+                                                             torch.float32)).tokens for label in args.sizes}
+    table = []
     for name, results in rows.items():
-        cells = []
+        cells = [name]
         for label in args.sizes:
             median = statistics.median(results[label][1])
             ratio = f" ({median / statistics.median(baseline[label][1]):.2f}x)" if baseline else ""
             cells.append(f"{median * 1000:,.0f} ms{ratio}")
-        first = " / ".join(f"{results[label][0]:.1f} s" for label in args.sizes)
-        peak = max(results[label][2] for label in args.sizes)
-        print(f"| {name} | " + " | ".join(cells) + f" | {first} | {peak:.2f} GiB |")
+        cells.append(" / ".join(f"{results[label][0]:.1f} s" for label in args.sizes))
+        cells.append(f"{max(results[label][2] for label in args.sizes):.2f} GiB")
+        table.append(cells)
+    print(markdown_table(["forward", *(f"{label} ({tokens[label]:,} tokens)" for label in args.sizes), "first call",
+                          "peak"], table))
     return 0
 
 

@@ -49,9 +49,6 @@ def patch() -> None:
 
     torch.version.cuda = torch.version.cuda or "13.0"  # xfuser's envs raise at import without an accelerator
 
-    from benchmarks.xdit_flux import stub_requests
-
-    stub_requests()
     import yunchang.globals
     import yunchang.kernels
 

@@ -6,7 +6,7 @@ For each GPU count (one process per GPU, NCCL) and each sequence parallel config
 
 - forward: one whole transformer forward, FLUX.1-dev size, bf16, batch 1, `--text-tokens` text tokens
   + each `--image-tokens`; the same random weights (mdtriton's seeded generator, loaded by parameter
-  name into diffusers' model) and the same inputs (`mdtriton.bench.flux_inputs`) for every
+  name into diffusers' model) and the same inputs (`mdtriton.harness.flux_inputs`) for every
   implementation:
     * xdit: xfuser's `xFuserFlux1Transformer2DWrapper` (diffusers' FluxTransformer2DModel with xDiT's
       attention processor: input split over the sequence-parallel group, xDiT's USP attention with its
@@ -26,18 +26,21 @@ For each GPU count (one process per GPU, NCCL) and each sequence parallel config
   LongContextAttention (Ulysses = u N r 1, Ring = u 1 r N, USP = both) and xDiT's USP function, with
   the relative error of each output against full attention on one device.
 
-Timing as `mdtriton bench`: warm-up calls, then CUDA-event times of calls lined up by a barrier; the
-median is reported. Every implementation shares one set of weight tensors per GPU (23.8 GB for
-FLUX.1-dev). Attention rows come first (they are cheap), then forwards length by length, every
+Built on the benchmark harness (mdtriton/harness.py), as `mdtriton bench` is: our engine is loaded as the server
+loads it (TorchEngine.from_weights) and timed through its forward; timing by its timer: warm-up calls, then
+CUDA-event times of calls lined up by a barrier; the median is reported. Every implementation shares one set of
+weight tensors per GPU (23.8 GB for FLUX.1-dev). Attention rows come first (they are cheap), then forwards length by length, every
 implementation at each length, so a run stopped by --time-limit loses only its longest lengths. Rank 0
 appends every row to OUTPUT_DIR/rows.jsonl as soon as it is measured; at the end the tables go to
 stdout, results.md and results.json. Forward outputs at --check-tokens are compared with our 1-GPU output.
 
-Needs, besides this checkout and torch: diffusers (0.42.1 tested) and yunchang (0.6.4); for xdit also
+Needs, besides this checkout and torch: diffusers (0.42.1 tested) with its own dependencies (`pip install
+".[pipeline]"` brings them, requests among them, which diffusers imports) and yunchang (0.6.4); for xdit also
 xfuser (0.7.0) and distvae (0.1.0), all pure-Python wheels (`pip install --no-deps`; xfuser's other
 declared dependencies, av and beautifulsoup4, are not imported on this path); transformers, accelerate,
-peft, einops, sentencepiece and triton as a CUDA torch brings or has beside it. flash-attn is not needed:
-xfuser picks its CUDNN backend (torch's cuDNN attention) where cuDNN is available.
+peft, einops, sentencepiece and triton as a CUDA torch brings or has beside it. On a host without a package
+index, carry the wheels of all of them (requests' too: requests, charset-normalizer, idna, urllib3, certifi).
+flash-attn is not needed: xfuser picks its CUDNN backend (torch's cuDNN attention) where cuDNN is available.
 
     PYTHONPATH=$PWD:/tmp/xdit python benchmarks/xdit_flux.py --gpus 1,2 --image-tokens 4096,16384
 
@@ -57,12 +60,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -72,22 +73,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/xdit_flux.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from mdtriton.bench import attention_flops, flux_inputs, plans_for, relative_error, time_calls  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.flux import FLUX  # noqa: E402
-from mdtriton.server import free_port  # noqa: E402
+from mdtriton.harness import (attention_flops, bench_engine, flux_inputs, init_rank, markdown_table,  # noqa: E402
+                              plans_for, relative_error, run_ranks, time_calls, timing, write_results)
 
 IMPLS = ("xdit", "mdtriton", "yunchang+diffusers")
-# What each implementation needs importable, and the wheel that carries it.
+# What each implementation needs importable, and the wheel that carries it (diffusers imports requests).
 NEEDS = {
-    "xdit": ("diffusers", "yunchang", "xfuser", "distvae"),
-    "yunchang+diffusers": ("diffusers", "yunchang"),
+    "xdit": ("diffusers", "requests", "yunchang", "xfuser", "distvae"),
+    "yunchang+diffusers": ("diffusers", "requests", "yunchang"),
     "yunchang": ("yunchang",),
 }
 
@@ -113,39 +113,6 @@ def versions() -> dict:
         found["cudnn"] = torch.backends.cudnn.version()
         found["gpu"] = torch.cuda.get_device_name(0)
     return found
-
-
-def stub_requests() -> bool:
-    """diffusers imports `requests` at import time (for downloads this benchmark never makes). Where it is not
-    installed, put a stand-in whose network calls raise, instead of carrying requests and its four dependencies."""
-    if importlib.util.find_spec("requests") is not None:
-        return False
-    requests = types.ModuleType("requests")
-    requests.__spec__ = importlib.machinery.ModuleSpec("requests", None)
-    exceptions = types.ModuleType("requests.exceptions")
-
-    class RequestException(OSError):
-        pass
-
-    classes = {"RequestException": RequestException}
-    for name in ("ConnectionError", "HTTPError", "Timeout", "ReadTimeout", "ConnectTimeout", "TooManyRedirects",
-                 "SSLError", "ProxyError", "InvalidURL"):
-        classes[name] = type(name, (RequestException,), {})
-    for name, cls in classes.items():
-        setattr(requests, name, cls)
-        setattr(exceptions, name, cls)
-
-    def offline(*args, **kwargs):
-        raise RequestException("requests is not installed here (a stand-in from benchmarks/xdit_flux.py)")
-
-    for name in ("get", "head", "post", "put", "request"):
-        setattr(requests, name, offline)
-    requests.Session = lambda *a, **k: types.SimpleNamespace(get=offline, head=offline, post=offline,
-                                                             request=offline, mount=lambda *a: None)
-    requests.exceptions = exceptions
-    sys.modules["requests"] = requests
-    sys.modules["requests.exceptions"] = exceptions
-    return True
 
 
 def short_error(error: BaseException) -> str:
@@ -227,7 +194,7 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 def measure(call, cuda: bool, warmup: int, iterations: int) -> tuple[dict, object]:
     times, result = time_calls(call, cuda, warmup, iterations)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "times_ms": [round(t, 3) for t in times]}, result
+    return {**timing(times), "times_ms": [round(t, 3) for t in times]}, result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -378,35 +345,29 @@ class OurModels:
     """Our engine per method; context-parallel plans share one set of weight tensors (those of every peer)."""
 
     def __init__(self, ctx, weights: dict):
-        self.ctx, self.weights, self.forwards, self.warm_up_s = ctx, weights, {}, {}
+        self.ctx, self.weights, self.engines = ctx, weights, {}
 
     def forward_all(self, inputs: dict, image_tokens: int) -> None:
         ctx = self.ctx
         for name, plan in ctx.our_plans.items():
-            if name not in self.forwards:
-                self.forwards[name] = self.build(name, plan)
-            forward = self.forwards[name]
-            forward_row(ctx, "mdtriton", name, str(plan), inputs, image_tokens, lambda: forward(inputs)["sample"],
-                        warm_up_s=self.warm_up_s[name])
+            if name not in self.engines:
+                self.engines[name] = self.build(name, plan)
+            engine = self.engines[name]
+            forward_row(ctx, "mdtriton", name, str(plan), inputs, image_tokens,
+                        lambda: engine.forward(inputs)["sample"], warm_up_s=engine.warm_up_seconds)
 
     def build(self, name: str, plan: ParallelPlan):
-        """How the plan's engine runs requests: compiled mode as the server runs it (projections fused, blocks
-        compiled and warmed up at load, short requests replayed as CUDA graphs); eager mode the same module
+        """The plan's engine, loaded as the server loads it: compiled mode as the server runs it (projections fused,
+        blocks compiled and warmed up at load, short requests replayed as CUDA graphs); eager mode the same module
         uncompiled."""
         from mdtriton.build_tools.engine_builder import random_shard
-        from mdtriton.engine.compile import compile_and_warm_up
-        from mdtriton.engine.engine import device_forward
-        from mdtriton.engine.modules import loaded_module
 
-        ctx, comm = self.ctx, self.ctx.comm(name)
-        weights = self.weights if plan.tp_size == 1 else random_shard(
+        ctx = self.ctx
+        # The engine empties the dict it is given: the shared tensors go in a dict of their own.
+        weights = dict(self.weights) if plan.tp_size == 1 else random_shard(
             "flux", ctx.config, plan, ctx.rank, seed=0, device=ctx.device, dtype=ctx.dtype)
-        module = loaded_module("flux", ctx.config, comm, weights)
-        compiled = ctx.args.mode == "compiled"
-        self.warm_up_s[name] = 0.0
-        if compiled:
-            self.warm_up_s[name] = compile_and_warm_up(module, "flux", ctx.config, ctx.dtype, comm)
-        return device_forward(module, "flux", ctx.config, compiled)
+        return bench_engine("flux", ctx.config, ctx.comm(name), weights, "BF16" if ctx.cuda else "FP32",
+                            compiled=ctx.args.mode == "compiled")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -508,7 +469,6 @@ class XDiT:
     """xfuser's distributed state, set up the way its FLUX.1-dev runner sets it up, without a pipeline."""
 
     def __init__(self, ctx):
-        stub_requests()
         importlib.import_module("xfuser")  # imports every pipeline wrapper: fails here if a dependency is missing
         from xfuser.core.distributed import parallel_state
 
@@ -607,22 +567,19 @@ def setup_xdit(ctx):
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     # xfuser gives each of its groups a gloo twin; on one host the loopback interface is the one that surely works.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if args.setup:  # a test's patches (benchmarks/xdit_cpu_check.py), applied in every rank process
         module, function = args.setup.split(":")
         getattr(importlib.import_module(module), function)()
     cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     # Always a process group, even of one rank: xfuser's group coordinators need one. No device_id: xfuser's
     # comment says NCCL's device-bound rendezvous breaks its new_group() calls.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False,
+                       timeout_s=args.collective_timeout)
     config = {**FLUX.presets()[args.preset], **json.loads(args.config)}
     ctx = types.SimpleNamespace(
         args=args, rank=rank, local_rank=rank, world_size=world_size, device=device, cuda=cuda, backend=backend,
@@ -675,23 +632,6 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         dist.destroy_process_group()
 
 
-def run_world(world_size: int, args: argparse.Namespace, work_dir: str) -> str | None:
-    """Spawn the ranks; stop them all after --time-limit seconds. Returns what went wrong, or None."""
-    context = mp.start_processes(_rank_main, args=(world_size, free_port(), args, work_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + args.time_limit if args.time_limit else None
-    try:
-        while not context.join(timeout=5):
-            if deadline and time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                return f"{world_size} GPU(s): stopped after --time-limit {args.time_limit} s"
-    except Exception as error:  # noqa: BLE001 - a rank died: the others have been terminated by join
-        return f"{world_size} GPU(s): a rank failed: {str(error).strip().splitlines()[-1]}"
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------
 # Tables
 
@@ -716,10 +656,10 @@ def forward_table(rows: list[dict]) -> str:
         if r["impl"] == "mdtriton":
             key = (r["gpus"], r["image_tokens"])
             best_ours[key] = min(best_ours.get(key, float("inf")), r["median_ms"])
-    lines = ["| image+text tokens | GPUs | implementation | mode | configuration | attention kernel / plan | "
-             "median ms | first call ms | speedup over its 1 GPU | mdtriton best / this | "
-             "rel. error vs mdtriton 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["image+text tokens", "GPUs", "implementation", "mode", "configuration", "attention kernel / plan",
+              "median ms", "first call ms", "speedup over its 1 GPU", "mdtriton best / this",
+              "rel. error vs mdtriton 1 GPU"]
+    cells = []
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["impl"], r["config"])):
         base = single.get((r["impl"], r["image_tokens"]))
         speedup = f"{base / r['median_ms']:.2f}x" if base else ""
@@ -727,25 +667,24 @@ def forward_table(rows: list[dict]) -> str:
         ratio = f"{ours / r['median_ms']:.2f}" if ours else ""
         error = f"{r['error_vs_mdtriton_1gpu']:.1e}" if "error_vs_mdtriton_1gpu" in r else ""
         mode = r["mode"] if r["impl"] != "yunchang+diffusers" else "eager"
-        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['impl']} | {mode} | "
-                     f"{r['config']} | {r.get('kernel', '')} | {r['median_ms']:.1f} | {r['first_ms']:.0f} | "
-                     f"{speedup} | {ratio} | {error} |")
-    return "\n".join(lines)
+        cells.append([f"{r['image_tokens']:,}+{r['text_tokens']}", r["gpus"], r["impl"], mode, r["config"],
+                      r.get("kernel", ""), f"{r['median_ms']:.1f}", f"{r['first_ms']:.0f}", speedup, ratio, error])
+    return markdown_table(header, cells)
 
 
 def attention_table(rows: list[dict], config: dict) -> str:
     rows = [r for r in rows if r.get("part") == "attention"]
     cudnn = {r["tokens"]: r["median_ms"] for r in rows if r["config"] == "cuDNN SDPA"}
-    lines = ["| image+text tokens | GPUs | implementation | configuration | kernel | median ms | TFLOP/s per GPU | "
-             "% of 1-GPU cuDNN rate | rel. error vs full attention |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    header = ["image+text tokens", "GPUs", "implementation", "configuration", "kernel", "median ms",
+              "TFLOP/s per GPU", "% of 1-GPU cuDNN rate", "rel. error vs full attention"]
+    cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["impl"], r["config"])):
         flops = attention_flops(r["tokens"], config)
         tflops = flops / r["gpus"] / r["median_ms"] / 1e9
         share = f"{100 * tflops / (flops / cudnn[r['tokens']] / 1e9):.0f}%" if r["tokens"] in cudnn else ""
-        lines.append(f"| {r['tokens']:,} | {r['gpus']} | {r['impl']} | {r['config']} | {r['kernel']} | "
-                     f"{r['median_ms']:.2f} | {tflops:.0f} | {share} | {r['rel_error']:.1e} |")
-    return "\n".join(lines)
+        cells.append([f"{r['tokens']:,}", r["gpus"], r["impl"], r["config"], r["kernel"], f"{r['median_ms']:.2f}",
+                      f"{tflops:.0f}", share, f"{r['rel_error']:.1e}"])
+    return markdown_table(header, cells)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -849,7 +788,7 @@ def main(argv=None) -> int:
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as work_dir:
         for world_size in sorted(set(args.gpus)):
-            problem = run_world(world_size, args, work_dir)
+            problem = run_ranks(_rank_main, world_size, (args, work_dir), args.time_limit)
             if problem:
                 print(f"warning: {problem}", flush=True)
                 problems.append(problem)
@@ -867,10 +806,9 @@ def main(argv=None) -> int:
             + [f"- {p}" for p in problems]) + "\n"
     text += f"\nWall time: {time.monotonic() - began:.0f} s\n"
     print(text)
-    (args.output_dir / "results.md").write_text(text)
-    (args.output_dir / "results.json").write_text(json.dumps(
-        {"environment": environment, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-         "rows": rows, "problems": problems}, indent=1))
+    write_results(args.output_dir, text, {
+        "environment": environment, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": rows, "problems": problems})
     print(f"wrote {args.output_dir / 'results.md'} and results.json", flush=True)
     return 1 if problems and not rows else 0
 

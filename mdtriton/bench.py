@@ -1,8 +1,10 @@
 """`mdtriton bench`: one FLUX transformer forward per GPU count x parallel method x variant x sequence length.
 
-Each GPU count runs in its own set of processes (one per GPU, NCCL). Weights are random, made on each
+Built on the benchmark harness (mdtriton/harness.py), as the scripts in benchmarks/ are. Each GPU count runs in its
+own set of processes (one per GPU, NCCL). Weights are random, made on each
 GPU shard by shard from one seed (the same full model for every plan), bf16, with trained-like scales
-(modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md, "Accuracy"). Variants:
+(modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md, "Accuracy"). The engine is loaded
+as the server loads it (TorchEngine.from_weights) and timed through its forward. Variants:
 `compiled` (what the server runs on GPUs: fused projections, compiled blocks, warmed up at load, short
 requests replayed as CUDA graphs), `eager` (the same module uncompiled, no graphs), `fp8` (FP8 weights, as
 compiled). Timing: the first call at each length after
@@ -17,92 +19,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import cudnn_sdpa
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.compile import compile_and_warm_up
-from mdtriton.engine.engine import device_forward
 from mdtriton.engine.fp8 import check_fp8_device
-from mdtriton.engine.modules import loaded_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
-from mdtriton.families.flux.transformer import example_inputs
-from mdtriton.server import free_port
+from mdtriton.harness import (attention_flops, bench_engine, bench_weights, flux_inputs, init_rank, markdown_table,
+                              plans_for, relative_error, run_ranks, time_calls, timing, write_results)
 
 METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
 VARIANTS = ("compiled", "eager", "fp8")
-# Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
-# O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
-MODULATION_SCALE = 0.1
-
-
-def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
-    """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
-    if world_size == 1:
-        return {"1 GPU": ParallelPlan()}
-    plans = {}
-    for method in methods:
-        if method == "tp":
-            plans[method] = ParallelPlan(tp_size=world_size)
-        elif method == "tp_cp":
-            if world_size >= 4 and world_size % 2 == 0:
-                plans[method] = ParallelPlan(tp_size=2, cp_size=world_size // 2, cp_method="ulysses")
-        else:
-            plans[method] = ParallelPlan(cp_size=world_size, cp_method=method)
-    return plans
-
-
-def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {name: t.to(device) for name, t in example_inputs(config, text_tokens, image_tokens, dtype).items()}
-
-
-def is_modulation(name: str) -> bool:
-    """Whether a FLUX weight is a modulation (adaptive norm) linear's, whose outputs are shifts, scales and gates."""
-    return ".linear." in name and ("norm1" in name or ".norm." in name or name.startswith("norm_out."))
-
-
-def bench_weights(config: dict, plan: ParallelPlan, rank: int, device: torch.device, dtype: torch.dtype,
-                  quantization: str | None) -> dict[str, torch.Tensor]:
-    """Rank's random weights with trained-like modulation scales."""
-    weights = random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype, quantization=quantization)
-    return {name: t * MODULATION_SCALE if is_modulation(name) else t for name, t in weights.items()}
-
-
-def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[float], object]:
-    """Milliseconds of each timed call (CUDA events on GPU; ranks lined up by a barrier first), and the last result."""
-    times = []
-    for i in range(warmup + iterations):
-        if dist.is_initialized():
-            dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            began = time.perf_counter()
-        result = call()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
-            elapsed = (time.perf_counter() - began) * 1000
-        if i >= warmup:
-            times.append(elapsed)
-    return times, result
 
 
 def communication_share(call) -> float:
@@ -129,11 +63,6 @@ def attention_inputs(config: dict, plan: ParallelPlan, tokens: int, device: torc
     return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype) for _ in range(3))
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||a - b|| / ||b||: bf16 rounds each element to 2-3 digits, so the norm, not single elements, measures a plan."""
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
 def sample_file(world_size: int, method: str, variant: str, image_tokens: int) -> str:
     return f"sample-{world_size}-{method}-{variant}-{image_tokens}.safetensors"
 
@@ -150,15 +79,13 @@ def float32_samples(config: dict, device: torch.device, args: argparse.Namespace
     """The 1-GPU model with the same bf16 weights but float32 activations, at the check lengths: the bf16
     engine's own rounding error shows against it, one GPU's included."""
     weights = bench_weights(config, ParallelPlan(), 0, device, torch.bfloat16, None)
-    module = loaded_module("flux", config, Communicator.single(device),
-                           {name: tensor.float() for name, tensor in weights.items()})
+    engine = bench_engine("flux", config, Communicator.single(device),
+                          {name: tensor.float() for name, tensor in weights.items()}, "FP32", compiled=False)
     del weights
     for image_tokens in args.check_tokens:
         inputs = {name: t.float() for name, t in flux_inputs(config, args.text_tokens, image_tokens, device).items()}
-        with torch.inference_mode():
-            sample = module(**inputs)["sample"]
-        save_sample(sample, Path(work_dir) / sample_file(1, "1 GPU", "float32", image_tokens))
-    del module
+        save_sample(engine.forward(inputs)["sample"], Path(work_dir) / sample_file(1, "1 GPU", "float32", image_tokens))
+    del engine
 
 
 def add_errors(rows: list[dict], work_dir: str) -> None:
@@ -179,46 +106,33 @@ def bench_config(args: argparse.Namespace) -> dict:
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if args.device == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                device_id=device if device.type == "cuda" else None)
+    cuda = args.device == "cuda"
+    device = init_rank(rank, world_size, port, cuda)
     config = bench_config(args)
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype, data_type = (torch.bfloat16, "BF16") if cuda else (torch.float32, "FP32")
     rows, attention_rows = [], []
     for method, plan in plans_for(world_size, args.methods).items():
         comm = Communicator(plan, rank, device)
         comm.join_groups()
         for variant in args.variants:
             quantization = "fp8" if variant == "fp8" else None
-            module = loaded_module("flux", config, comm, bench_weights(config, plan, rank, device, dtype, quantization),
-                                   quantization)
-            warm_up_seconds = 0.0
-            if variant != "eager":
-                warm_up_seconds = compile_and_warm_up(module, "flux", config, dtype, comm)
-            forward = device_forward(module, "flux", config, variant != "eager")
+            engine = bench_engine("flux", config, comm, bench_weights(config, plan, rank, device, dtype, quantization),
+                                  data_type, quantization, compiled=variant != "eager")
             for image_tokens in args.image_tokens:
                 inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
-                with torch.inference_mode():
-                    first, _ = time_calls(lambda: forward(inputs)["sample"], cuda, 0, 1)
-                    times, output = time_calls(lambda: forward(inputs)["sample"], cuda, args.warmup, args.iterations)
-                    share = communication_share(lambda: forward(inputs)) if cuda and world_size > 1 else 0.0
+                first, _ = time_calls(lambda: engine.forward(inputs)["sample"], cuda, 0, 1)
+                times, output = time_calls(lambda: engine.forward(inputs)["sample"], cuda, args.warmup,
+                                           args.iterations)
+                share = communication_share(lambda: engine.forward(inputs)) if cuda and world_size > 1 else 0.0
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan),
-                       "image_tokens": image_tokens, "text_tokens": args.text_tokens,
-                       "median_ms": statistics.median(times), "min_ms": min(times), "first_ms": first[0],
-                       "warm_up_s": warm_up_seconds, "communication_share": share}
+                       "image_tokens": image_tokens, "text_tokens": args.text_tokens, **timing(times),
+                       "first_ms": first[0], "warm_up_s": engine.warm_up_seconds, "communication_share": share}
                 if image_tokens in args.check_tokens and rank == 0:
                     save_sample(output, Path(work_dir) / sample_file(world_size, method, variant, image_tokens))
                 rows.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
-            module = forward = None  # free this variant's weights before the next ones are made
+            engine = None  # free this variant's weights before the next ones are made
             if cuda:
                 torch.cuda.empty_cache()
         for image_tokens in args.image_tokens:
@@ -228,7 +142,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             with torch.inference_mode():
                 times, _ = time_calls(lambda: attention(q, k, v, comm, tokens), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": world_size, "method": method, "image_tokens": image_tokens,
-                                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
+                                   "text_tokens": args.text_tokens, "median_ms": timing(times)["median_ms"]})
     if world_size == 1:
         float32_samples(config, device, args, work_dir)
         # cuDNN's attention alone over the whole sequence: the rate the engine's attention is held against.
@@ -238,7 +152,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             with torch.inference_mode():
                 times, _ = time_calls(lambda: cudnn_sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": 1, "method": "cuDNN SDPA", "image_tokens": image_tokens,
-                                   "text_tokens": args.text_tokens, "median_ms": statistics.median(times)})
+                                   "text_tokens": args.text_tokens, "median_ms": timing(times)["median_ms"]})
     if rank == 0:
         with open(Path(work_dir) / f"rows-{world_size}.json", "w") as handle:
             json.dump({"forward": rows, "attention": attention_rows}, handle)
@@ -246,40 +160,36 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         dist.destroy_process_group()
 
 
-def attention_flops(tokens: int, config: dict) -> float:
-    """FLOPs of one block's attention over tokens: 4 S^2 heads head_dim."""
-    return 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"]
-
-
 def forward_table(rows: list[dict], config: dict) -> str:
     """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
     single = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     blocks = config["num_layers"] + config["num_single_layers"]
-    lines = ["| image+text tokens | GPUs | method | variant | plan | median ms | first call ms | warm-up s | speedup | "
-             "efficiency | attention-equivalent TFLOP/s per GPU | NCCL share of GPU time | "
-             "rel. error vs 1 GPU compiled / vs float32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["image+text tokens", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s",
+              "speedup", "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time",
+              "rel. error vs 1 GPU compiled / vs float32"]
+    cells = []
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["image_tokens"], float("nan")) / r["median_ms"]
         tflops = attention_flops(r["image_tokens"] + r["text_tokens"], config) * blocks / r["gpus"] / r["median_ms"] / 1e9
         error = " / ".join(f"{r[key]:.1e}" if key in r else "-" for key in ("error_vs_1gpu", "error_vs_float32"))
-        error = "" if error == "- / -" else error
-        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | {r['variant']} | "
-                     f"{r['plan']} | {r['median_ms']:.1f} | {r['first_ms']:.1f} | {r['warm_up_s']:.0f} | {speedup:.2f}x | {100 * speedup / r['gpus']:.0f}% | {tflops:.0f} | "
-                     f"{100 * r['communication_share']:.0f}% | {error} |")
-    return "\n".join(lines)
+        cells.append([f"{r['image_tokens']:,}+{r['text_tokens']}", r["gpus"], r["method"], r["variant"], r["plan"],
+                      f"{r['median_ms']:.1f}", f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
+                      f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
+                      "" if error == "- / -" else error])
+    return markdown_table(header, cells)
 
 
 def attention_table(rows: list[dict], config: dict) -> str:
     cudnn = {r["image_tokens"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
-    lines = ["| image+text tokens | GPUs | method | median ms (one block) | TFLOP/s per GPU | % of 1-GPU cuDNN rate |",
-             "|---|---|---|---|---|---|"]
+    header = ["image+text tokens", "GPUs", "method", "median ms (one block)", "TFLOP/s per GPU",
+              "% of 1-GPU cuDNN rate"]
+    cells = []
     for r in sorted(rows, key=lambda r: (r["image_tokens"], r["gpus"], r["method"])):
         tflops = attention_flops(r["image_tokens"] + r["text_tokens"], config) / r["gpus"] / r["median_ms"] / 1e9
         base = attention_flops(r["image_tokens"] + r["text_tokens"], config) / cudnn[r["image_tokens"]] / 1e9
-        lines.append(f"| {r['image_tokens']:,}+{r['text_tokens']} | {r['gpus']} | {r['method']} | "
-                     f"{r['median_ms']:.2f} | {tflops:.0f} | {100 * tflops / base:.0f}% |")
-    return "\n".join(lines)
+        cells.append([f"{r['image_tokens']:,}+{r['text_tokens']}", r["gpus"], r["method"], f"{r['median_ms']:.2f}",
+                      f"{tflops:.0f}", f"{100 * tflops / base:.0f}%"])
+    return markdown_table(header, cells)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -344,11 +254,12 @@ def run(args: argparse.Namespace) -> int:
     args.image_tokens = [int(n) for n in args.image_tokens.split(",")]
     args.check_tokens = [int(n) for n in args.check_tokens.split(",")]
     config = bench_config(args)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     rows, attention_rows = [], []
     with tempfile.TemporaryDirectory() as work_dir:
         for world_size in sorted(set(counts) | {1}):
-            mp.spawn(_rank_main, args=(world_size, free_port(), args, work_dir), nprocs=world_size)
+            problem = run_ranks(_rank_main, world_size, (args, work_dir))
+            if problem:
+                raise RuntimeError(problem)
             results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
             rows += results["forward"]
             attention_rows += results["attention"]
@@ -356,8 +267,7 @@ def run(args: argparse.Namespace) -> int:
     tables = (f"One forward of the whole transformer:\n\n{forward_table(rows, config)}\n\n"
               f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, config)}\n")
     print(tables)
-    (args.output_dir / "results.json").write_text(json.dumps({"forward": rows, "attention": attention_rows}, indent=1))
-    (args.output_dir / "results.md").write_text(tables)
+    write_results(args.output_dir, tables, {"forward": rows, "attention": attention_rows})
     plot(rows, args.output_dir / "speedup.png")
     print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
     return 0

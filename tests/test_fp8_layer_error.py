@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from benchmarks.fp8_layer_error import emulated_fp8_linear, main
-from mdtriton.bench import relative_error
 from mdtriton.engine.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_weight
+from mdtriton.harness import relative_error
 
 
 def e4m3_rows(rows: int, columns: int, seed: int) -> torch.Tensor:

@@ -131,7 +131,7 @@ def device_forward(module: torch.nn.Module, architecture_name: str, config: dict
     """How module runs requests (inputs by name, on its device): compiled on a GPU, short requests through CUDA
     graphs (GraphedForward), collectives included (every rank captures the same job's graph together); otherwise
     as it is (eager_forward). Either is called as run(inputs), or run(inputs, part, carried) for a part of the forward
-    (mdtriton.engine.step_cache). mdtriton bench times this too."""
+    (mdtriton.engine.step_cache). Benchmarks time it through TorchEngine.forward (mdtriton/harness.py)."""
     if compiled and next(module.parameters()).is_cuda:
         model_family = family(architecture_name)
 

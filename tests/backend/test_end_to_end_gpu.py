@@ -10,8 +10,8 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
 
-from mdtriton.bench import relative_error
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.harness import relative_error
 
 pytestmark = pytest.mark.gpu
 CONFIG = {"hidden_size": 1024, "num_heads": 16, "mlp_ratio": 4, "num_layers": 4}

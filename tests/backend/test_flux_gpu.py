@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from mdtriton.bench import relative_error
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
+from mdtriton.harness import relative_error
 from tests.engine.flux_cases import flux_inputs
 
 pytestmark = pytest.mark.gpu

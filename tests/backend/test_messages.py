@@ -36,11 +36,12 @@ def test_every_kind_arrives_as_it_was_sent(links):
     for message in messages:
         send(sender, message)
         assert receive(receiver) == message
-    for message in (Job("j3", True, inputs), Done("j3", inputs)):
+    for message in (Job("j3", True, 1234.5678901234, inputs), Done("j3", inputs)):
         send(sender, message)
         got = receive(receiver)
         assert type(got) is type(message) and got.id == "j3" and torch.equal(got.tensors["x"], inputs["x"])
-    assert receive_after(sender, receiver, Job("j4", False, inputs)).progress is False
+    assert receive_after(sender, receiver, Job("j3", True, 1234.5678901234, inputs)).deadline == 1234.5678901234
+    assert receive_after(sender, receiver, Job("j4", False, 1.0, inputs)).progress is False
 
 
 def receive_after(sender, receiver, message):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdtriton.bench import relative_error
 from mdtriton.engine.attention import fa3, local
+from mdtriton.harness import relative_error
 
 
 def test_fa3_is_not_used_off_cuda_and_says_why():

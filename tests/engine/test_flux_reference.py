@@ -8,13 +8,12 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 
-from mdtriton.bench import MODULATION_SCALE, is_modulation
-from mdtriton.bench import relative_error as norm_error
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.modules import loaded_module, meta_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, Flux, example_inputs
+from mdtriton.harness import MODULATION_SCALE, is_modulation, relative_error as norm_error
 from tests.engine.flux_cases import flux_inputs, max_relative_error
 
 

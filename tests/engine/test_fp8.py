@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mdtriton.bench import relative_error
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_shard, random_weights
 from mdtriton.engine.comm import Communicator
@@ -16,6 +15,7 @@ from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import rank_weight_bytes
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
+from mdtriton.harness import relative_error
 
 GIB = 1 << 30
 

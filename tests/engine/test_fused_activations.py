@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdtriton.bench import relative_error
 from mdtriton.engine.fp8 import FP8_MAX, quantize_rows
 from mdtriton.engine.fused_activations import (attention_and_gelu_to_fp8, modulate_reference, modulated_layer_norm,
                                                modulated_layer_norm_fp8, rows_to_fp8)
+from mdtriton.harness import relative_error
 
 # (batch, tokens, width)
 SHAPES = [(1, 4608, 3072), (2, 37, 1536), (3, 5, 100)]

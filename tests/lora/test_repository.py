@@ -21,7 +21,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.serving import load_engine
 from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings, adapters_dir
-from mdtriton.lora.repository import add_adapter, list_adapters
+from mdtriton.lora.repository import add_adapter
 from tests.lora.adapters import diffusers_lora
 from tests.pipeline.pipelines import save_pipelines
 

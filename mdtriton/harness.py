@@ -1,0 +1,196 @@
+"""The one benchmark harness: how `mdtriton bench` and the scripts in benchmarks/ load, time, run and report.
+
+- **Load as the server loads**: `bench_engine` makes our engine from weights made in memory through
+  TorchEngine.from_weights, what a rank's worker does once it has read its rank file (the module, projections fused,
+  then on GPUs the compile and warm-up, and CUDA graphs for short requests), with the manifest the build writes. A
+  benchmark times `engine.forward`, the call the job runner makes, so it follows the load path when that changes.
+- **One timer**: `time_calls` (CUDA events on GPUs, ranks lined up by a barrier first; wall time on CPU), in
+  milliseconds, and `timing` for the median and minimum of its times.
+- **One way to start ranks**: `run_ranks` starts one process per rank on this host and `init_rank` begins each
+  (its device, its process group: NCCL on GPUs, gloo on CPU).
+- **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), written with the rows'
+  JSON by `write_results`.
+- What every FLUX benchmark measures with: random weights with trained-like modulation scales (`bench_weights`), a
+  request's inputs (`flux_inputs`), and the relative error of an output (`relative_error`); and what the pipeline
+  benchmarks build from: a diffusers pipeline directory whose transformer has random weights (`save_pipeline_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mdtriton.build_tools.build import MODEL_INDEX
+from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families import family
+from mdtriton.families.flux.transformer import example_inputs
+from mdtriton.server import free_port
+
+# Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
+# O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
+MODULATION_SCALE = 0.1
+
+
+def bench_engine(architecture: str, config: dict, comm: Communicator, weights: dict[str, torch.Tensor],
+                 data_type: str, quantization: str | None = None, compiled: bool | None = None) -> TorchEngine:
+    """This rank's engine of the architecture from its weights (on its device), loaded as the server loads it:
+    TorchEngine.from_weights with the manifest the build writes for it. The engine takes the tensors and empties
+    `weights` (pass a copy of a dict that other models share). compiled: None compiles on GPUs only, as the server
+    does; True or False say so for a variant."""
+    model_family = family(architecture)
+    inputs, outputs = model_family.signature(config, data_type)
+    manifest = Manifest(model_family.name, config, comm.plan, data_type, inputs, outputs, quantization=quantization)
+    return TorchEngine.from_weights(manifest, comm, weights, compile=compiled)
+
+
+def is_modulation(name: str) -> bool:
+    """Whether a FLUX weight is a modulation (adaptive norm) linear's, whose outputs are shifts, scales and gates."""
+    return ".linear." in name and ("norm1" in name or ".norm." in name or name.startswith("norm_out."))
+
+
+def bench_weights(config: dict, plan: ParallelPlan, rank: int, device: torch.device, dtype: torch.dtype,
+                  quantization: str | None) -> dict[str, torch.Tensor]:
+    """Rank's random FLUX weights (seed 0: the same full model for every plan) with trained-like modulation scales."""
+    weights = random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype, quantization=quantization)
+    return {name: t * MODULATION_SCALE if is_modulation(name) else t for name, t in weights.items()}
+
+
+def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid; bf16 on
+    GPUs, float32 on CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {name: t.to(device) for name, t in example_inputs(config, text_tokens, image_tokens, dtype).items()}
+
+
+def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
+    """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
+    if world_size == 1:
+        return {"1 GPU": ParallelPlan()}
+    plans = {}
+    for method in methods:
+        if method == "tp":
+            plans[method] = ParallelPlan(tp_size=world_size)
+        elif method == "tp_cp":
+            if world_size >= 4 and world_size % 2 == 0:
+                plans[method] = ParallelPlan(tp_size=2, cp_size=world_size // 2, cp_method="ulysses")
+        else:
+            plans[method] = ParallelPlan(cp_size=world_size, cp_method=method)
+    return plans
+
+
+def attention_flops(tokens: int, config: dict) -> float:
+    """FLOPs of one block's attention over tokens: 4 S^2 heads head_dim."""
+    return 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - b|| / ||b||: bf16 rounds each element to 2-3 digits, so the norm, not single elements, measures a plan."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[float], object]:
+    """Milliseconds of each timed call (CUDA events on GPU; ranks lined up by a barrier first), and the last result."""
+    times = []
+    for i in range(warmup + iterations):
+        if dist.is_initialized():
+            dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            began = time.perf_counter()
+        result = call()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            elapsed = (time.perf_counter() - began) * 1000
+        if i >= warmup:
+            times.append(elapsed)
+    return times, result
+
+
+def timing(times: list[float]) -> dict[str, float]:
+    """The median and the minimum of time_calls' milliseconds, as every table reports them."""
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def init_rank(rank: int, world_size: int, port: int, cuda: bool, group_of_one: bool = False,
+              bind_device: bool = True, timeout_s: float | None = None) -> torch.device:
+    """Begin a rank process of run_ranks: its device (GPU `rank`, made current, or the CPU) and, for more than one
+    rank, the default process group (NCCL on GPUs, gloo on CPU) at 127.0.0.1:port. group_of_one: a group for one rank
+    too (xfuser needs one); bind_device: bind NCCL to the device at init (xfuser's new_group() calls fail when it is);
+    timeout_s: the group's collective timeout (torch's default if None)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 or group_of_one:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
+                                device_id=device if cuda and bind_device else None,
+                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+    return device
+
+
+def run_ranks(entry, world_size: int, args: tuple, time_limit: float = 0) -> str | None:
+    """Run entry(rank, world_size, port, *args) in world_size new processes (spawned: CUDA cannot fork), which begin
+    with init_rank(rank, world_size, port, ...); stop them all after time_limit seconds (0: no limit). Returns what went
+    wrong, or None."""
+    context = mp.start_processes(entry, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + time_limit if time_limit else None
+    try:
+        while not context.join(timeout=5):
+            if deadline and time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                return f"{world_size} rank(s): stopped after the time limit of {time_limit:g} s"
+    except Exception as error:  # noqa: BLE001 - a rank died: join has ended the others
+        print(error, file=sys.stderr, flush=True)  # the rank's traceback
+        return f"{world_size} rank(s): a rank failed: {str(error).strip().splitlines()[-1]}"
+    return None
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table: the header's cells, then each row's cells (already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
+    """A diffusers pipeline directory of components (each saved by its save_pretrained), whose transformer/ holds only
+    its config: what `mdtriton build --architecture NAME-pipeline --weights DIR` builds from with random transformer
+    weights. index: model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class]
+    and any other); the components' entries are added."""
+    index = dict(index)
+    for name, component in components.items():
+        component.save_pretrained(directory / name)
+        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
+                                                                       **transformer_config}))
+    (directory / MODEL_INDEX).write_text(json.dumps(index))
+    return directory
+
+
+def write_results(output_dir: Path, text: str, data: dict) -> None:
+    """A run's tables (results.md, as printed) and its rows (results.json) in output_dir."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.md").write_text(text)
+    (output_dir / "results.json").write_text(json.dumps(data, indent=1))
