@@ -21,20 +21,22 @@ GIB = 1 << 30
 
 
 def test_fp8_linear_is_the_product_within_e4m3_rounding():
-    # On the GPU where there is one (FP8 engines run there): torch 2.11's CPU backend scales FP8 GEMMs per tensor
-    # only, and refuses these per-row scales (torch 2.13's runs them).
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # On the GPU where there is one (FP8 engines run there), with bf16 activations as an engine's: torch 2.11's CPU
+    # backend scales FP8 GEMMs per tensor only, and refuses these per-row scales (torch 2.13's runs them), and its
+    # CUDA backend adds no bias to a float32 output.
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     generator = torch.Generator().manual_seed(0)
     weight, x, bias = (torch.randn(shape, generator=generator).to(device) for shape in ((96, 64), (3, 5, 64), (96,)))
     values, scale = quantize_weight(weight)
     assert values.dtype == FP8_DTYPE and scale.shape == (96,)
     assert relative_error(values.float() * scale[:, None], weight) < 0.04  # 3 mantissa bits: ~2.5% per element
-    out = fp8_linear(x, values, scale, bias)
-    assert out.shape == (3, 5, 96)
-    assert relative_error(out, x @ weight.T + bias) < 0.05
+    out = fp8_linear(x.to(dtype), values, scale, bias.to(dtype))
+    assert out.shape == (3, 5, 96) and out.dtype == dtype
+    assert relative_error(out.float(), x @ weight.T + bias) < 0.05
     # A zero row (all-zero activations happen: padding) gives zeros, not NaN.
-    zeros = torch.zeros(2, 64, device=device)
-    assert torch.equal(fp8_linear(zeros, values, scale, None), torch.zeros(2, 96, device=device))
+    zeros = torch.zeros(2, 64, device=device, dtype=dtype)
+    assert torch.equal(fp8_linear(zeros, values, scale, None), torch.zeros(2, 96, device=device, dtype=dtype))
 
 
 def test_each_rank_quantizes_its_own_shard():
