@@ -156,8 +156,8 @@ class AdapterWeights:
             return
         self._drop_unused(keep=set(scales))
         updates: dict[nn.Parameter, list[tuple[Update, float]]] = {}
-        for name, adapter in adapters.items():
-            for update in adapter.updates:
+        for name in sorted(adapters):  # one order, so that the same adapters merge to the same bits whatever the JSON's
+            for update in adapters[name].updates:
                 updates.setdefault(update.piece.weight, []).append((update, float(scales[name])))
         self.merged = ()
         try:

@@ -4,6 +4,7 @@ joined), all with seeded random factors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -53,3 +54,36 @@ def kohya_lora(path: Path, transformer: nn.Module, seed: int, rank: int, alpha: 
         tensors[f"{key}.alpha"] = torch.tensor(alpha)
     save_file(tensors, path)
     return path
+
+
+def with_adapters(pipeline, files: dict[str, Path], scales: dict[str, float]):
+    """A diffusers pipeline with each adapter loaded under its name and set to its scale (diffusers' own way: the
+    reference our images must equal), its progress bar off."""
+    pipeline.set_progress_bar_config(disable=True)
+    for name in scales:
+        pipeline.load_lora_weights(str(files[name]), adapter_name=name)
+    pipeline.set_adapters(list(scales), list(scales.values()))
+    return pipeline
+
+
+def loras_input(inputs: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A pipeline engine's request inputs with the `loras` input naming these adapters (none: the inputs as they are)."""
+    from mdtriton.pipeline.prompts import prompt_tensor
+
+    if not scales:
+        return inputs
+    return {**inputs, "loras": torch.from_numpy(prompt_tensor([json.dumps(scales)], "loras"))}
+
+
+def rank_engine(rank: int, engine_dir: str, directory: str):
+    """This gloo rank's pipeline engine (tests.distributed.run_ranks has made the process group), whose requests may
+    name the adapters in directory."""
+    from mdtriton.engine.comm import Communicator
+    from mdtriton.engine.manifest import Manifest
+    from mdtriton.engine.serving import load_engine
+    from mdtriton.lora.directory import AdapterSettings
+
+    manifest = Manifest.read(engine_dir)
+    comm = Communicator(manifest.plan, rank, torch.device("cpu"))
+    comm.join_groups()
+    return load_engine(engine_dir, manifest, comm, AdapterSettings(directory))

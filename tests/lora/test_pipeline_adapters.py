@@ -17,16 +17,15 @@ from diffusers import FluxPipeline
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
-from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import check_request, load_engine
-from mdtriton.lora.directory import AdapterSettings, adapters_dir
+from mdtriton.engine.serving import check_request
+from mdtriton.lora.directory import adapters_dir
 from mdtriton.lora.repository import add_adapter
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.distributed import run_ranks
-from tests.lora.adapters import diffusers_lora, kohya_lora
+from tests.lora.adapters import diffusers_lora, kohya_lora, loras_input, rank_engine, with_adapters
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
 from tests.pipeline.test_flux_pipeline_engine import request
 
@@ -41,21 +40,9 @@ PLANS = {
 }
 
 
-def with_loras(inputs: dict[str, torch.Tensor], loras: dict[str, float]) -> dict[str, torch.Tensor]:
-    if not loras:
-        return inputs
-    import json
-
-    return {**inputs, "loras": torch.from_numpy(prompt_tensor([json.dumps(loras)], "loras"))}
-
-
 def adapted_reference_image(pipeline_dir, files: dict, scales: dict[str, float]) -> np.ndarray:
     """diffusers' FluxPipeline image with each adapter loaded under its name and set to its scale."""
-    pipeline = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True)
-    pipeline.set_progress_bar_config(disable=True)
-    for name in scales:
-        pipeline.load_lora_weights(str(files[name]), adapter_name=name)
-    pipeline.set_adapters(list(scales), list(scales.values()))
+    pipeline = with_adapters(FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True), files, scales)
     images = pipeline(PROMPTS, height=SIZE[0], width=SIZE[1], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                       generator=torch.Generator().manual_seed(SEED), output_type="np").images
     return (images * 255).round().astype(np.uint8)
@@ -63,12 +50,9 @@ def adapted_reference_image(pipeline_dir, files: dict, scales: dict[str, float])
 
 def run_requests(rank: int, world_size: int, engine_dir: str, directory: str) -> list[np.ndarray]:
     """On one rank: REQUESTS' images, in order."""
-    manifest = Manifest.read(engine_dir)
-    comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-    comm.join_groups()
-    engine = load_engine(engine_dir, manifest, comm, AdapterSettings(directory))
+    engine = rank_engine(rank, engine_dir, directory)
     inputs = request(PROMPTS, *SIZE, STEPS, GUIDANCE, SEED)
-    return [engine.forward(with_loras(inputs, loras))["image"].numpy() for _, loras in REQUESTS]
+    return [engine.forward(loras_input(inputs, loras))["image"].numpy() for _, loras in REQUESTS]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ and the server keeps serving; a removed adapter is refused from the next request
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from mdtriton.client.pipeline import generate
 from tests.lora.adapters import diffusers_lora
 from tests.lora.test_pipeline_adapters import adapted_reference_image
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
+from tests.pipeline.test_served_pipeline import post
 
 PROMPT, SIZE, STEPS, GUIDANCE, SEED = "a red cat with a sign", (48, 80), 4, 3.5, 7
 MIXED = {"style": 0.7, "detail": -0.5}
@@ -48,12 +50,12 @@ def served(tmp_path_factory):
     serve = subprocess.Popen([sys.executable, "-m", "mdtriton.cli", "serve", str(repository)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        address, deadline = None, time.monotonic() + 180
-        while address is None and time.monotonic() < deadline:
-            match = re.search(r"ready: gRPC (\S+)", serve.stdout.readline())
-            address = match.group(1) if match else None
-        assert address, "serve never printed its gRPC address"
-        yield address, repository, pipeline_dir, files, root
+        match, deadline = None, time.monotonic() + 180
+        while match is None and time.monotonic() < deadline:
+            match = re.search(r"ready: gRPC (\S+)  HTTP (\S+)", serve.stdout.readline())
+        assert match, "serve never printed its addresses"
+        address, http_address = match.groups()
+        yield address, repository, pipeline_dir, files, root, http_address
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=120)
@@ -65,7 +67,7 @@ def image(address: str, loras=None) -> np.ndarray:
 
 @pytest.mark.timeout(600)
 def test_adapters_added_to_a_running_server_serve_the_next_request(served):
-    address, repository, pipeline_dir, files, root = served
+    address, repository, pipeline_dir, files, root, http_address = served
     base = image(address)
     expected_base = reference_image(pipeline_dir, [PROMPT], *SIZE, STEPS, GUIDANCE, SEED)[0]
     assert max_level_difference(base, expected_base) <= 1
@@ -85,6 +87,12 @@ def test_adapters_added_to_a_running_server_serve_the_next_request(served):
     expected_mixed = adapted_reference_image(pipeline_dir, files, MIXED)[0]
     assert max_level_difference(mixed, expected_mixed) <= 1
     assert max_level_difference(expected_mixed, expected_base) > 8
+    # Triton's /generate over HTTP/JSON: the adapters as a JSON string.
+    status, answer = post(f"http://{http_address}/v2/models/flux/generate",
+                          {"prompt": PROMPT, "height": SIZE[0], "width": SIZE[1], "num_inference_steps": STEPS,
+                           "seed": SEED, "loras": json.dumps(MIXED)})
+    assert status == 200, answer
+    assert np.array_equal(np.array(answer["image"], np.uint8).reshape(*SIZE, 3), mixed)
 
     # Requests with other adapters, sent together, never share a forward: each gets its own image (the base one and
     # the mixed one exactly as before: the base weights are put back, the same merge gives the same weights).
@@ -107,7 +115,7 @@ def test_adapters_added_to_a_running_server_serve_the_next_request(served):
     ('{"style": 0.5', "loras is not JSON"),
 ])
 def test_bad_adapter_requests_get_invalid_argument_and_the_server_serves_on(served, loras, message):
-    address, *_ = served
+    address = served[0]
     from mdtriton.client import pipeline
 
     inputs = pipeline.pipeline_inputs([PROMPT], *SIZE, STEPS, GUIDANCE, SEED)
@@ -120,7 +128,7 @@ def test_bad_adapter_requests_get_invalid_argument_and_the_server_serves_on(serv
 
 @pytest.mark.timeout(300)
 def test_a_removed_adapter_is_refused_from_the_next_request_on(served, tmp_path):
-    address, repository, _, files, _ = served
+    address, repository, _, files, *_ = served
     assert mdtriton("lora", "add", str(repository), "flux", str(files["style"]), "--name", "gone").returncode == 0
     assert image(address, {"gone": 1.0}).std() > 10
     removed = mdtriton("lora", "remove", str(repository), "flux", "gone")

@@ -5,8 +5,6 @@ request without adapters after them gets exactly the base video."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -14,15 +12,11 @@ from diffusers import WanPipeline
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
-from mdtriton.engine.comm import Communicator
-from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.serving import load_engine
-from mdtriton.lora.directory import AdapterSettings, adapters_dir
+from mdtriton.lora.directory import adapters_dir
 from mdtriton.lora.repository import add_adapter
-from mdtriton.pipeline.prompts import prompt_tensor
 from tests.distributed import run_ranks
-from tests.lora.adapters import diffusers_lora
+from tests.lora.adapters import diffusers_lora, loras_input, rank_engine, with_adapters
 from tests.pipeline.pipelines import max_level_difference
 from tests.pipeline.test_wan_pipeline import GOOD, request
 from tests.pipeline.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
@@ -34,11 +28,7 @@ PLANS = {"one": ParallelPlan(), "tp2": ParallelPlan(tp_size=2), "ulysses2": Para
 
 
 def adapted_reference_video(pipeline_dir, files: dict) -> np.ndarray:
-    pipeline = WanPipeline.from_pretrained(pipeline_dir, local_files_only=True)
-    pipeline.set_progress_bar_config(disable=True)
-    for name in SCALES:
-        pipeline.load_lora_weights(str(files[name]), adapter_name=name)
-    pipeline.set_adapters(list(SCALES), list(SCALES.values()))
+    pipeline = with_adapters(WanPipeline.from_pretrained(pipeline_dir, local_files_only=True), files, SCALES)
     frames = pipeline(PROMPTS, height=GOOD["height"], width=GOOD["width"], num_frames=GOOD["num_frames"],
                       num_inference_steps=GOOD["num_inference_steps"], guidance_scale=GOOD["guidance_scale"],
                       generator=torch.Generator().manual_seed(GOOD["seed"]), output_type="np").frames
@@ -47,13 +37,9 @@ def adapted_reference_video(pipeline_dir, files: dict) -> np.ndarray:
 
 def run_videos(rank: int, world_size: int, engine_dir: str, directory: str) -> list[np.ndarray]:
     """Base, adapted, base videos on one rank."""
-    manifest = Manifest.read(engine_dir)
-    comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-    comm.join_groups()
-    engine = load_engine(engine_dir, manifest, comm, AdapterSettings(directory))
+    engine = rank_engine(rank, engine_dir, directory)
     inputs = request(PROMPTS, **GOOD)
-    adapted = {**inputs, "loras": torch.from_numpy(prompt_tensor([json.dumps(SCALES)], "loras"))}
-    return [engine.forward(each)["video"].numpy() for each in (inputs, adapted, inputs)]
+    return [engine.forward(each)["video"].numpy() for each in (inputs, loras_input(inputs, SCALES), inputs)]
 
 
 @pytest.mark.timeout(600)
