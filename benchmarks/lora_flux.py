@@ -18,7 +18,8 @@ factors random at about 1% of the weights. Two parts, one device call each:
   `a` and `b` added with `mdtriton.lora.repository.add_adapter` while it runs (diffusers-format files); 1024x1024
   images, 28 steps, over unary gRPC: without adapters, with `a` (its first request reads it), again, switched to `b`,
   back to `a`, back to none; how far each image is from the first of its kind (no difference: the merge and the
-  base weights put back change nothing else).
+  base weights put back change nothing else). Then, the server gone, diffusers' FluxPipeline with the served
+  transformer's weights, eager: an image without an adapter, with `a` by peft (unfused), `fuse_lora`, fused.
 
     python benchmarks/lora_flux.py --part forward --workdir /tmp/lora
     python benchmarks/lora_flux.py --part served --workdir /tmp/lora
@@ -48,7 +49,8 @@ from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.engine import TorchEngine  # noqa: E402
 from mdtriton.harness import bench_engine, flux_inputs, markdown_table, relative_error, time_calls  # noqa: E402
 from mdtriton.engine.layers import ParallelLinear  # noqa: E402
-from mdtriton.engine.manifest import EngineLimits  # noqa: E402
+from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
+from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.modules import meta_module  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG  # noqa: E402
@@ -228,6 +230,37 @@ def free_gib(device: torch.device) -> str:
     return f"{torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB" if device.type == "cuda" else ""
 
 
+def diffusers_images(args, device: torch.device, pipeline_dir: Path, transformer_dir: Path, workdir: Path,
+                     prompt: str) -> list[tuple[str, float, str]]:
+    """diffusers' FluxPipeline, eager, with the served transformer's weights, after the server has gone: an image
+    without an adapter, with `a` loaded by peft (unfused), `fuse_lora`, with `a` fused; each image after one untimed."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    manifest = Manifest.read(transformer_dir)
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**manifest.config)
+    transformer.load_state_dict(load_file(manifest.weight_file(transformer_dir, 0), device=str(device)), assign=True)
+    pipeline = FluxPipeline.from_pretrained(pipeline_dir, transformer=transformer.to(dtype), torch_dtype=dtype,
+                                            local_files_only=True).to(device)
+    pipeline.set_progress_bar_config(disable=True)
+
+    def image_ms() -> float:
+        call = partial(pipeline, prompt, height=args.size, width=args.size, num_inference_steps=args.steps,
+                       guidance_scale=3.5, generator=torch.Generator().manual_seed(0), output_type="np")
+        return time_calls(call, device.type == "cuda", 1, 1)[0][0]
+
+    rows = [("diffusers FluxPipeline eager, image without an adapter", image_ms(), "")]
+    pipeline.load_lora_weights(str(workdir / "a-diffusers.safetensors"), adapter_name="a")
+    rows.append(("diffusers FluxPipeline eager, image with a (peft, unfused)", image_ms(), ""))
+    fuse_ms = time_calls(partial(pipeline.fuse_lora, lora_scale=1.0, adapter_names=["a"]), device.type == "cuda",
+                         0, 1)[0][0]
+    rows.append(("diffusers fuse_lora(a)", fuse_ms, ""))
+    rows.append(("diffusers FluxPipeline eager, image with a fused", image_ms(), ""))
+    return rows
+
+
 def served_part(args, device: torch.device, workdir: Path) -> None:
     from safetensors.torch import save_file
 
@@ -244,9 +277,10 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
         torch.cuda.empty_cache()  # this process's share of the GPU, so that the server's shows
     dtype = torch.float32 if args.tiny else torch.bfloat16
     repository = workdir / "repository-served"
-    build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(), "FP32" if args.tiny else "BF16",
-                        "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir, progress=False,
-                        limits=EngineLimits(max_tokens=1 << 20), random_transformer=True, random_device=device.type)
+    version = build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(),
+                                  "FP32" if args.tiny else "BF16", "gpu" if device.type == "cuda" else "cpu",
+                                  weights_path=pipeline_dir, progress=False, limits=EngineLimits(max_tokens=1 << 20),
+                                  random_transformer=True, random_device=device.type)
     rows, images = [], {}  # images by their adapter (None: none)
     with TritonServer(repository, log_file=workdir / "server-lora.log") as server:
         def image(loras):
@@ -267,6 +301,7 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
             elapsed, picture = image(loras)
             images.setdefault(loras and next(iter(loras)), []).append(picture)
             rows.append((f"image, adapters: {label}", elapsed, free_gib(device)))
+    rows += diffusers_images(args, device, pipeline_dir, version / ENGINE_DIR / "transformer", workdir, PROMPT)
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\nFLUX.1-dev pipeline size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank "
           f"(BF16), unary gRPC, {args.size}x{args.size}, {args.steps} steps, {where}; adapters of rank {args.rank} on "
