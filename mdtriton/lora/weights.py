@@ -121,16 +121,16 @@ def row_parallel_pieces(layer: RowParallelLinear) -> tuple[Piece, ...]:
     return tuple(pieces)
 
 
-def split_factors(location: Location, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  dtype: torch.dtype) -> list[tuple[Piece, torch.Tensor, torch.Tensor]]:
-    """This rank's factors of each piece of a module: A split by the layer's input segments, B by its output
-    segments (take_shard, as the weights were split)."""
+def split_factors(location: Location, lora_a: torch.Tensor, lora_b: torch.Tensor, dtype: torch.dtype,
+                  device: torch.device) -> list[tuple[Piece, torch.Tensor, torch.Tensor]]:
+    """This rank's factors of each piece of a module, on device: A split by the layer's input segments, B by its
+    output segments (take_shard, as the weights were split); the pieces of one module share its B."""
     if location.a_segments is not None:
         lora_a = take_shard(lora_a, 1, location.a_segments, location.tp_rank, location.tp_size)
     if location.b_segments is not None:
         lora_b = take_shard(lora_b, 0, location.b_segments, location.tp_rank, location.tp_size)
-    return [(piece, lora_a[:, piece.columns].to(dtype).contiguous(), lora_b.to(dtype).contiguous())
-            for piece in location.pieces]
+    lora_b = lora_b.to(device, dtype).contiguous()
+    return [(piece, lora_a[:, piece.columns].to(device, dtype).contiguous(), lora_b) for piece in location.pieces]
 
 
 class AdapterWeights:
@@ -186,9 +186,10 @@ class AdapterWeights:
             updates = []
             for module, factors in read_adapter(path).items():
                 for piece, lora_a, lora_b in split_factors(locate(self.model, module), factors.lora_a,
-                                                           factors.lora_b, self.dtype):
-                    updates.append(Update(piece, lora_a.to(self.device), lora_b.to(self.device), factors.scaling))
-            size = sum(update.lora_a.nbytes + update.lora_b.nbytes for update in updates)
+                                                           factors.lora_b, self.dtype, self.device):
+                    updates.append(Update(piece, lora_a, lora_b, factors.scaling))
+            factors_on_device = {id(t): t for update in updates for t in (update.lora_a, update.lora_b)}
+            size = sum(t.nbytes for t in factors_on_device.values())
             adapter = LoadedAdapter(identity, tuple(updates), size)
             self.loaded[name] = adapter
         self.loaded.move_to_end(name)
