@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.grpc_client import Client
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.crashing_family import POISON
@@ -196,6 +197,6 @@ def test_a_rank_whose_worker_keeps_dying_is_given_up_and_requests_fail_fast_nami
         assert "rank 1's worker died 3 times within 600 s" in outcome.message, outcome.message
         assert "reload the model" in outcome.message, outcome.message
     assert rank_workers(server.process.pid) == {name: [] for name in stubs}  # no worker holds memory for nothing
-    client.unload_model(MODEL)
+    Client(server.grpc_address).unload(MODEL)  # returns once Triton has finished unloading
     client.load_model(MODEL)
     assert wait_for_an_answer(client, reference, time.monotonic()) < HEALED_WITHIN_S

@@ -16,6 +16,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.grpc_client import Client
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
 from tests.backend.test_rank_faults import one_worker_per_rank, wait_for_an_answer
@@ -93,7 +94,7 @@ def test_gpu_reload_cycles_give_the_memory_back(two_gpus, tmp_path, rendezvous_r
         client.load_model(MODEL)
         assert len(wait_for_stubs(server.process.pid, 2)) == 2
         assert all(ask(client, MODEL, reference, i).right for i in range(3)), f"cycle {cycle}"
-        client.unload_model(MODEL)
+        Client(server.grpc_address).unload(MODEL)  # returns once Triton has finished unloading
         assert wait_for_stubs(server.process.pid, 0) == {}
         freed = free_gpu_memory()
         print(f"cycle {cycle}: free GPU memory {[f / 2**20 for f in freed]} MiB (before: {[f / 2**20 for f in free_before]})")

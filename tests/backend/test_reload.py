@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.grpc_client import Client
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
@@ -38,7 +39,7 @@ def test_load_unload_cycles_answer_right_and_leak_nothing(tmp_path, rendezvous_r
         assert all(o.status is None and o.right for o in outcomes), f"cycle {cycle}: {outcomes}"
         workers = {pid for pids in rank_workers(server_pid).values() for pid in pids}
         assert len(workers) == 2, f"cycle {cycle}: workers {rank_workers(server_pid)}"
-        client.unload_model("tiny")
+        Client(server.grpc_address).unload("tiny")  # returns once Triton has finished unloading
         assert wait_for_stubs(server_pid, 0) == {}, f"cycle {cycle}: stubs left after unload"
         assert still_running(workers, 10) == set(), f"cycle {cycle}: workers left after unload"
         assert not client.is_model_ready("tiny")
