@@ -340,7 +340,10 @@ class JobRunner:
         Every rank computes the full outputs from the same inputs, in the same fresh buffers, so they should agree;
         but nothing in the engine promises that every rank's last bits agree (a kernel may pick another algorithm
         on another rank's data layout or device). So rank 0's outputs are the answer: when another rank received
-        the request, rank 0 broadcasts them (every rank knows the origin, so all take part or none do)."""
+        the request, rank 0 broadcasts them (every rank knows the origin, so all take part or none do). The outputs must
+        be on this rank's device (mdtriton.engine.comm, the device contract), whichever rank answers: checked here for
+        every job, so an engine that breaks the contract fails every request, not only those another rank received."""
+        self.comm.check_device("the answer", *outputs.values())
         if origin == ANSWERING_RANK:
             return outputs
         with torch.inference_mode():  # the engine's outputs are inference tensors; the broadcast writes into them

@@ -149,7 +149,7 @@ def main() -> int:
                    **{name: torch.tensor([value]) for name, value in clip.items()}}
         in_process = seconds(lambda: engine.forward(request), device)
         in_process = min(in_process, seconds(lambda: engine.forward(request), device))
-        again = engine.forward(request)["video"].numpy()
+        again = engine.forward(request)["video"].cpu().numpy()
         pipeline = engine.pipeline
         with torch.inference_mode():
             encode = seconds(lambda: pipeline.encode_prompt(PROMPT, do_classifier_free_guidance=True,

@@ -8,6 +8,11 @@ collective is a no-op when its group has one rank, so the same model code runs o
 
 A collective that fails (a peer exited, stopped past the timeout, or left) raises CommunicationError:
 the groups cannot be used again, and the caller must disconnect and form a new generation.
+
+The device contract: every tensor handed to a collective lives on this rank's device (`Communicator.device`), the
+only memory NCCL can send; gloo would take host memory too, so CPU ranks would hide a host tensor that GPU ranks
+refuse. Each collective checks it before this rank enters it (CollectiveInputError, a programming error: no peer is
+left waiting and the groups stay usable). Engines keep to it by answering on their device (mdtriton.engine.engine).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from mdtriton.engine.plan import ParallelPlan
 
 class CommunicationError(RuntimeError):
     """A collective failed: a peer rank exited, stopped or left, or the collective timed out."""
+
+
+class CollectiveInputError(TypeError):
+    """A programming error: a collective was handed a tensor that is not on this rank's device. Raised before this
+    rank enters the collective, so the peers and the groups are unaffected."""
 
 
 def first_sentence(error: Exception) -> str:
@@ -64,6 +74,15 @@ class Communicator:
             yield
         finally:
             self._rehearsing = False
+
+    def check_device(self, what: str, *tensors: torch.Tensor) -> None:
+        """The device contract (module docstring): refuse, before the collective, a tensor on another device."""
+        for tensor in tensors:
+            if tensor.device.type != self.device.type or (self.device.index is not None
+                                                          and tensor.device.index != self.device.index):
+                raise CollectiveInputError(
+                    f"{what} on rank {self.rank} was handed a tensor on {tensor.device}; this rank's collectives take "
+                    f"tensors on {self.device} only (NCCL cannot send host memory): move it there first")
 
     def _timed(self):
         return self.collective_timer() if self.collective_timer is not None else nullcontext()
@@ -163,6 +182,7 @@ class Communicator:
             return x.unsqueeze(0)
         if self._rehearsing:
             return torch.stack([x] * self.cfg_size)
+        self.check_device("guidance all-gather", x)
         out = torch.empty((self.cfg_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         with self._collective("guidance all-gather"):
             dist.all_gather_into_tensor(out, x.contiguous(), group=self._cfg_group)
@@ -179,6 +199,7 @@ class Communicator:
         # Eager inside compiled regions (a graph break): the regions between collectives are what compiles.
         if self._rehearsing:
             return
+        self.check_device("tensor-parallel all-reduce", x)
         with self._collective("tensor-parallel all-reduce"):
             dist.all_reduce(x, group=self._tp_group)
 
@@ -188,6 +209,7 @@ class Communicator:
             return x
         if self._rehearsing:
             return torch.cat([x] * self.cp_size, dim=dim)
+        self.check_device("context-parallel all-gather", x)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.cp_size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         with self._collective("context-parallel all-gather"):
@@ -198,6 +220,7 @@ class Communicator:
         """The sum of x over the context-parallel group (a new tensor; x as it is with one context-parallel rank)."""
         if self.cp_size == 1 or self._rehearsing:
             return x
+        self.check_device("context-parallel all-reduce", x)
         total = x.clone()
         with self._collective("context-parallel all-reduce"):
             dist.all_reduce(total, group=self._cp_group)
@@ -210,6 +233,7 @@ class Communicator:
         chunks = [c.contiguous() for c in x.chunk(self.cp_size, dim=scatter_dim)]
         if self._rehearsing:
             return torch.cat([chunks[0]] * self.cp_size, dim=gather_dim)
+        self.check_device("context-parallel all-to-all", x)
         received = [torch.empty_like(c) for c in chunks]
         with self._collective("context-parallel all-to-all"):
             dist.all_to_all(received, chunks, group=self._cp_group)
@@ -226,6 +250,7 @@ class Communicator:
         received = [torch.empty_like(t) for t in tensors]
         if self._rehearsing:
             return received, []
+        self.check_device("context-parallel ring shift", *tensors)
         ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
         with self._collective("context-parallel ring shift"):
@@ -243,6 +268,7 @@ class Communicator:
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
         if self.plan.world_size > 1 and not self._rehearsing:
+            self.check_device(f"broadcast from rank {src}", x)
             with self._collective(f"broadcast from rank {src}"):
                 dist.broadcast(x, src=src)
         return x

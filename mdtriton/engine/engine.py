@@ -41,7 +41,8 @@ class Engine(ABC):
 
     @abstractmethod
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run the model on inputs (by name); all ranks call this together, in the same order."""
+        """Run the model on inputs (by name); all ranks call this together, in the same order. The outputs are on the
+        communicator's device (mdtriton.engine.comm, the device contract): the backend may broadcast them."""
 
 
 class TorchEngine(Engine):

@@ -178,7 +178,8 @@ class PipelinePart(ABC):
 
     @abstractmethod
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
-        """The served outputs of the pipeline's result (called with output_type "pt")."""
+        """The served outputs of the pipeline's result (called with output_type "pt"), on the pipeline's device: an
+        engine answers on its communicator's device (mdtriton.engine.comm, the device contract)."""
 
     @abstractmethod
     def transformer(self, engine: TorchEngine, pipeline: Any) -> nn.Module:

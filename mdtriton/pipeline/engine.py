@@ -104,7 +104,7 @@ class PipelineEngine(Engine):
         # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
         full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
                                   device=self.comm.device)
-        return {**self.part.outputs(result), "full_steps": self.comm.cfg_all_gather(full_steps)[0].cpu()}
+        return {**self.part.outputs(result), "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:

@@ -141,5 +141,6 @@ def largest_square(manifest: Manifest, text_tokens: int) -> int:
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[B, 3, H, W] in [0, 1] -> UINT8 [B, H, W, 3], rounded as diffusers' numpy_to_pil (in float32)."""
-    return (images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu()
+    """[B, 3, H, W] in [0, 1] -> UINT8 [B, H, W, 3], rounded as diffusers' numpy_to_pil (in float32),
+    on the images' device."""
+    return (images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8)

@@ -163,8 +163,8 @@ class WanPipelinePart(PipelinePart):
 
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"video": UINT8 [batch, frames, height, width, 3]} of WanPipeline's frames [batch, frames, 3, H, W] in
-        [0, 1], rounded as diffusers rounds images (in float32)."""
-        return {"video": (result.frames.float().permute(0, 1, 3, 4, 2) * 255).round().to(torch.uint8).cpu()}
+        [0, 1], rounded as diffusers rounds images (in float32), on the pipeline's device."""
+        return {"video": (result.frames.float().permute(0, 1, 3, 4, 2) * 255).round().to(torch.uint8)}
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         return EngineTransformer(engine, pipeline)
