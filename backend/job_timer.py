@@ -2,8 +2,9 @@
 long the job waited in that worker before it began (for the rank that received the request).
 
 The worker reports each job's split to its stub, which adds it to the rank's Prometheus counters
-(backend/metrics.py). Context-parallel ring attention overlaps its send/receive with attention compute; only
-the launch of those transfers counts as communication.
+(backend/metrics.py). The context-parallel attention methods start their transfers without waiting and overlap
+them with attention compute (mdtriton.engine.comm.Pending): what counts as communication is the time the job's
+stream waits for them.
 """
 
 from __future__ import annotations

@@ -49,7 +49,11 @@ def add_parser(subparsers) -> None:
                         help="architecture config as JSON, overriding the preset, or @FILE to read it from a file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
-    parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS)
+    parser.add_argument("--cp-method", default="allgather_kv", choices=CP_METHODS,
+                        help="how attention spans the context-parallel ranks (default allgather_kv); ulysses_ring: "
+                             "Ulysses inside groups of --ulysses neighbouring ranks, a ring across the groups")
+    parser.add_argument("--ulysses", type=int, default=1,
+                        help="Ulysses group size of --cp-method ulysses_ring (dividing --cp; the ring is --cp / this)")
     parser.add_argument("--cfg", type=int, default=1, choices=CFG_SIZES,
                         help="guidance parallelism: 2 runs a guiding pipeline's conditional and unconditional "
                              "transformer calls on two groups of tp x cp ranks at once (wan-pipeline; default 1)")
@@ -94,7 +98,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg)
+    plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg,
+                        ulysses_size=args.ulysses)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     limits = EngineLimits(args.max_batch_size, args.max_tokens or family(args.architecture).max_tokens)
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config

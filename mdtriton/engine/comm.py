@@ -57,7 +57,21 @@ class Communicator:
         self._tp_group = None
         self._cp_group = None
         self._cfg_group = None
-        self._cp_ranks = [ranks for ranks in plan.cp_group_ranks() if rank in ranks][0]
+        self._ulysses_group = None
+        self._ring_group = None
+        # The ranks of this rank's Ulysses group and ring, in order: ulysses_ring's subgroups of the context-parallel
+        # group; for ulysses and ring, the context-parallel group is the one that exchanges heads or passes blocks.
+        cp_ranks = [ranks for ranks in plan.cp_group_ranks() if rank in ranks][0]
+        match plan.cp_method:
+            case "ulysses_ring":
+                self._ulysses_ranks = [ranks for ranks in plan.ulysses_group_ranks() if rank in ranks][0]
+                self._ring_ranks = [ranks for ranks in plan.ring_group_ranks() if rank in ranks][0]
+            case "ulysses":
+                self._ulysses_ranks, self._ring_ranks = cp_ranks, [rank]
+            case "ring":
+                self._ulysses_ranks, self._ring_ranks = [rank], cp_ranks
+            case _:
+                self._ulysses_ranks = self._ring_ranks = [rank]
         # Optional hook: a callable returning a context manager wrapped around every collective (the
         # backend's metrics time them with it).
         self.collective_timer = None
@@ -120,7 +134,7 @@ class Communicator:
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-        self._tp_group = self._cp_group = self._cfg_group = None
+        self._tp_group = self._cp_group = self._cfg_group = self._ulysses_group = self._ring_group = None
 
     @contextmanager
     def _collective(self, what: str, timed: bool = True):
@@ -158,6 +172,17 @@ class Communicator:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 self._cfg_group = group
+        if plan.cp_method == "ulysses_ring":
+            for ranks in plan.ulysses_group_ranks():
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    self._ulysses_group = group
+            for ranks in plan.ring_group_ranks():
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    self._ring_group = group
+        else:
+            self._ulysses_group = self._ring_group = self._cp_group
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Communicator":
@@ -175,6 +200,21 @@ class Communicator:
     @property
     def cfg_size(self) -> int:
         return self.plan.cfg_size
+
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks that exchange heads by all-to-all (attention.ulysses); 1 for the methods that do not."""
+        return len(self._ulysses_ranks)
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks that pass key/value blocks around a ring (attention.ring); 1 for the methods that do not."""
+        return len(self._ring_ranks)
+
+    @property
+    def ring_rank(self) -> int:
+        """This rank's place in its ring: the block of the sequence it holds once its Ulysses group has exchanged."""
+        return self._ring_ranks.index(self.rank)
 
     def cfg_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[cfg_size, *x.shape]: x of every guidance group's rank at this rank's place, in guidance-rank order."""
@@ -226,44 +266,46 @@ class Communicator:
             dist.all_reduce(total, group=self._cp_group)
         return total
 
-    def cp_all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        """Split x into cp_size chunks along scatter_dim, send chunk i to rank i, concatenate along gather_dim."""
+    def cp_all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> "Pending":
+        """Start gathering every context-parallel rank's x into out ([cp_size, *x.shape], in rank order): x and out
+        contiguous. Read out only after the returned Pending's wait()."""
         if self.cp_size == 1:
-            return x
-        chunks = [c.contiguous() for c in x.chunk(self.cp_size, dim=scatter_dim)]
+            out[0].copy_(x)
+            return Pending(self, "context-parallel all-gather", [])
         if self._rehearsing:
-            return torch.cat([chunks[0]] * self.cp_size, dim=gather_dim)
-        self.check_device("context-parallel all-to-all", x)
-        received = [torch.empty_like(c) for c in chunks]
-        with self._collective("context-parallel all-to-all"):
-            dist.all_to_all(received, chunks, group=self._cp_group)
-        return torch.cat(received, dim=gather_dim)
+            return Pending(self, "context-parallel all-gather", [])
+        self.check_device("context-parallel all-gather", x, out)
+        with self._collective("context-parallel all-gather"):
+            work = dist.all_gather_into_tensor(out.view(-1, *x.shape[1:]), x, group=self._cp_group, async_op=True)
+        return Pending(self, "context-parallel all-gather", [work])
 
-    def cp_ring_shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
-        """Start sending tensors to the next context-parallel rank and receiving the previous rank's.
-
-        Returns the receive buffers and the pending works; `wait` on the works before reading them.
-        """
-        position = self._cp_ranks.index(self.rank)
-        send_to = self._cp_ranks[(position + 1) % self.cp_size]
-        recv_from = self._cp_ranks[(position - 1) % self.cp_size]
-        received = [torch.empty_like(t) for t in tensors]
+    def ulysses_all_to_all(self, out: torch.Tensor, x: torch.Tensor) -> "Pending":
+        """Start sending x[i] to rank i of the Ulysses group and receiving its x[this rank] into out[i] (x and out:
+        [ulysses_size, ...], contiguous). Read out only after the returned Pending's wait()."""
+        if self.ulysses_size == 1:
+            out.copy_(x)
+            return Pending(self, "Ulysses all-to-all", [])
         if self._rehearsing:
-            return received, []
-        self.check_device("context-parallel ring shift", *tensors)
-        ops = [dist.P2POp(dist.isend, t, send_to, group=self._cp_group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, recv_from, group=self._cp_group) for r in received]
-        with self._collective("context-parallel ring shift"):
+            return Pending(self, "Ulysses all-to-all", [])
+        self.check_device("Ulysses all-to-all", x, out)
+        with self._collective("Ulysses all-to-all"):
+            work = dist.all_to_all_single(out, x, group=self._ulysses_group, async_op=True)
+        return Pending(self, "Ulysses all-to-all", [work])
+
+    def ring_shift(self, send: torch.Tensor, receive: torch.Tensor) -> "Pending":
+        """Start sending `send` to the next rank of this rank's ring and receiving the previous rank's into `receive`
+        (one batched send/receive). Read `receive`, or write `send`, only after the returned Pending's wait()."""
+        if self._rehearsing:
+            return Pending(self, "ring shift", [])
+        self.check_device("ring shift", send, receive)
+        position = self._ring_ranks.index(self.rank)
+        send_to = self._ring_ranks[(position + 1) % self.ring_size]
+        receive_from = self._ring_ranks[(position - 1) % self.ring_size]
+        ops = [dist.P2POp(dist.isend, send, send_to, group=self._ring_group),
+               dist.P2POp(dist.irecv, receive, receive_from, group=self._ring_group)]
+        with self._collective("ring shift"):
             works = dist.batch_isend_irecv(ops)
-        return received, works
-
-    def wait(self, works: list) -> None:
-        """Wait for works returned by a collective of this communicator (e.g. cp_ring_shift).
-
-        Not timed as communication: ring attention overlaps these transfers with its compute."""
-        with self._collective("waiting for a context-parallel transfer", timed=False):
-            for work in works:
-                work.wait()
+        return Pending(self, "ring shift", works)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
@@ -272,3 +314,20 @@ class Communicator:
             with self._collective(f"broadcast from rank {src}"):
                 dist.broadcast(x, src=src)
         return x
+
+
+class Pending:
+    """Collectives started without waiting (async on NCCL's own stream, so compute can run meanwhile).
+
+    wait() makes the current stream wait for them on a GPU (no host sync), or waits for them on the CPU (gloo). The
+    wait is what the collective_timer hook times: the communication that compute did not hide."""
+
+    def __init__(self, comm: Communicator, what: str, works: list):
+        self._comm = comm
+        self._what = what
+        self._works = works
+
+    def wait(self) -> None:
+        with self._comm._collective(f"waiting for a {self._what}"):
+            for work in self._works:
+                work.wait()

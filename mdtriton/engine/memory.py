@@ -3,6 +3,8 @@ made before anything is allocated, with the tensor-parallel size that would fit 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mdtriton.engine.dtypes import TORCH_DTYPES
@@ -37,7 +39,7 @@ def fitting_tp_size(manifest: Manifest, memory_bytes: int) -> int | None:
     """The smallest tensor-parallel size (same context parallelism) whose ranks fit in memory_bytes, if any."""
     model_family = family(manifest.architecture)
     for tp_size in range(1, LARGEST_TP_SIZE + 1):
-        plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method, manifest.plan.cfg_size)
+        plan = replace(manifest.plan, tp_size=tp_size)
         try:
             model_family.check_plan(manifest.config, plan)
         except ValueError:
@@ -60,7 +62,7 @@ def check_fits(manifest: Manifest, gpu: int, memory_bytes: int, memory_kind: str
     if tp_size is None:
         advice = f"no tensor-parallel size up to {LARGEST_TP_SIZE} fits"
     else:
-        plan = ParallelPlan(tp_size, manifest.plan.cp_size, manifest.plan.cp_method, manifest.plan.cfg_size)
+        plan = replace(manifest.plan, tp_size=tp_size)
         per_gpu = rank_weight_bytes(manifest.architecture, manifest.config, plan, manifest.data_type,
                                     manifest.quantization)
         advice = f"build it with --tp {tp_size} ({per_gpu / GIB:.1f} GiB of weights per GPU) or more"

@@ -13,8 +13,6 @@ from tests.distributed import run_ranks
 from tests.engine.flux_cases import max_relative_error
 
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
-# Real tokens of the 2 x 5 padded sequence: none padded, padding inside rank 1's slice, rank 1 all padding.
-VALID_LENS = [10, 7, 4]
 
 
 def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -32,24 +30,42 @@ def expected_output(q, k, v, valid_len: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q[:, :, :valid_len], k[:, :, :valid_len], v[:, :, :valid_len])
 
 
+def plans(world_size: int) -> dict[str, ParallelPlan]:
+    """Every context-parallel method on world_size ranks (ulysses_ring where the world splits into 2 x 2 or more)."""
+    methods = {name: ParallelPlan(cp_size=world_size, cp_method=name) for name in ("allgather_kv", "ring", "ulysses")}
+    if world_size % 2 == 0 and world_size >= 4:
+        methods["ulysses_ring"] = ParallelPlan(cp_size=world_size, cp_method="ulysses_ring", ulysses_size=2)
+    return methods
+
+
 def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
     """On one rank: every CP method on this rank's slice of every case; outputs as numpy arrays."""
-    comm = Communicator(ParallelPlan(cp_size=world_size), rank, torch.device("cpu"))
-    comm.join_groups()
-    mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
-    return {name: [attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, valid_len).numpy()
-                   for q, k, v, valid_len in cases]
-            for name, attention in CP_ATTENTION.items()}
+    results = {}
+    for name, plan in plans(world_size).items():
+        if name == "ulysses" and HEADS % world_size:
+            continue
+        comm = Communicator(plan, rank, torch.device("cpu"))
+        comm.join_groups()
+        mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
+        results[name] = [CP_ATTENTION[name](q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, valid_len).numpy()
+                         for q, k, v, valid_len in cases]
+    return results
 
 
-def test_methods_on_two_ranks_match_plain_attention():
-    cases = [(*qkv_with_loud_padding(2, n, seed), n) for seed, n in enumerate(VALID_LENS)]
-    per_rank = run_ranks(2, run_methods, cases)
-    for name in CP_ATTENTION:
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_methods_match_plain_attention(world_size):
+    """Every method on 2, 3 and 4 ranks (Ulysses x Ring on 4), with no padding, padding inside the last rank's slice,
+    and whole ranks of padding."""
+    valid_lens = [world_size * LOCAL_LEN, world_size * LOCAL_LEN - 3, LOCAL_LEN - 1]
+    cases = [(*qkv_with_loud_padding(world_size, n, seed), n) for seed, n in enumerate(valid_lens)]
+    per_rank = run_ranks(world_size, run_methods, cases)
+    expected_methods = {name for name in plans(world_size) if not (name == "ulysses" and HEADS % world_size)}
+    assert set(per_rank[0]) == expected_methods
+    for name in expected_methods:
         for (q, k, v, valid_len), *outputs in zip(cases, *(results[name] for results in per_rank)):
             got = torch.cat([torch.from_numpy(out) for out in outputs], dim=2)[:, :, :valid_len]
             error = max_relative_error(got, expected_output(q, k, v, valid_len))
-            assert error < 1e-5, f"{name}, valid_len {valid_len}: error {error:.2e}"
+            assert error < 1e-5, f"{name} on {world_size} ranks, valid_len {valid_len}: error {error:.2e}"
 
 
 @pytest.mark.parametrize("name", sorted(CP_ATTENTION))

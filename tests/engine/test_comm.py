@@ -11,7 +11,8 @@ from mdtriton.engine.comm import CollectiveInputError, Communicator
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
 
-PLANS = {"tp": ParallelPlan(tp_size=2), "cp": ParallelPlan(cp_size=2), "cfg": ParallelPlan(cfg_size=2)}
+PLANS = {"tp": ParallelPlan(tp_size=2), "allgather_kv": ParallelPlan(cp_size=2), "cfg": ParallelPlan(cfg_size=2),
+         "ulysses": ParallelPlan(cp_size=2, cp_method="ulysses"), "ring": ParallelPlan(cp_size=2, cp_method="ring")}
 
 
 def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
@@ -21,7 +22,11 @@ def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
         collectives["tp_all_reduce"] = lambda: comm.tp_all_reduce(x)
     if comm.cp_size == 2:
         collectives.update(cp_all_gather=lambda: comm.cp_all_gather(x, 0), cp_all_reduce=lambda: comm.cp_all_reduce(x),
-                           cp_all_to_all=lambda: comm.cp_all_to_all(x, 0, 0), cp_ring_shift=lambda: comm.cp_ring_shift([x]))
+                           cp_all_gather_into=lambda: comm.cp_all_gather_into(torch.empty(2, 4), x))
+    if comm.ulysses_size == 2:
+        collectives["ulysses_all_to_all"] = lambda: comm.ulysses_all_to_all(torch.empty_like(x), x)
+    if comm.ring_size == 2:
+        collectives["ring_shift"] = lambda: comm.ring_shift(x, torch.empty_like(x))
     if comm.cfg_size == 2:
         collectives["cfg_all_gather"] = lambda: comm.cfg_all_gather(x)
     return collectives
@@ -46,7 +51,7 @@ def _refusals_on_gpu_ranks(rank: int, world_size: int, plan: ParallelPlan) -> di
 
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_a_host_tensor_is_refused_by_gpu_ranks_before_the_collective(plan_name):
-    expected = {"tp": 2, "cp": 5, "cfg": 2}[plan_name]  # the broadcast and the plan group's collectives
+    expected = {"tp": 2, "allgather_kv": 4, "cfg": 2, "ulysses": 5, "ring": 5}[plan_name]  # broadcast + the plan's
     for rank, result in enumerate(run_ranks(2, _refusals_on_gpu_ranks, PLANS[plan_name])):
         assert result["sum after"] == 2.0
         assert len(result["refused"]) == expected

@@ -21,7 +21,8 @@ CP_METHODS = ("allgather_kv", "ring", "ulysses")
 PLANS = {
     2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
     4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
-       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS],
+       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS]
+       + [ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)],
 }
 
 

@@ -29,7 +29,8 @@ PLANS = {
     2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
     3: [ParallelPlan(cp_size=3, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=3)],
     4: [ParallelPlan(cp_size=4, cp_method=m) for m in ("allgather_kv", "ring")]
-       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in ("allgather_kv", "ring")],
+       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in ("allgather_kv", "ring")]
+       + [ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)],
 }
 
 

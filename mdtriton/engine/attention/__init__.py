@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from mdtriton.engine.attention import allgather_kv, local, ring, ulysses
+from mdtriton.engine.attention import allgather_kv, local, ring, ulysses, ulysses_ring
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 
@@ -24,6 +24,7 @@ CP_ATTENTION = {
     "allgather_kv": allgather_kv.attention,
     "ring": ring.attention,
     "ulysses": ulysses.attention,
+    "ulysses_ring": ulysses_ring.attention,
 }
 
 

@@ -1,15 +1,37 @@
-"""AllGather-KV context parallelism: gather every rank's keys and values, attend local queries over all."""
+"""AllGather-KV context parallelism: gather every rank's keys and values, attend local queries over all.
+
+The gather runs in head groups (as Ulysses' exchange does, attention.ulysses): every group's all-gather is started
+at once into one preallocated buffer, and each group's attention runs as soon as its keys and values have arrived,
+while the next group's are still in flight.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.attention.ulysses import head_groups
 from mdtriton.engine.comm import Communicator
 
 
 @torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Local queries over the whole sequence's keys and values (padding keys cut off)."""
-    kv = comm.cp_all_gather(torch.stack((k, v)), dim=3)  # one collective for both: [2, B, H, S_padded, D]
-    return plain_attention(q, kv[0, :, :, :valid_len], kv[1, :, :, :valid_len])
+    batch, heads, length, dim = k.shape
+    ranks = comm.cp_size
+    groups = head_groups(heads)
+    width = heads // groups
+    # send[g, i] = head group g of k or v (i), [B, S, width, D]; gathered[g, r]: rank r's send[g].
+    send = k.new_empty(groups, 2, batch, length, width, dim)
+    for i, x in enumerate((k, v)):
+        send[:, i].copy_(x.view(batch, groups, width, length, dim).permute(1, 0, 3, 2, 4))
+    gathered = k.new_empty(groups, ranks, 2, batch, length, width, dim)
+    arrivals = [comm.cp_all_gather_into(gathered[g], send[g]) for g in range(groups)]
+    out = q.new_empty(batch, length, heads, dim)
+    for g in range(groups):
+        arrivals[g].wait()
+        kv = gathered[g].permute(1, 2, 0, 3, 4, 5).reshape(2, batch, ranks * length, width, dim)[:, :, :valid_len]
+        heads_of_group = slice(g * width, (g + 1) * width)
+        out[:, :, heads_of_group] = plain_attention(q[:, heads_of_group], kv[0].transpose(1, 2),
+                                                    kv[1].transpose(1, 2)).transpose(1, 2)
+    return out.transpose(1, 2)

@@ -1,42 +1,55 @@
-"""Ring attention: key/value blocks travel around the context-parallel ring while each rank attends its
-queries to the block it holds, merging blocks by their log-sum-exp (online softmax). Nobody holds the
-whole K/V, and each block's transfer runs while the previous one is being attended."""
+"""Ring attention: key/value blocks travel around the ring while each rank attends its queries to the block it
+holds; nobody holds more than two blocks. Each step starts the next block's transfer (one batched send/receive into
+the second of two buffers, reused step after step) before attending the block it holds, so the transfer runs under
+that attention; the steps' outputs are combined once, at the end, by their log-sum-exps (attention.merge).
+
+With cp_method ring the ring is the whole context-parallel group; with ulysses_ring each ring passes the blocks of
+its Ulysses groups (attention.ulysses_ring).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from mdtriton.engine.attention.local import attention_with_lse
+from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 
 
 @torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
     """Local queries over every rank's keys and values, one block per ring step."""
-    block_len = k.shape[2]
-    kv = torch.stack((k, v))  # one contiguous buffer to send: [2, B, H, block_len, D]
-    out = lse = None
-    for step in range(comm.cp_size):
-        last = step == comm.cp_size - 1
+    return ring_attention(q, k, v, comm, valid_len)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
+                   valid_len: int) -> torch.Tensor:
+    """q [B, H, Sq, D] over the keys and values of the whole ring: k and v [B, H, L, D] are block `comm.ring_rank` of
+    the sequence (positions ring_rank * L onwards); keys from valid_len on are padding. Returns [B, H, Sq, D] (a view
+    of [B, Sq, H, D] memory)."""
+    ranks = comm.ring_size
+    batch, heads, queries, dim = q.shape
+    length = k.shape[2]
+    buffers = k.new_empty(2, 2, batch, length, heads, dim)  # [buffer, k or v, B, L, H, D]
+    buffers[0, 0].copy_(k.transpose(1, 2))
+    buffers[0, 1].copy_(v.transpose(1, 2))
+    outputs = q.new_empty(ranks, batch, queries, heads, dim)
+    lses = q.new_empty(ranks, batch, queries, heads, dtype=torch.float32)
+    for step in range(ranks):
+        held, arriving = buffers[step % 2], buffers[(step + 1) % 2]
+        last = step == ranks - 1
         if not last:
-            received, works = comm.cp_ring_shift([kv])
+            transfer = comm.ring_shift(held, arriving)
         # At step s this rank holds the block of the rank s places before it in the ring.
-        source = (comm.cp_rank - step) % comm.cp_size
-        keys = min(max(valid_len - source * block_len, 0), block_len)
+        source = (comm.ring_rank - step) % ranks
+        keys = min(max(valid_len - source * length, 0), length)
         if keys:
-            block_out, block_lse = attention_with_lse(q, kv[0, :, :, :keys], kv[1, :, :, :keys])
-            out, lse = merge(out, lse, block_out, block_lse)
+            out, lse = attention_with_lse(q, held[0, :, :keys].transpose(1, 2), held[1, :, :keys].transpose(1, 2))
+            outputs[step].copy_(out.transpose(1, 2))
+            lses[step].copy_(lse.transpose(1, 2))
+        else:  # a block of padding only: no weight in the merge
+            outputs[step].zero_()
+            lses[step].fill_(float("-inf"))
         if not last:
-            comm.wait(works)
-            kv = received[0]
-    return out.to(q.dtype)
-
-
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
-          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine the attention over the keys so far (out, lse) with one more block's, in float32."""
-    if out is None:
-        return block_out.float(), block_lse
-    new_lse = torch.logaddexp(lse, block_lse)
-    weight, block_weight = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
-    return out * weight + block_out.float() * block_weight, new_lse
+            transfer.wait()
+    return merge_blocks(outputs, lses).transpose(1, 2)
