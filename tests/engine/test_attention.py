@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
+from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
@@ -15,19 +16,23 @@ from tests.engine.flux_cases import max_relative_error
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
 
 
-def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Random q, k, v [B, H, world_size * LOCAL_LEN, D]; keys and values past valid_len are huge, so any
-    leak of padding into a real token's output would be plain to see."""
+def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int, kv_heads: int = HEADS) -> tuple[torch.Tensor, ...]:
+    """Random q [B, H, world_size * LOCAL_LEN, D], k and v with kv_heads heads; keys and values past valid_len are
+    huge, so any leak of padding into a real token's output would be plain to see."""
     generator = torch.Generator().manual_seed(seed)
     shape = (BATCH, HEADS, world_size * LOCAL_LEN, HEAD_DIM)
-    q, k, v = (torch.randn(shape, generator=generator) for _ in range(3))
+    q = torch.randn(shape, generator=generator)
+    k, v = (torch.randn((BATCH, kv_heads, *shape[2:]), generator=generator) for _ in range(2))
     k[:, :, valid_len:] *= 30
     v[:, :, valid_len:] *= 1000
     return q, k, v
 
 
 def expected_output(q, k, v, valid_len: int) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q[:, :, :valid_len], k[:, :, :valid_len], v[:, :, :valid_len])
+    """Plain attention over the real tokens; grouped key/value heads each serve q's heads in turn."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (part.repeat_interleave(groups, dim=1)[:, :, :valid_len] for part in (k, v))
+    return F.scaled_dot_product_attention(q[:, :, :valid_len], k, v)
 
 
 def plans(world_size: int) -> dict[str, ParallelPlan]:
@@ -55,9 +60,11 @@ def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_methods_match_plain_attention(world_size):
     """Every method on 2, 3 and 4 ranks (Ulysses x Ring on 4), with no padding, padding inside the last rank's slice,
-    and whole ranks of padding."""
+    and whole ranks of padding; with as many key/value heads as query heads and with fewer (grouped-query attention:
+    on 4 ranks Ulysses has fewer key/value heads than ranks)."""
     valid_lens = [world_size * LOCAL_LEN, world_size * LOCAL_LEN - 3, LOCAL_LEN - 1]
-    cases = [(*qkv_with_loud_padding(world_size, n, seed), n) for seed, n in enumerate(valid_lens)]
+    cases = [(*qkv_with_loud_padding(world_size, n, seed, kv_heads), n)
+             for kv_heads in (HEADS, 2) for seed, n in enumerate(valid_lens)]
     per_rank = run_ranks(world_size, run_methods, cases)
     expected_methods = {name for name in plans(world_size) if not (name == "ulysses" and HEADS % world_size)}
     assert set(per_rank[0]) == expected_methods
@@ -65,7 +72,8 @@ def test_methods_match_plain_attention(world_size):
         for (q, k, v, valid_len), *outputs in zip(cases, *(results[name] for results in per_rank)):
             got = torch.cat([torch.from_numpy(out) for out in outputs], dim=2)[:, :, :valid_len]
             error = max_relative_error(got, expected_output(q, k, v, valid_len))
-            assert error < 1e-5, f"{name} on {world_size} ranks, valid_len {valid_len}: error {error:.2e}"
+            assert error < 1e-5, (f"{name} on {world_size} ranks, {k.shape[1]} key/value heads, valid_len {valid_len}:"
+                                  f" error {error:.2e}")
 
 
 @pytest.mark.parametrize("name", sorted(CP_ATTENTION))
@@ -76,9 +84,38 @@ def test_methods_on_one_rank_are_plain_attention(name):
     assert attention_for(ParallelPlan(cp_method=name)) is local.attention
 
 
-def test_attention_with_lse_gives_output_and_log_sum_exp():
-    q, k, v = qkv_with_loud_padding(1, LOCAL_LEN, seed=3)
+@pytest.mark.parametrize("kv_heads", [HEADS, 1])
+def test_attention_with_lse_gives_output_and_log_sum_exp(kv_heads):
+    q, k, v = qkv_with_loud_padding(1, LOCAL_LEN, seed=3, kv_heads=kv_heads)
     out, lse = local.attention_with_lse(q, k, v)
-    scores = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
-    assert max_relative_error(out, F.scaled_dot_product_attention(q, k, v)) < 1e-5
+    scores = q @ k.repeat_interleave(HEADS // kv_heads, dim=1).transpose(-1, -2) / HEAD_DIM ** 0.5
+    assert max_relative_error(out, expected_output(q, k, v, LOCAL_LEN)) < 1e-5
     assert max_relative_error(lse, scores.logsumexp(dim=-1)) < 1e-6
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_merged_blocks_are_attention_over_all_keys(blocks):
+    """merge_blocks of each key block's output and log-sum-exp (one block of padding only: lse -inf) equals
+    attention over every key at once."""
+    q, k, v = qkv_with_loud_padding(1, LOCAL_LEN * blocks, seed=5)
+    k, v = (torch.cat([part] * blocks, dim=2) + torch.randn(part.shape[0], HEADS, LOCAL_LEN * blocks, HEAD_DIM)
+            for part in (k, v))
+    parts = [local.attention_with_lse(q, k[:, :, i::blocks], v[:, :, i::blocks]) for i in range(blocks)]
+    outputs = torch.stack([out.transpose(1, 2) for out, _ in parts] + [torch.zeros_like(parts[0][0].transpose(1, 2))])
+    lses = torch.stack([lse.transpose(1, 2) for _, lse in parts] + [torch.full_like(parts[0][1].transpose(1, 2),
+                                                                                     float("-inf"))])
+    merged = merge_blocks(outputs, lses).transpose(1, 2)
+    assert max_relative_error(merged, F.scaled_dot_product_attention(q, k, v)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_the_merge_kernel_equals_the_pytorch_merge():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    generator = torch.Generator().manual_seed(2)
+    outputs = torch.randn(4, 2, 77, 6, 128, generator=generator).to(torch.bfloat16)
+    lses = torch.randn(4, 2, 77, 6, generator=generator) * 5
+    lses[2, :, :10] = float("-inf")
+    expected = merge_blocks(outputs, lses).float()
+    got = merge_blocks(outputs.cuda(), lses.cuda()).float().cpu()
+    assert max_relative_error(got, expected) < 1e-2  # both round the float32 sum to bf16

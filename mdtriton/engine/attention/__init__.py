@@ -4,6 +4,8 @@ Every method has the call signature of `local.attention`:
 `attention(q, k, v, comm, valid_len) -> out`, with q, k, v and out of shape
 [batch, heads, local_seq, head_dim] holding this rank's contiguous slice of the padded sequence
 (cp_rank * local_seq onwards). Keys at global positions >= valid_len are padding and never attended.
+k and v may have fewer heads than q, a divisor of them (grouped-query attention, Cosmos 3's): query head h attends
+with key/value head h // (q heads / k heads); the methods move the fewer heads and repeat them only for the kernel.
 Each runs eagerly also when called from compiled code (`torch.compiler.disable`): its collectives cannot be
 traced, and its kernel choice (cuDNN first, local.KERNEL_PRIORITY) is the eager dispatcher's.
 """

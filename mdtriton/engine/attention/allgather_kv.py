@@ -16,22 +16,23 @@ from mdtriton.engine.comm import Communicator
 
 @torch.compiler.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
-    """Local queries over the whole sequence's keys and values (padding keys cut off)."""
-    batch, heads, length, dim = k.shape
-    ranks = comm.cp_size
-    groups = head_groups(heads)
-    width = heads // groups
-    # send[g, i] = head group g of k or v (i), [B, S, width, D]; gathered[g, r]: rank r's send[g].
-    send = k.new_empty(groups, 2, batch, length, width, dim)
+    """Local queries over the whole sequence's keys and values (padding keys cut off; k and v may have fewer heads
+    than q: they are gathered as they are)."""
+    batch, kv_heads, length, dim = k.shape
+    heads, ranks = q.shape[1], comm.cp_size
+    groups = head_groups(heads, kv_heads)
+    q_width, kv_width = heads // groups, kv_heads // groups
+    # send[g, i] = head group g of k or v (i), [B, S, kv_width, D]; gathered[g, r]: rank r's send[g].
+    send = k.new_empty(groups, 2, batch, length, kv_width, dim)
     for i, x in enumerate((k, v)):
-        send[:, i].copy_(x.view(batch, groups, width, length, dim).permute(1, 0, 3, 2, 4))
-    gathered = k.new_empty(groups, ranks, 2, batch, length, width, dim)
+        send[:, i].copy_(x.view(batch, groups, kv_width, length, dim).permute(1, 0, 3, 2, 4))
+    gathered = k.new_empty(groups, ranks, 2, batch, length, kv_width, dim)
     arrivals = [comm.cp_all_gather_into(gathered[g], send[g]) for g in range(groups)]
     out = q.new_empty(batch, length, heads, dim)
     for g in range(groups):
         arrivals[g].wait()
-        kv = gathered[g].permute(1, 2, 0, 3, 4, 5).reshape(2, batch, ranks * length, width, dim)[:, :, :valid_len]
-        heads_of_group = slice(g * width, (g + 1) * width)
-        out[:, :, heads_of_group] = plain_attention(q[:, heads_of_group], kv[0].transpose(1, 2),
-                                                    kv[1].transpose(1, 2)).transpose(1, 2)
+        kv = gathered[g].permute(1, 2, 0, 3, 4, 5).reshape(2, batch, ranks * length, kv_width, dim)[:, :, :valid_len]
+        query_heads = slice(g * q_width, (g + 1) * q_width)
+        out[:, :, query_heads] = plain_attention(q[:, query_heads], kv[0].transpose(1, 2),
+                                                 kv[1].transpose(1, 2)).transpose(1, 2)
     return out.transpose(1, 2)

@@ -31,11 +31,23 @@ def fa3_available(device_index: int) -> bool:
     return fa3.available(torch.device("cuda", device_index))
 
 
+def expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with as many heads as q: each key/value head repeated for the query heads that share it
+    (grouped-query attention: query head h uses key/value head h // (q heads / key/value heads))."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention [B, H, S, D] of q over all of k and v: FlashAttention-3 where available (uses_fa3), else
-    scaled_dot_product_attention with the kernels tried in KERNEL_PRIORITY order."""
+    """Attention [B, H, S, D] of q over all of k and v (which may have fewer heads: expand_heads): FlashAttention-3
+    where available (uses_fa3; it shares key/value heads itself), else scaled_dot_product_attention with the kernels
+    tried in KERNEL_PRIORITY order, on key/value heads repeated (cuDNN's kernel takes no grouped heads, and SDPA's
+    enable_gqa would fall back to the slower flash kernel)."""
     if uses_fa3(q):
         return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    k, v = expand_heads(q, k, v)
     with sdpa_kernel(KERNEL_PRIORITY, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v)
 
@@ -56,7 +68,8 @@ def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32).
+    """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32); k and v
+    may have fewer heads than q (expand_heads).
 
     On CUDA in fp16/bf16 this is one kernel: FlashAttention-3 where available, else cuDNN's (flash attention where
     cuDNN refuses the shape); elsewhere it is computed explicitly in float32.
@@ -64,6 +77,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     if uses_fa3(q):
         out, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2), lse
+    k, v = expand_heads(q, k, v)
     if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:
         try:
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]

@@ -29,8 +29,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     of [B, Sq, H, D] memory)."""
     ranks = comm.ring_size
     batch, heads, queries, dim = q.shape
-    length = k.shape[2]
-    buffers = k.new_empty(2, 2, batch, length, heads, dim)  # [buffer, k or v, B, L, H, D]
+    kv_heads, length = k.shape[1:3]
+    buffers = k.new_empty(2, 2, batch, length, kv_heads, dim)  # [buffer, k or v, B, L, key/value heads, D]
     buffers[0, 0].copy_(k.transpose(1, 2))
     buffers[0, 1].copy_(v.transpose(1, 2))
     outputs = q.new_empty(ranks, batch, queries, heads, dim)
