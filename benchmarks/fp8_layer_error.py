@@ -83,7 +83,7 @@ def layer_kind(name: str) -> str:
 
 def measure(config: dict, image_tokens: int, text_tokens: int, device: torch.device, scaled_mm: bool) -> list[dict]:
     """Each FP8-able linear layer's errors over one bf16 forward, in the order the forward runs them."""
-    weights = bench_weights(config, ParallelPlan(), 0, device, torch.bfloat16, None)
+    weights = bench_weights("flux", config, ParallelPlan(), 0, device, torch.bfloat16, None)
     engine = bench_engine("flux", config, Communicator.single(device), weights, "BF16", compiled=False)
     rows = []
 

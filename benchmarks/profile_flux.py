@@ -40,9 +40,9 @@ def model_for(impl: str, variant: str, device: torch.device):
         model = torch.compile(model) if variant == "compiled" else model
         return lambda inputs: model(**inputs, return_dict=False)
     quantization = "fp8" if variant == "fp8" else None
-    engine = bench_engine("flux", FLUX_DEV_CONFIG, Communicator.single(device),
-                          bench_weights(FLUX_DEV_CONFIG, ParallelPlan(), 0, device, torch.bfloat16, quantization),
-                          "BF16", quantization, compiled=variant != "eager")
+    weights = bench_weights("flux", FLUX_DEV_CONFIG, ParallelPlan(), 0, device, torch.bfloat16, quantization)
+    engine = bench_engine("flux", FLUX_DEV_CONFIG, Communicator.single(device), weights, "BF16", quantization,
+                          compiled=variant != "eager")
     return engine.forward
 
 

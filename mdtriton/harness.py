@@ -10,9 +10,10 @@
   (its device, its process group: NCCL on GPUs, gloo on CPU).
 - **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), written with the rows'
   JSON by `write_results`.
-- What every FLUX benchmark measures with: random weights with trained-like modulation scales (`bench_weights`), a
-  request's inputs (`flux_inputs`), and the relative error of an output (`relative_error`); and what the pipeline
-  benchmarks build from: a diffusers pipeline directory whose transformer has random weights (`save_pipeline_dir`).
+- What every benchmark measures with: random weights (`bench_weights`; FLUX's with trained-like modulation scales),
+  the plans of a GPU count (`plans_for`, of the methods in `METHODS`), a FLUX request's inputs (`flux_inputs`), and
+  the relative error of an output (`relative_error`); and what the pipeline benchmarks build from: a diffusers
+  pipeline directory whose transformer has random weights (`save_pipeline_dir`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
-from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families import family
 from mdtriton.families.flux.transformer import example_inputs
 from mdtriton.server import free_port
@@ -42,6 +43,9 @@ from mdtriton.server import free_port
 # Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
 # O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
 MODULATION_SCALE = 0.1
+# The parallel methods a benchmark measures on several GPUs: each context-parallel method over every GPU, tensor
+# parallelism over every GPU, and tp 2 x ulysses (4+ GPUs).
+METHODS = (*CP_METHODS, "tp", "tp_cp")
 
 
 def bench_engine(architecture: str, config: dict, comm: Communicator, weights: dict[str, torch.Tensor],
@@ -61,10 +65,14 @@ def is_modulation(name: str) -> bool:
     return ".linear." in name and ("norm1" in name or ".norm." in name or name.startswith("norm_out."))
 
 
-def bench_weights(config: dict, plan: ParallelPlan, rank: int, device: torch.device, dtype: torch.dtype,
-                  quantization: str | None) -> dict[str, torch.Tensor]:
-    """Rank's random FLUX weights (seed 0: the same full model for every plan) with trained-like modulation scales."""
-    weights = random_shard("flux", config, plan, rank, seed=0, device=device, dtype=dtype, quantization=quantization)
+def bench_weights(architecture: str, config: dict, plan: ParallelPlan, rank: int, device: torch.device,
+                  dtype: torch.dtype, quantization: str | None) -> dict[str, torch.Tensor]:
+    """Rank's random weights (seed 0: the same full model for every plan); FLUX's with trained-like modulation
+    scales."""
+    weights = random_shard(architecture, config, plan, rank, seed=0, device=device, dtype=dtype,
+                           quantization=quantization)
+    if architecture != "flux":
+        return weights
     return {name: t * MODULATION_SCALE if is_modulation(name) else t for name, t in weights.items()}
 
 
@@ -79,6 +87,9 @@ def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
     """The plans to measure on world_size GPUs (1 GPU: the single plan)."""
     if world_size == 1:
         return {"1 GPU": ParallelPlan()}
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
     plans = {}
     for method in methods:
         if method == "tp":

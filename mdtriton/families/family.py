@@ -104,6 +104,13 @@ class Family(ABC):
         """A seeded request of `tokens` tokens (as check_request counts them), laid out as a typical one: for
         benchmarks and tests."""
 
+    def media_request(self, config: dict, frames: int, height: int, width: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A seeded request of batch 1 as the family's pipeline sends its transformer for `frames` frames (1: an
+        image) of height x width pixels, with the pipeline's text length: what `mdtriton bench` measures. ValueError,
+        saying what to send instead, for sizes the pipeline refuses. A family without it is not benchmarked."""
+        raise NotImplementedError(f"family {self.name!r} makes no request from a size in pixels")
+
     def new_module(self, config: dict, comm: Communicator, quantization: str | None = None) -> nn.Module:
         """Rank's module, its weights not yet loaded (made on the current default device)."""
         if quantization is None:

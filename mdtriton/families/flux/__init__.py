@@ -30,6 +30,8 @@ WARM_UP_SHAPES = ((7, 127, 1021), (1, 509, 4093))
 # A typical request's text tokens (FluxPipeline's default max_sequence_length) and its share of a short sequence.
 TEXT_TOKENS = 512
 TEXT_SHARE = 1 / 9  # 512 of 4,608 at 1024x1024
+# Pixels along a side per image token: FLUX.1's VAE compresses 8x, then 2x2 latents are packed into one token.
+PIXELS_PER_TOKEN = 16
 
 
 class FluxFamily(Family):
@@ -87,6 +89,18 @@ class FluxFamily(Family):
         """512 text tokens and the rest image, as at 1024x1024 (a ninth of a shorter sequence is text)."""
         text = max(1, min(TEXT_TOKENS, round(tokens * TEXT_SHARE)))
         return example_inputs(config, text, tokens - text, dtype, batch)
+
+    def media_request(self, config: dict, frames: int, height: int, width: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """FluxPipeline's: a token per 16x16 pixels, image ids on the image's grid, 512 text tokens."""
+        if frames != 1:
+            raise ValueError(f"FLUX makes images, not {frames} frames; ask for 1 frame")
+        for name, side in (("height", height), ("width", width)):
+            if side < PIXELS_PER_TOKEN or side % PIXELS_PER_TOKEN:
+                raise ValueError(f"{name} {side} is not a positive multiple of {PIXELS_PER_TOKEN} (FLUX's VAE "
+                                 "compresses 8x, then 2x2 patches); send a multiple of 16")
+        rows, columns = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+        return example_inputs(config, TEXT_TOKENS, rows * columns, dtype, columns=columns)
 
 
 FLUX = FluxFamily()

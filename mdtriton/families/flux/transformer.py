@@ -251,13 +251,14 @@ class Flux(nn.Module):
 
 
 def example_inputs(config: dict, text_tokens: int, image_tokens: int, dtype: torch.dtype,
-                batch: int = 1) -> dict[str, torch.Tensor]:
-    """One request's inputs (CPU, seeded): random latents and text, image ids on a square-ish grid.
+                batch: int = 1, columns: int | None = None) -> dict[str, torch.Tensor]:
+    """One request's inputs (CPU, seeded): random latents and text, image ids on a grid `columns` patches wide (by
+    default a square-ish one).
 
     Timestep 0.5 and guidance 4.0 scale (x 1000) to values bf16 holds exactly, so a float32 forward of the
     same inputs sees the same conditioning (3.5 would become 3504 in bf16 and 3500 in float32)."""
     generator = torch.Generator().manual_seed(0)
-    side = math.isqrt(image_tokens)
+    side = columns or math.isqrt(image_tokens)
     positions = torch.arange(image_tokens)
     inputs = {
         "hidden_states": torch.randn(batch, image_tokens, config["in_channels"], generator=generator),

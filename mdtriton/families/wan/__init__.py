@@ -22,6 +22,10 @@ from mdtriton.families.wan.transformer import (TINY_CONFIG, WAN_1_3B_CONFIG, WAN
 # no size of the warm-up equals a model dimension (Dynamo would take two equal sizes for one).
 WARM_UP_SHAPES = ((7, 3, 7, 11, 127), (1, 21, 30, 52, 509))
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length
+# The VAE's compression: 4 frames after the first into one latent frame; 8x8 pixels into one latent (Wan 2.1's VAE,
+# 16 latent channels, and the tests' tiny one), 16x16 for Wan 2.2's VAE (48 latent channels, TI2V 5B).
+VAE_TEMPORAL = 4
+WAN_2_2_VAE_CHANNELS = 48
 
 
 class WanFamily(Family):
@@ -94,6 +98,23 @@ class WanFamily(Family):
         height = max(1, math.isqrt(per_frame * 9 // 16))
         width = max(1, per_frame // height)
         return self.inputs(config, (frames * p_t, height * p_h, width * p_w), TEXT_TOKENS, dtype, batch)
+
+    def media_request(self, config: dict, frames: int, height: int, width: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """WanPipeline's: the latent video of frames x height x width pixels (4k+1 frames; sides multiples of the
+        VAE's compression times the patch), 512 text tokens."""
+        spatial = 16 if config["in_channels"] == WAN_2_2_VAE_CHANNELS else 8
+        if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+            below = max(frames - 1, 0) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+            raise ValueError(f"{frames} frames is not 4k+1 (Wan's VAE compresses 4 frames after the first into one); "
+                             f"ask for {below} or {below + VAE_TEMPORAL}")
+        multiple = spatial * config["patch_size"][1]
+        for name, side in (("height", height), ("width", width)):
+            if side < multiple or side % multiple:
+                raise ValueError(f"{name} {side} is not a positive multiple of {multiple} (the VAE's {spatial}x "
+                                 f"compression times the patch); send a multiple of {multiple}")
+        latent = ((frames - 1) // VAE_TEMPORAL + 1, height // spatial, width // spatial)
+        return self.inputs(config, latent, TEXT_TOKENS, dtype)
 
     @staticmethod
     def inputs(config: dict, latent_size: tuple[int, int, int], text_tokens: int, dtype: torch.dtype,

@@ -1,0 +1,52 @@
+"""`mdtriton bench --device cpu`, the tool's check on CPU ranks (gloo), for every family it measures: each plan's
+forward equals the 1-rank one, the sizes become the pipeline's requests, and bad sizes are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mdtriton.bench import benchmarked_architectures
+from mdtriton.cli import main
+
+# (architecture, sizes as --height --width --frames, the tokens each becomes)
+RUNS = {"flux": (["--height", "64,32", "--width", "64,48", "--frames", "1"], [16 + 512, 6 + 512]),
+        "wan": (["--height", "32", "--width", "48", "--frames", "9"], [3 * 2 * 3])}
+
+
+def test_every_family_with_sized_requests_is_measured():
+    assert set(benchmarked_architectures()) == set(RUNS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("architecture", sorted(RUNS))
+def test_bench_on_cpu_ranks_measures_each_plan_against_one_rank(architecture, tmp_path):
+    sizes, tokens = RUNS[architecture]
+    assert main(["bench", "--architecture", architecture, "--device", "cpu", "--preset", "tiny", "--gpus", "1,2",
+                 "--methods", "ulysses,tp", "--variants", "compiled", "--warmup", "0", "--iterations", "1",
+                 "--output-dir", str(tmp_path), *sizes]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["architecture"], results["preset"]) == (architecture, "tiny")
+    rows = results["forward"]
+    assert {(row["gpus"], row["method"]) for row in rows} == {(1, "1 GPU"), (2, "ulysses"), (2, "tp")}
+    assert sorted({row["tokens"] for row in rows}) == sorted(tokens)
+    checked = [row for row in rows if "error_vs_1gpu" in row]
+    assert len(checked) == 3 and all(row["tokens"] == tokens[0] for row in checked)
+    for row in checked:
+        assert row["error_vs_1gpu"] < 1e-5, row  # float32 ranks: the same forward, split
+        assert row["error_vs_float32"] < 1e-2, row  # against the same weights rounded to bf16
+    assert "One block's attention alone" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("architecture, sizes, message", [
+    ("wan", ["--height", "480", "--width", "832", "--frames", "80"], "80 frames is not 4k+1"),
+    ("wan", ["--height", "488", "--width", "832", "--frames", "81"], "height 488 is not a positive multiple of 16"),
+    ("flux", ["--height", "1024", "--width", "1024", "--frames", "5"], "FLUX makes images"),
+    ("flux", ["--height", "1024,2048", "--width", "1024"], "one width per height"),
+])
+def test_bad_sizes_are_refused_before_any_rank_starts(architecture, sizes, message, capsys):
+    assert main(["bench", "--architecture", architecture, "--device", "cpu", "--preset", "tiny", "--gpus", "1",
+                 "--variants", "compiled", *sizes]) == 1
+    assert message in capsys.readouterr().err
