@@ -43,8 +43,8 @@ from mdtriton.server import free_port
 # Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
 # O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
 MODULATION_SCALE = 0.1
-# The parallel methods a benchmark measures on several GPUs: each context-parallel method over every GPU, tensor
-# parallelism over every GPU, and tp 2 x ulysses (4+ GPUs).
+# The parallel methods a benchmark measures on several GPUs: each context-parallel method over every GPU (ulysses_ring
+# as Ulysses pairs in a ring, 4+ GPUs), tensor parallelism over every GPU, and tp 2 x ulysses (4+ GPUs).
 METHODS = (*CP_METHODS, "tp", "tp_cp")
 
 
@@ -97,6 +97,9 @@ def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
         elif method == "tp_cp":
             if world_size >= 4 and world_size % 2 == 0:
                 plans[method] = ParallelPlan(tp_size=2, cp_size=world_size // 2, cp_method="ulysses")
+        elif method == "ulysses_ring":
+            if world_size >= 4 and world_size % 2 == 0:  # Ulysses in pairs of GPUs, a ring across the pairs
+                plans[method] = ParallelPlan(cp_size=world_size, cp_method=method, ulysses_size=2)
         else:
             plans[method] = ParallelPlan(cp_size=world_size, cp_method=method)
     return plans

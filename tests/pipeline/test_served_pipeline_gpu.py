@@ -1,0 +1,73 @@
+"""Served pipelines on 2 GPUs (NCCL ranks): tiny FLUX and Wan pipelines built for GPUs, requests sent at once so that
+every rank receives some (rank 0 then broadcasts its answer to the receiving rank), each image or clip equal to the
+same pipeline's on one GPU. Before the device contract (mdtriton.engine.comm) the answers were host tensors, which
+NCCL cannot broadcast: every request another rank than 0 received failed and hung to its deadline."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.pipeline import generate, generate_video
+from mdtriton.engine.manifest import EngineLimits
+from mdtriton.engine.plan import ParallelPlan
+from tests.backend.test_same_answer import received_per_rank
+from tests.conftest import start_server
+from tests.pipeline.pipelines import max_level_difference, save_pipelines
+from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
+
+pytestmark = pytest.mark.gpu
+FLUX_MODELS = {"flux_tp2": ParallelPlan(tp_size=2), "flux_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
+               "flux_ring2": ParallelPlan(cp_size=2, cp_method="ring")}
+WAN_MODELS = {"wan_cfg2": ParallelPlan(cfg_size=2), "wan_allgather2": ParallelPlan(cp_size=2)}
+IMAGE = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
+CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0)
+SEEDS = range(4)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    root = tmp_path_factory.mktemp("gpu_pipelines")
+    flux = save_pipelines(root)["dev"]
+    wan = save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1)
+    repository = root / "repository"
+    models = {"flux_1gpu": (flux, ParallelPlan()), "wan_1gpu": (wan, ParallelPlan()),
+              **{name: (flux, plan) for name, plan in FLUX_MODELS.items()},
+              **{name: (wan, plan) for name, plan in WAN_MODELS.items()}}
+    for name, (weights, plan) in models.items():
+        architecture = "flux-pipeline" if name.startswith("flux") else "wan-pipeline"
+        build_model_version(repository, name, architecture, None, plan, "FP32", "gpu", progress=False,
+                            weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+    server = start_server(repository, root / "server.log")
+    yield server
+    server.stop()
+
+
+def answers(server, model: str) -> list:
+    """The model's answer for every seed: all seeds at once (so both ranks receive requests), then one by one."""
+    def ask(seed):
+        if model.startswith("flux"):
+            return generate(server.grpc_address, model, ["a red cat"], **IMAGE, seed=seed, timeout=300)
+        return generate_video(server.grpc_address, model, ["a red cat"], **CLIP, seed=seed, timeout=300)
+
+    with ThreadPoolExecutor(len(SEEDS)) as pool:
+        together = list(pool.map(ask, SEEDS))
+    return together + [ask(seed) for seed in SEEDS]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family, models", [("flux", FLUX_MODELS), ("wan", WAN_MODELS)])
+def test_every_rank_receives_requests_and_every_answer_equals_one_gpu(served, family, models):
+    expected = answers(served, f"{family}_1gpu")
+    assert expected[0].std() > 10  # a real picture
+    for model in models:
+        got = answers(served, model)
+        for seed, (image, want) in enumerate(zip(got, expected + expected)):
+            assert max_level_difference(image, want) <= 2, f"{model}, request {seed}"
+        received = received_per_rank(served.metrics_url, model)
+        assert sorted(received) == ["0", "1"] and min(received.values()) >= 1, (model, received)
