@@ -55,6 +55,9 @@ class RanksUnavailable(Exception):
 
 # The rank whose outputs answer every request, whichever rank received it (JobRunner._answer_of_rank_0).
 ANSWERING_RANK = 0
+# How long an unloading worker waits for its generation to end before it leaves anyway: less than its stub waits
+# for it to exit (worker_keeper.STOP_TIMEOUT_S, 10 s).
+LEAVE_TIMEOUT_S = 5.0
 # How often an idle runner checks the deadlines of its waiting jobs.
 WATCH_INTERVAL_S = 0.2
 # How often a rank looks whether its job's GPU work is done (wait_for_device).
@@ -153,8 +156,10 @@ class JobRunner:
             self._arrivals_writer.send_bytes(job.id.encode())
         return job
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us."""
+    def stop(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
+        """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us. If the
+        generation has not ended within timeout (its teardown stuck, e.g. an NCCL abort), leave the rendezvous area
+        from here, so that this worker exits, and the area is cleaned, before its stub would kill it."""
         self._stopping.set()
         with self._lock:
             link = self._link
@@ -372,12 +377,17 @@ class JobRunner:
         if self._hub is not None:
             self._hub.stop()
             self._hub = None
+        # Leave first: the area's files are ours to remove whatever the groups' teardown does (an NCCL abort has been
+        # seen to take longer than an unloading stub waits).
+        self.rendezvous.leave(generation.number)
+        started = time.monotonic()
         try:
             self.comm.disconnect()
         except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the worker exits next
             log.warning("rank %d: tearing down the process group of generation %d: %s",
                         self.comm.rank, generation.number, error)
-        self.rendezvous.leave(generation.number)
+        log.info("rank %d: left generation %d (process groups torn down in %.2f s)", self.comm.rank,
+                 generation.number, time.monotonic() - started)
         return GenerationEnd(what, unloading=self._stopping.is_set())
 
     def _overdue(self) -> bool:

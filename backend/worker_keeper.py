@@ -47,6 +47,9 @@ log = logging.getLogger("mdtriton.backend")
 # How long the other workers of a failed generation get to end by themselves before they are killed.
 PEER_EXIT_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
+# How long an unloading stub waits for its worker to exit before killing it. The worker gives its generation's
+# teardown less (job_runner.LEAVE_TIMEOUT_S), so that it leaves the rendezvous area and exits first.
+STOP_TIMEOUT_S = 10.0
 RELOAD_ADVICE = ("reload the model once the cause is fixed (unload and load it through the model control API, "
                  "server started with --model-control-mode=explicit), or restart the server; the server log has "
                  "each failure")
@@ -164,7 +167,7 @@ class WorkerKeeper:
                 self._requests.pop(request.id, None)
             request.abandoned = True
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the worker (the model is unloading): it leaves its generation, so the others end without waiting."""
         with self._lock:  # the keeper thread starts no worker after this (see _start_worker)
             self._stopping.set()

@@ -20,9 +20,9 @@ from tests.pipeline.pipelines import max_level_difference, save_pipelines
 from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
 
 pytestmark = pytest.mark.gpu
-FLUX_MODELS = {"flux_tp2": ParallelPlan(tp_size=2), "flux_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
+FLUX_MODELS = {"flux_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
                "flux_ring2": ParallelPlan(cp_size=2, cp_method="ring")}
-WAN_MODELS = {"wan_cfg2": ParallelPlan(cfg_size=2), "wan_allgather2": ParallelPlan(cp_size=2)}
+WAN_MODELS = {"wan_cfg2": ParallelPlan(cfg_size=2)}
 IMAGE = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
 CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0)
 SEEDS = range(4)
