@@ -292,8 +292,7 @@ class Communicator:
             out = torch.empty((world_size * widest, *moved.shape[1:]), dtype=x.dtype, device=x.device)
             with self._collective("all-gather"):
                 dist.all_gather_into_tensor(out, padded)
-        pieces = [out[r * widest: r * widest + size] for r, size in enumerate(sizes)]
-        return torch.cat(pieces).movedim(0, dim)
+        return torch.cat([out[r * widest: r * widest + size].movedim(0, dim) for r, size in enumerate(sizes)], dim)
 
     def halo_exchange(self, x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
         """x with `width` slices along dim before it from the previous rank of the world (its last ones) and after it
@@ -301,23 +300,24 @@ class Communicator:
         padding. For work split into bands of rows in rank order: each rank's x must have at least width slices."""
         if width == 0:
             return x
-        moved = x.movedim(dim, 0)
         world_size, rank = self.plan.world_size, self.rank
-        before = torch.zeros((width, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        shape = list(x.shape)
+        shape[dim] = width
+        before = torch.zeros(shape, dtype=x.dtype, device=x.device)
         after = torch.zeros_like(before)
         if world_size > 1 and not self._rehearsing:
             self.check_device("halo exchange", x)
             ops = []
             if rank > 0:
-                ops += [dist.P2POp(dist.isend, moved[:width].contiguous(), rank - 1),
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, 0, width).contiguous(), rank - 1),
                         dist.P2POp(dist.irecv, before, rank - 1)]
             if rank < world_size - 1:
-                ops += [dist.P2POp(dist.isend, moved[-width:].contiguous(), rank + 1),
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, x.shape[dim] - width, width).contiguous(), rank + 1),
                         dist.P2POp(dist.irecv, after, rank + 1)]
             with self._collective("halo exchange"):
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
-        return torch.cat((before, moved, after)).movedim(0, dim)
+        return torch.cat((before, x, after), dim)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""

@@ -21,6 +21,8 @@ are left whole.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderKLWan
@@ -28,6 +30,8 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 from torch import nn
 
 from mdtriton.engine.comm import Communicator
+
+log = logging.getLogger(__name__)
 
 ROWS = -2  # the rows' dimension: [B, C, H, W] images (FLUX, and Wan's per-frame upsampling) and [B, C, T, H, W] clips
 
@@ -183,4 +187,5 @@ def split_decode(vae: nn.Module, comm: Communicator) -> bool:
     decoder.up_blocks = split_rows(decoder.up_blocks, bands)
     setattr(decoder, norm_out, split_rows(getattr(decoder, norm_out), bands))
     decoder.conv_out = GatheredRows(split_rows(decoder.conv_out, bands), bands)
+    log.info("VAE decode split across %d ranks by bands of rows", comm.plan.world_size)
     return True
