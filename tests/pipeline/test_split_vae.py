@@ -1,11 +1,13 @@
 """The VAE decode split across gloo ranks by bands of rows (mdtriton.pipeline.split_vae) equals the one-rank decode of
-the same latent: FLUX's AutoencoderKL and Wan's causal AutoencoderKLWan, the tiny pipelines' VAEs, on 2 and 3 ranks,
-with rows that do not divide by the ranks, and whole on every rank when there are fewer rows than ranks."""
+the same latent: FLUX's AutoencoderKL and Wan's causal AutoencoderKLWan (the tiny pipelines' VAEs, and a tiny one of
+Wan 2.2's layout: residual up blocks, patches), on 2 and 3 ranks, with rows that do not divide by the ranks, and
+whole on every rank when there are fewer rows than ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from diffusers import AutoencoderKLWan
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
@@ -17,11 +19,17 @@ from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline
 LATENTS = {  # [batch, channels, (latent frames,) rows, columns]: 7 and 5 rows split unevenly over 2 and 3 ranks
     "flux": (2, 2, 7, 5),
     "wan": (1, 4, 3, 5, 6),
+    "wan2.2": (1, 4, 3, 5, 6),
 }
 
 
 def tiny_vae(kind: str) -> torch.nn.Module:
-    """The tiny pipeline's VAE (seeded: the same weights on every rank)."""
+    """The tiny pipeline's VAE, or a tiny one of Wan 2.2's layout (seeded: the same weights on every rank)."""
+    if kind == "wan2.2":
+        torch.manual_seed(0)
+        return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, is_residual=True,
+                                temperal_downsample=[False, True, True], in_channels=12, out_channels=12, patch_size=2,
+                                scale_factor_spatial=16, latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
     return (tiny_flux_pipeline() if kind == "flux" else tiny_wan_pipeline()).vae.eval()
 
 
@@ -48,7 +56,7 @@ def _whole_and_split(rank: int, world_size: int, cases: dict[str, tuple[str, tup
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_decode_equals_the_one_rank_decode(world_size):
-    """Both VAEs (one set of ranks for all: each start costs seconds), and on 3 ranks a latent of 2 rows."""
+    """Every VAE (one set of ranks for all: each start costs seconds), and on 3 ranks a latent of 2 rows."""
     cases = {kind: (kind, shape) for kind, shape in LATENTS.items()}
     if world_size == 3:
         cases["too few rows"] = ("flux", (1, 2, 2, 5))
