@@ -15,8 +15,8 @@ caches hold its band, and a convolution's halo is taken after its cached frames 
 are not split: the cache makes every chunk depend on every earlier one.
 
 Fallback: when the latent has fewer rows than the world has ranks, every rank decodes the whole (the same on every
-rank, so no rank waits on another). Decoders other than diffusers' AutoencoderKL (FLUX) and AutoencoderKLWan (Wan 2.1 and 2.2)
-are left whole.
+rank, so no rank waits on another). Decoders other than diffusers' AutoencoderKL (FLUX) and AutoencoderKLWan (Wan 2.1
+and 2.2) are left whole.
 """
 
 from __future__ import annotations

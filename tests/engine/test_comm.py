@@ -17,7 +17,8 @@ PLANS = {"tp": ParallelPlan(tp_size=2), "cp": ParallelPlan(cp_size=2), "cfg": Pa
 def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
     """Every collective of comm whose group has both ranks (the world's, and its plan's group's)."""
     collectives = {"broadcast": lambda: comm.broadcast(x, src=0), "all_reduce": lambda: comm.all_reduce(x),
-                   "all_gather": lambda: comm.all_gather(x, 0, [4, 4]), "halo_exchange": lambda: comm.halo_exchange(x, 0, 1)}
+                   "all_gather": lambda: comm.all_gather(x, 0, [4, 4]),
+                   "halo_exchange": lambda: comm.halo_exchange(x, 0, 1)}
     if comm.tp_size == 2:
         collectives["tp_all_reduce"] = lambda: comm.tp_all_reduce(x)
     if comm.cp_size == 2:
