@@ -127,7 +127,7 @@ def float32_sample(args: argparse.Namespace, config: dict, request: dict[str, to
                    work_dir: str) -> None:
     """The 1-GPU model with the same bf16 weights but float32 activations, at the first size: the bf16 engine's own
     rounding error shows against it, one GPU's included. Made first, alone on the GPU (FLUX.1-dev's float32 copy is
-    48 GB, Wan 14B's 56 GB), each weight converted as the bf16 one is dropped."""
+    48 GB, Wan 14B's 57 GB), each weight converted as the bf16 one is dropped."""
     weights = bench_weights(args.architecture, config, ParallelPlan(), 0, device, torch.bfloat16, None)
     weights = {name: weights.pop(name).float() for name in list(weights)}
     engine = bench_engine(args.architecture, config, Communicator.single(device), weights, "FP32", compiled=False)
@@ -311,7 +311,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="do not compare the outputs at the first size with the 1-GPU output and a float32 "
-                             "forward (whose model must fit one GPU in float32: 48 GB for FLUX.1-dev, 56 GB for "
+                             "forward (whose model must fit one GPU in float32: 48 GB for FLUX.1-dev, 57 GB for "
                              "Wan 14B)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",

@@ -307,6 +307,60 @@ class Communicator:
             works = dist.batch_isend_irecv(ops)
         return Pending(self, "ring shift", works)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over every rank of the world (a new tensor; x as it is with one rank)."""
+        if self.plan.world_size == 1 or self._rehearsing:
+            return x
+        self.check_device("all-reduce", x)
+        total = x.clone()
+        with self._collective("all-reduce"):
+            dist.all_reduce(total)
+        return total
+
+    def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every rank's x, concatenated along dim in rank order, where rank r's x has sizes[r] there (the sizes may
+        differ: each is sent padded to the largest)."""
+        world_size = self.plan.world_size
+        if world_size == 1:
+            return x
+        widest = max(sizes)
+        moved = x.movedim(dim, 0)
+        padded = torch.zeros((widest, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: moved.shape[0]] = moved
+        if self._rehearsing:
+            out = padded.repeat(world_size, *[1] * (padded.ndim - 1))
+        else:
+            self.check_device("all-gather", x)
+            out = torch.empty((world_size * widest, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+            with self._collective("all-gather"):
+                dist.all_gather_into_tensor(out, padded)
+        return torch.cat([out[r * widest: r * widest + size].movedim(0, dim) for r, size in enumerate(sizes)], dim)
+
+    def halo_exchange(self, x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        """x with `width` slices along dim before it from the previous rank of the world (its last ones) and after it
+        from the next rank (its first ones); zeros before rank 0 and after the last rank, as a convolution's zero
+        padding. For work split into bands of rows in rank order: each rank's x must have at least width slices."""
+        if width == 0:
+            return x
+        world_size, rank = self.plan.world_size, self.rank
+        shape = list(x.shape)
+        shape[dim] = width
+        before = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        after = torch.zeros_like(before)
+        if world_size > 1 and not self._rehearsing:
+            self.check_device("halo exchange", x)
+            ops = []
+            if rank > 0:
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, 0, width).contiguous(), rank - 1),
+                        dist.P2POp(dist.irecv, before, rank - 1)]
+            if rank < world_size - 1:
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, x.shape[dim] - width, width).contiguous(), rank + 1),
+                        dist.P2POp(dist.irecv, after, rank + 1)]
+            with self._collective("halo exchange"):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        return torch.cat((before, x, after), dim)
+
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from global rank src to every rank of the world, in place."""
         if self.plan.world_size > 1 and not self._rehearsing:

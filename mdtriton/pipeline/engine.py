@@ -5,7 +5,7 @@ diffusers loads every component but the transformer from the engine directory, a
 runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
 replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
-the ranks in step.
+the ranks in step. The VAE decode is split across the ranks by bands of rows (mdtriton.pipeline.split_vae).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mdtriton.families import PipelinePart
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
+from mdtriton.pipeline.split_vae import split_decode
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 
@@ -68,6 +69,7 @@ class PipelineEngine(Engine):
             raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
+        split_decode(pipeline.vae, comm)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
                    for folder in transformer_engine_folders(engine_dir, part)}

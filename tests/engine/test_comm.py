@@ -16,8 +16,10 @@ PLANS = {"tp": ParallelPlan(tp_size=2), "allgather_kv": ParallelPlan(cp_size=2),
 
 
 def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
-    """Every collective of comm whose group has both ranks (the world's broadcast, and its plan's group's)."""
-    collectives = {"broadcast": lambda: comm.broadcast(x, src=0)}
+    """Every collective of comm whose group has both ranks (the world's, and its plan's group's)."""
+    collectives = {"broadcast": lambda: comm.broadcast(x, src=0), "all_reduce": lambda: comm.all_reduce(x),
+                   "all_gather": lambda: comm.all_gather(x, 0, [4, 4]),
+                   "halo_exchange": lambda: comm.halo_exchange(x, 0, 1)}
     if comm.tp_size == 2:
         collectives["tp_all_reduce"] = lambda: comm.tp_all_reduce(x)
     if comm.cp_size == 2:
@@ -51,13 +53,35 @@ def _refusals_on_gpu_ranks(rank: int, world_size: int, plan: ParallelPlan) -> di
 
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_a_host_tensor_is_refused_by_gpu_ranks_before_the_collective(plan_name):
-    expected = {"tp": 2, "allgather_kv": 4, "cfg": 2, "ulysses": 5, "ring": 5}[plan_name]  # broadcast + the plan's
+    # the world's 4 collectives and the plan group's
+    expected = {"tp": 5, "allgather_kv": 7, "cfg": 5, "ulysses": 8, "ring": 8}[plan_name]
     for rank, result in enumerate(run_ranks(2, _refusals_on_gpu_ranks, PLANS[plan_name])):
         assert result["sum after"] == 2.0
         assert len(result["refused"]) == expected
         for name, message in result["refused"].items():
             assert message is not None, f"{name} sent a host tensor from a GPU rank"
             assert f"rank {rank}" in message and "on cpu" in message and f"cuda:{rank} only" in message
+
+
+def _world_collectives(rank: int, world_size: int) -> dict:
+    """Rank r holds r + 1 rows of [row index, rank] pairs: bands of uneven sizes, as a split VAE decode's."""
+    comm = Communicator(ParallelPlan(cp_size=world_size), rank, torch.device("cpu"))
+    comm.join_groups()
+    rows = torch.stack((torch.arange(rank + 1.0), torch.full((rank + 1,), float(rank))), dim=1)  # [r + 1, 2]
+    return {"halo": comm.halo_exchange(rows.T, dim=1, width=1).T.tolist(),
+            "gathered": comm.all_gather(rows.T, dim=1, sizes=[r + 1 for r in range(world_size)]).T.tolist(),
+            "sum": comm.all_reduce(rows[:1, 1]).tolist(), "own rows": rows.tolist()}
+
+
+def test_world_collectives_of_uneven_bands():
+    results = run_ranks(3, _world_collectives)
+    every_row = [row for result in results for row in result["own rows"]]
+    for rank, result in enumerate(results):
+        before = results[rank - 1]["own rows"][-1] if rank > 0 else [0.0, 0.0]
+        after = results[rank + 1]["own rows"][0] if rank < 2 else [0.0, 0.0]
+        assert result["halo"] == [before, *result["own rows"], after]
+        assert result["gathered"] == every_row
+        assert result["sum"] == [3.0]
 
 
 def test_tensors_on_the_rank_device_pass_the_contract():

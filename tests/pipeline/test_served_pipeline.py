@@ -223,6 +223,15 @@ def test_a_client_that_leaves_mid_image_does_not_stop_the_server(served):
     assert responses[0][1] is None and responses[0][0].as_numpy("step")[0] == 1
 
 
+def test_every_rank_decodes_its_band_of_the_image(served):
+    """The served images above equal diffusers' with the VAE decode split across the 2 ranks
+    (mdtriton.pipeline.split_vae; tests/pipeline/test_split_vae.py checks the split decode itself)."""
+    server, _ = served
+    log = server.log_file.read_text()
+    for rank in (0, 1):
+        assert f"mdtriton rank {rank} worker: VAE decode split across 2 ranks by bands of rows" in log
+
+
 @pytest.mark.timeout(120)
 def test_prompts_stay_out_of_the_server_log(served):
     """A prompt longer than CLIP's 77 tokens is truncated; diffusers' warning would quote it in the log."""

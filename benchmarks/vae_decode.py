@@ -1,0 +1,134 @@
+"""The VAE decode split across N GPUs by bands of rows (mdtriton/pipeline/split_vae.py, what a served pipeline runs)
+against the whole decode on one GPU: FLUX.1's AutoencoderKL at 1024x1024 and Wan 2.1's AutoencoderKLWan at 1280x720
+x 81 frames, random weights at the real VAEs' configs (the same on every GPU: made on the CPU from one seed), bf16 by
+default, batch 1.
+
+Each GPU count runs in its own processes (one per GPU, NCCL: the harness's run_ranks). Times: the harness's timer
+(CUDA events, ranks lined up by a barrier) around whole `vae.decode` calls, the gather of the rows on every rank
+included; the median of --iterations after one warm-up decode. Peak memory: the most any rank allocated during them.
+The max uint8 difference compares each decode's image, rounded as diffusers' image processor rounds it, with the
+one-GPU decode's; the share of that image's levels strictly between 0 and 255 says how much of it random weights
+left unclipped (what the comparison can see).
+
+    python benchmarks/vae_decode.py                               # FLUX and Wan, 1, 2 and 4 GPUs, bf16
+    python benchmarks/vae_decode.py --models wan --dtype float32  # Wan's VAE as the served pipeline runs it
+    python benchmarks/vae_decode.py --tiny                        # tiny VAEs on 1, 2, 3 CPU ranks (gloo), float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan
+from safetensors.torch import load_file, save_file
+
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.harness import init_rank, markdown_table, run_ranks, time_calls, timing
+from mdtriton.pipeline.split_vae import split_decode
+
+# FLUX.1-dev's vae/config.json (the architecture's keys); Wan 2.1's VAE is AutoencoderKLWan's default config.
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
+WAN_VAE = {}
+# The tests' tiny VAEs (tests/pipeline/tiny_*_pipeline.py), for --tiny.
+TINY_FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=2, block_out_channels=(4, 8, 8, 8),
+                     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                     layers_per_block=1, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False)
+TINY_WAN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                    temperal_downsample=[False, True, True])
+# model: (VAE class, config, latent shape, size label), real and tiny. Latent rows 128 and 90 (7 and 5 tiny) split
+# unevenly over 3 or 4 ranks.
+MODELS = {"flux": (AutoencoderKL, FLUX_VAE, (1, 16, 128, 128), "1024x1024"),
+          "wan": (AutoencoderKLWan, WAN_VAE, (1, 16, 21, 90, 160), "1280x720 x 81")}
+TINY_MODELS = {"flux": (AutoencoderKL, TINY_FLUX_VAE, (1, 2, 7, 5), "40x56"),
+               "wan": (AutoencoderKLWan, TINY_WAN_VAE, (1, 4, 3, 5, 6), "48x40 x 9")}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def levels(image: torch.Tensor) -> torch.Tensor:
+    """uint8 levels of a decoded image in [-1, 1], rounded as diffusers' image processor rounds them."""
+    return ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
+    cuda = not args.tiny
+    device = init_rank(rank, world_size, port, cuda)
+    comm = Communicator(ParallelPlan(cp_size=world_size), rank, device)
+    comm.join_groups()
+    rows = []
+    for name in args.models:
+        vae_class, config, latent_shape, size = (TINY_MODELS if args.tiny else MODELS)[name]
+        torch.manual_seed(0)
+        vae = vae_class(**config).to(device, DTYPES[args.dtype]).eval()
+        split = split_decode(vae, comm)
+        latent = torch.randn(latent_shape, generator=torch.Generator().manual_seed(1)).to(device, DTYPES[args.dtype])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            times, image = time_calls(lambda: vae.decode(latent).sample, cuda, 1, args.iterations)
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
+        if world_size > 1:
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        if rank == 0:
+            save_file({"levels": levels(image).cpu().contiguous()}, Path(work_dir) / f"{name}-{world_size}.safetensors")
+            rows.append({"model": name, "size": size, "gpus": world_size, "split": split, **timing(times),
+                         "peak_gib": float(peak)})
+            print(json.dumps(rows[-1]), flush=True)
+        vae = image = None
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        (Path(work_dir) / f"rows-{world_size}.json").write_text(json.dumps(rows))
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="flux,wan", help="flux, wan (default both)")
+    parser.add_argument("--gpus", help="GPU counts (default 1,2,4; --tiny: CPU ranks 1,2,3); 1 is the baseline")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="the VAE's (default bfloat16; the served Wan pipeline runs its VAE in float32)")
+    parser.add_argument("--iterations", type=int, default=3, help="timed decodes after one warm-up (default 3)")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny VAEs on CPU ranks, float32 (checks the "
+                                                            "script)")
+    args = parser.parse_args()
+    args.models = args.models.split(",")
+    if args.tiny:
+        args.dtype = "float32"
+    counts = sorted({1} | {int(n) for n in (args.gpus or ("1,2,3" if args.tiny else "1,2,4")).split(",")})
+    if not args.tiny and max(counts) > torch.cuda.device_count():
+        raise SystemExit(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (--tiny runs on CPU)")
+    rows = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for world_size in counts:
+            problem = run_ranks(_rank_main, world_size, (args, work_dir))
+            if problem:
+                raise SystemExit(problem)
+            rows += json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
+        for row in rows:
+            image = load_file(Path(work_dir) / f"{row['model']}-{row['gpus']}.safetensors")["levels"]
+            whole = load_file(Path(work_dir) / f"{row['model']}-1.safetensors")["levels"]
+            row["max_level_difference"] = int((image.int() - whole.int()).abs().max())
+            row["unclipped"] = float(((whole > 0) & (whole < 255)).float().mean())
+    single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
+    where = "CPU ranks (gloo)" if args.tiny else torch.cuda.get_device_name(0)
+    print(f"\nVAE decode, batch 1, {args.dtype}, {where}, torch {torch.__version__}; median of {args.iterations} "
+          "decodes after one warm-up\n")
+    print(markdown_table(
+        ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",
+         "max uint8 difference vs 1 GPU", "unclipped levels"],
+        [[row["model"], row["size"], row["gpus"], "split" if row["split"] else "whole", f"{row['median_ms']:,.1f}",
+          f"{single[row['model']] / row['median_ms']:.2f}x", f"{row['peak_gib']:.2f}", row["max_level_difference"],
+          f"{100 * row['unclipped']:.0f}%"]
+         for row in sorted(rows, key=lambda row: (row["model"], row["gpus"]))]))
+
+
+if __name__ == "__main__":
+    main()
