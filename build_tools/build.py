@@ -113,7 +113,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
-        check_gpus_fit(transformer, gpus)
+        check_gpus_fit(transformer, model_family, gpus)
         if quantization and torch.cuda.is_available():
             for gpu in gpus:
                 if gpu < torch.cuda.device_count():

@@ -18,7 +18,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.families import pipeline_part
+from mdtriton.families import family, pipeline_part
 from mdtriton.lora.directory import AdapterSettings, adapter_names
 from mdtriton.pipeline.prompts import text_rows
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
@@ -34,11 +34,11 @@ def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
     adapters kept where `adapters` says (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
-        return TorchEngine.load(engine_dir, manifest, comm)
+        return TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
     # Imported here: diffusers and transformers (the `pipeline` extra) are needed only to serve pipelines.
     from mdtriton.pipeline.engine import PipelineEngine
 
-    return PipelineEngine.load(engine_dir, manifest, comm, part, adapters)
+    return PipelineEngine.load(engine_dir, manifest, family(manifest.architecture), comm, part, adapters)
 
 
 def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_dir: Path | None = None) -> None:
@@ -46,7 +46,7 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_
     adapters must be kept in adapters_dir (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
-        request_check.check_request(manifest, inputs)
+        request_check.check_request(manifest, family(manifest.architecture), inputs)
         return
     optional = part.served_optional_inputs()
     missing = [spec.name for spec in manifest.inputs if spec.name not in inputs and spec.name not in optional]

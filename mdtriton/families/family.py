@@ -11,53 +11,32 @@ pipeline (prompt in, image or video out) adds a `PipelinePart`. Families are reg
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from mdtriton.engine.comm import Communicator
-from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, EngineError, TensorSpec
+from mdtriton.engine.architecture import Architecture, RequestSize
+from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
     from mdtriton.engine.manifest import Manifest
 
+__all__ = ["Family", "PipelinePart", "RequestSize", "Signature"]  # what a family's module needs
+
 Signature = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]  # (inputs, outputs)
 
 
-@dataclass(frozen=True)
-class RequestSize:
-    """How big a request is, as the engine's limits count it: samples, and tokens in the sequence its attention
-    runs over (the family says what a token is: FLUX's text plus image tokens, a video's patches)."""
+class Family(Architecture):
+    """A transformer family: its module, config, plans, requests and warm-up (what the engine uses of it:
+    mdtriton.engine.architecture), its presets and signature, and its pipeline if it serves one. Subclass it and
+    register an instance (mdtriton.families: built in, or a user's package through the `mdtriton.families` entry point
+    group)."""
 
-    batch: int
-    tokens: int
-
-
-class TransformerModule(Protocol):
-    """One rank's module of a family (an nn.Module), built as `module_class(config, comm)` (with `fp8=True` too
-    where the family supports FP8): forward takes the inputs by name and returns the full (unsplit) outputs by
-    name on every rank."""
-
-    def fuse_projections(self) -> None:
-        """Arrange the loaded weights for speed (e.g. q, k and v in one GEMM); called once, after the load."""
-
-    def compiled_regions(self) -> list[nn.Module]:
-        """The modules worth compiling on GPUs (blocks between collectives)."""
-
-
-class Family(ABC):
-    """A transformer family: its module, config, plans, requests and warm-up. Subclass it and register an instance
-    (mdtriton.families: built in, or a user's package through the `mdtriton.families` entry point group)."""
-
-    name: ClassVar[str]  # the architecture name of its transformer engines (--architecture)
     description: ClassVar[str]  # one line for `mdtriton build --help`
-    module_class: ClassVar[type[nn.Module]]  # implements TransformerModule
-    supports_fp8: ClassVar[bool] = False  # module_class takes fp8=True: its linear weights in e4m3
     pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
     max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS  # the default limit of a request's tokens (mdtriton build --max-tokens)
 
@@ -75,17 +54,8 @@ class Family(ABC):
         return {**known, **{key: value for key, value in config_json.items() if key in known}}
 
     @abstractmethod
-    def check_plan(self, config: dict, plan: ParallelPlan) -> None:
-        """Raise ValueError, saying what to change, if config is not one of this family's or plan cannot split it."""
-
-    @abstractmethod
     def signature(self, config: dict, data_type: str) -> Signature:
         """The transformer engine's inputs and outputs (data_type: the engine's, e.g. BF16)."""
-
-    @abstractmethod
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
-        """The request's size; ValueError, saying what to send instead, if its inputs (already of the signature's
-        types and ranks, no value read) do not fit together. It must take warm_up_sample's request."""
 
     def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
         """The input shapes of the small all-zeros request Triton sends each instance of a transformer engine at load
@@ -95,22 +65,10 @@ class Family(ABC):
         return {spec.name: [plan.cp_size if d == -1 else d for d in spec.shape] for spec in inputs}
 
     @abstractmethod
-    def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-        """The requests a GPU load runs, in order, to compile every graph later requests need (mdtriton.engine.compile)."""
-
-    @abstractmethod
     def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
                         batch: int = 1) -> dict[str, torch.Tensor]:
         """A seeded request of `tokens` tokens (as check_request counts them), laid out as a typical one: for
         benchmarks and tests."""
-
-    def new_module(self, config: dict, comm: Communicator, quantization: str | None = None) -> nn.Module:
-        """Rank's module, its weights not yet loaded (made on the current default device)."""
-        if quantization is None:
-            return self.module_class(config, comm)
-        if not self.supports_fp8:
-            raise EngineError(f"architecture {self.name!r} has no {quantization} weights; build it with --dtype BF16")
-        return self.module_class(config, comm, fp8=True)
 
 
 # What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:

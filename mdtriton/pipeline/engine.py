@@ -17,6 +17,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
+from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
@@ -45,10 +46,11 @@ class PipelineEngine(Engine):
         self.adapters = adapters
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator, part: PipelinePart,
-             adapters: AdapterSettings | None = None) -> "PipelineEngine":
+    def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
+             part: PipelinePart, adapters: AdapterSettings | None = None) -> "PipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
-        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here). Requests may name
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here); architecture: its
+        transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
         diffusers' LoRA loaders do)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
@@ -69,7 +71,7 @@ class PipelineEngine(Engine):
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
-        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
                    for folder in transformer_engine_folders(engine_dir, part)}
         transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
         for folder, transformer in zip(engines, transformers):
