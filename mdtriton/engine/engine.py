@@ -1,6 +1,6 @@
 """The engine interface the backend serves, and its PyTorch implementation.
 
-An engine is loaded by its class's `load(engine_dir, manifest, architecture, comm)` (mdtriton.engine.serving.load_engine
+An engine is loaded by its class's `load(engine_dir, manifest, architecture, comm)` (mdtriton.serving.load_engine
 picks the class by the manifest's architecture and hands it the family: mdtriton.engine.architecture); the caller has
 read the manifest and made the rank's Communicator, which it keeps (the backend forms the groups and broadcasts inputs
 and answers with it). After that the backend needs only `manifest` and `forward`; a TensorRT runner can implement the

@@ -18,10 +18,10 @@ from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.serving import load_engine
 from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings, adapters_dir
 from mdtriton.lora.repository import add_adapter
+from mdtriton.serving import load_engine
 from tests.lora.adapters import diffusers_lora
 from tests.pipeline.pipelines import save_pipelines
 

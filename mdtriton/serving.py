@@ -1,9 +1,10 @@
-"""What the server asks of an engine directory: which engine serves it, which check its requests get, and how a
-text (BYTES) input becomes a tensor.
+"""What the server asks of an engine directory: which engine serves it, which check its requests get, the defaults of
+the inputs a request leaves out, and how a text (BYTES) input becomes a tensor.
 
-The registry of families (mdtriton.families) answers by the manifest's architecture, so the backend names no
-family: a transformer engine is served as it is (TorchEngine), a pipeline by the pipeline engine with its
-family's PipelinePart.
+The serving layer, above the engine, LoRA, the pipelines and the families (docs/architecture.md, "Layers"): the
+registry of families (mdtriton.families) answers by the manifest's architecture and the family is handed to the
+engine, so the backend names no family: a transformer engine is served as it is (TorchEngine), a pipeline by the
+pipeline engine with its family's PipelinePart. The backend, the build tools and the benchmarks import it.
 """
 
 from __future__ import annotations
