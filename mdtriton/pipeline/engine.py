@@ -25,9 +25,9 @@ from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.progress import report_progress
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.step_cache import StepCache
-from mdtriton.families import PipelinePart
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
+from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
