@@ -266,7 +266,7 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     from safetensors.torch import save_file
 
     from mdtriton.client.pipeline import generate
-    from mdtriton.lora.repository import add_adapter
+    from mdtriton.build_tools.adapters import add_adapter
     from mdtriton.server import TritonServer
     from pipeline_flux import PROMPT, flux_dev_components, save_flux_pipeline_dir, tiny_components
 

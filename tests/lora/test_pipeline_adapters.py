@@ -15,13 +15,13 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError
 from mdtriton.lora.directory import adapters_dir
-from mdtriton.lora.repository import add_adapter
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import check_request
 from tests.distributed import run_ranks
