@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from mdtriton.engine.manifest import Signature, TensorSpec
-
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import TorchEngine
-    from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
 
 
 # What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:
