@@ -25,7 +25,7 @@ from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
+from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
 from mdtriton.lora.directory import DEFAULT_CACHE_MIB, adapters_dir
 
 log = logging.getLogger("mdtriton.backend")

@@ -38,7 +38,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import load_engine
+from mdtriton.serving import load_engine
 from mdtriton.lora.directory import AdapterSettings
 
 log = logging.getLogger("mdtriton.backend")

@@ -53,6 +53,7 @@ from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.modules import meta_module  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
+from mdtriton.families.flux import FLUX  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG  # noqa: E402
 from mdtriton.lora.adapter_file import Factors, write_adapter  # noqa: E402
 from mdtriton.lora.weights import AdapterWeights  # noqa: E402
@@ -64,7 +65,7 @@ LONG_IMAGE_TOKENS = 16384  # over GRAPH_MAX_TOKENS: no CUDA graph, the compiled 
 
 def block_linears(config: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of every linear layer of the blocks, by diffusers' name."""
-    model = meta_module("flux", config, ParallelPlan(), 0)
+    model = meta_module(FLUX, config, ParallelPlan(), 0)
     return {name: tuple(layer.weight.shape) for name, layer in model.named_modules()
             if isinstance(layer, (nn.Linear, ParallelLinear)) and name.startswith(("transformer_blocks.",
                                                                                     "single_transformer_blocks."))}
@@ -265,7 +266,7 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     from safetensors.torch import save_file
 
     from mdtriton.client.pipeline import generate
-    from mdtriton.lora.repository import add_adapter
+    from mdtriton.build_tools.adapters import add_adapter
     from mdtriton.server import TritonServer
     from pipeline_flux import PROMPT, flux_dev_components, save_flux_pipeline_dir, tiny_components
 

@@ -56,7 +56,7 @@ from mdtriton.client.pipeline import generate  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.engine.serving import load_engine  # noqa: E402
+from mdtriton.serving import load_engine  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402

@@ -38,7 +38,7 @@ from mdtriton.client.pipeline import generate_video  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.manifest import Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.engine.serving import load_engine  # noqa: E402
+from mdtriton.serving import load_engine  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
 from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
 from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402

@@ -220,7 +220,7 @@ def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs:
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, device)
     comm.join_groups()
-    engine = TorchEngine.load(engine_dir, manifest, comm)
+    engine = TorchEngine.load(engine_dir, manifest, FLUX, comm)
     on_device = {name: tensor.to(device) for name, tensor in inputs.items()}
     times, _ = time_calls(lambda: engine.forward(on_device), cuda, args.warmup, args.requests)
     if rank == 0:

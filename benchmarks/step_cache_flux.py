@@ -49,7 +49,7 @@ from mdtriton.client.pipeline import generate  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.engine.serving import load_engine  # noqa: E402
+from mdtriton.serving import load_engine  # noqa: E402
 from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.harness import bench_engine, markdown_table, time_calls  # noqa: E402

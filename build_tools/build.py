@@ -21,9 +21,9 @@ from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S
 from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
 MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
 
@@ -113,7 +113,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
-        check_gpus_fit(transformer, gpus)
+        check_gpus_fit(transformer, model_family, gpus)
         if quantization and torch.cuda.is_available():
             for gpu in gpus:
                 if gpu < torch.cuda.device_count():

@@ -9,8 +9,8 @@ from pathlib import Path
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, EngineLimits
 from mdtriton.engine.plan import CFG_SIZES, CP_METHODS, ParallelPlan
-from mdtriton.engine.serving import DEFAULT_REQUEST_TIMEOUT_S
 from mdtriton.families import PIPELINE_SUFFIX, PipelinePart, architecture_names, families, family
+from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
 
 def architectures_help() -> str:

@@ -48,7 +48,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: str | to
 
 def full_shapes(architecture_name: str, config: dict) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the whole (one-rank) model."""
-    return {name: tuple(t.shape) for name, t in meta_module(architecture_name, config, ParallelPlan(), 0).state_dict().items()}
+    module = meta_module(family(architecture_name), config, ParallelPlan(), 0)
+    return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 
 class RandomWeights:
@@ -83,7 +84,7 @@ def rank_weights(architecture_name: str, config: dict, plan: ParallelPlan, rank:
 
     With quantization "fp8", each weight that has a `weight_scale` beside it is quantized from this rank's
     slice (so each rank's row scales fit its own columns) and followed by its scale."""
-    module = meta_module(architecture_name, config, plan, rank, quantization)
+    module = meta_module(family(architecture_name), config, plan, rank, quantization)
     specs = parallel_specs(module)
     state = module.state_dict()
     for name, local in state.items():
@@ -137,7 +138,7 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
     engine_dir.mkdir(parents=True, exist_ok=True)
     finished = _finished_files(engine_dir)
     dtype = TORCH_DTYPES[data_type]
-    weights_per_rank = len(meta_module(architecture_name, config, plan, 0, quantization).state_dict())
+    weights_per_rank = len(meta_module(model_family, config, plan, 0, quantization).state_dict())
     files = []
     with tqdm(total=plan.world_size * weights_per_rank, desc="building engine", unit="weight",
               disable=not progress) as bar:
@@ -169,4 +170,4 @@ def reference_module(architecture_name: str, config: dict, full_weights: dict[st
                      device: str = "cpu") -> torch.nn.Module:
     """The same model on one rank with the full weights: the reference that multi-rank engines must match."""
     weights = {name: tensor.to(device=device, dtype=TORCH_DTYPES[data_type]) for name, tensor in full_weights.items()}
-    return loaded_module(architecture_name, config, Communicator.single(device), weights)
+    return loaded_module(family(architecture_name), config, Communicator.single(device), weights)

@@ -16,6 +16,7 @@ from mdtriton.engine.layers import join_shards, parallel_specs
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families import family
 
 
 class EngineWeights:
@@ -25,7 +26,7 @@ class EngineWeights:
         self.manifest = Manifest.read(engine_dir)
         plan = self.manifest.plan
         self.files = [self.manifest.weight_file(engine_dir, rank) for rank in plan.tp_group_ranks()[0]]
-        self.specs = parallel_specs(meta_module(self.manifest.architecture, self.manifest.config, plan, 0))
+        self.specs = parallel_specs(meta_module(family(self.manifest.architecture), self.manifest.config, plan, 0))
 
     def read(self, name: str) -> torch.Tensor:
         files = self.files if name in self.specs else self.files[:1]
@@ -79,7 +80,7 @@ def streamed_reference(engine_dir: Path, device: str | torch.device, dtype: torc
     if manifest.quantization:
         raise ValueError(f"{engine_dir}: a streamed reference re-assembles unquantized engines only "
                          f"(this one is {manifest.weight_type})")
-    module = meta_module(manifest.architecture, manifest.config, ParallelPlan(), 0).eval()
+    module = meta_module(family(manifest.architecture), manifest.config, ParallelPlan(), 0).eval()
 
     def loader(prefix: str):
         def load(names) -> dict[str, torch.Tensor]:

@@ -25,25 +25,22 @@ from mdtriton.client.grpc_client import ClientError, status_of
 STREAM_HEADERS = {"triton_grpc_error": "true"}
 
 
+# The data type of each number a pipeline takes (a [1] tensor), as the families' pipelines declare it.
+NUMBER_TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
+                "guidance_scale": np.float32, "guidance_scale_2": np.float32, "seed": np.int64,
+                "max_sequence_length": np.int32}
+
+
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
                     seed: int, prompts_2: list[str] | None = None, max_sequence_length: int | None = None,
                     cache: str | dict | None = None,
                     loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
     """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache, a step
     cache config: a dict or its JSON text; loras, adapter names and scales)."""
-    arrays = {
-        "prompt": texts(prompts),
-        "height": np.array([height], np.int32),
-        "width": np.array([width], np.int32),
-        "num_inference_steps": np.array([num_inference_steps], np.int32),
-        "guidance_scale": np.array([guidance_scale], np.float32),
-        "seed": np.array([seed], np.int64),
-    }
-    if prompts_2 is not None:
-        arrays["prompt_2"] = texts(prompts_2)
-    if max_sequence_length is not None:
-        arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(with_shared(arrays, cache, loras))
+    return infer_inputs(request_arrays(
+        {"prompt": prompts, "prompt_2": prompts_2},
+        {"height": height, "width": width, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
+         "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras))
 
 
 def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, num_inference_steps: int,
@@ -53,22 +50,20 @@ def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, n
                  loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
     """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache and loras
     as pipeline_inputs takes them)."""
-    arrays = {
-        "prompt": texts(prompts),
-        "height": np.array([height], np.int32),
-        "width": np.array([width], np.int32),
-        "num_frames": np.array([num_frames], np.int32),
-        "num_inference_steps": np.array([num_inference_steps], np.int32),
-        "guidance_scale": np.array([guidance_scale], np.float32),
-        "seed": np.array([seed], np.int64),
-    }
-    if negative_prompts is not None:
-        arrays["negative_prompt"] = texts(negative_prompts)
-    if guidance_scale_2 is not None:
-        arrays["guidance_scale_2"] = np.array([guidance_scale_2], np.float32)
-    if max_sequence_length is not None:
-        arrays["max_sequence_length"] = np.array([max_sequence_length], np.int32)
-    return infer_inputs(with_shared(arrays, cache, loras))
+    return infer_inputs(request_arrays(
+        {"prompt": prompts, "negative_prompt": negative_prompts},
+        {"height": height, "width": width, "num_frames": num_frames, "num_inference_steps": num_inference_steps,
+         "guidance_scale": guidance_scale, "seed": seed, "guidance_scale_2": guidance_scale_2,
+         "max_sequence_length": max_sequence_length}, cache, loras))
+
+
+def request_arrays(prompts: dict[str, list[str] | None], numbers: dict[str, int | float | None],
+                   cache: str | dict | None, loras: dict[str, float] | None) -> dict[str, np.ndarray]:
+    """A request's arrays by input name: each text input and number given (None: left out, the model's default), and
+    the inputs every pipeline takes (with_shared)."""
+    arrays = {name: texts(values) for name, values in prompts.items() if values is not None}
+    arrays.update({name: np.array([value], NUMBER_TYPES[name]) for name, value in numbers.items() if value is not None})
+    return with_shared(arrays, cache, loras)
 
 
 def with_shared(arrays: dict[str, np.ndarray], cache: str | dict | None,

@@ -58,9 +58,8 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from mdtriton import bench, demo
     from mdtriton.build_tools import cli as build_cli
-    from mdtriton.build_tools import verify
+    from mdtriton.build_tools import lora_cli, verify
     from mdtriton.client import cli as client_cli
-    from mdtriton.lora import cli as lora_cli
 
     parser = argparse.ArgumentParser(prog="mdtriton", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mdtriton {__version__}")

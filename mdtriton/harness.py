@@ -57,7 +57,7 @@ def bench_engine(architecture: str, config: dict, comm: Communicator, weights: d
     model_family = family(architecture)
     inputs, outputs = model_family.signature(config, data_type)
     manifest = Manifest(model_family.name, config, comm.plan, data_type, inputs, outputs, quantization=quantization)
-    return TorchEngine.from_weights(manifest, comm, weights, compile=compiled)
+    return TorchEngine.from_weights(manifest, model_family, comm, weights, compile=compiled)
 
 
 def is_modulation(name: str) -> bool:

@@ -10,9 +10,9 @@ from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.serving import load_engine
 from mdtriton.families.flux import FLUX
 from mdtriton.harness import bench_engine, flux_inputs, markdown_table, relative_error
+from mdtriton.serving import load_engine
 
 
 def test_the_harness_engine_answers_as_the_served_engine_of_the_same_weights(tmp_path):

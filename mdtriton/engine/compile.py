@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
+from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.comm import Communicator
-from mdtriton.families import family
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "compile-cache"
 
 
-def compile_and_warm_up(module: torch.nn.Module, architecture_name: str, config: dict, dtype: torch.dtype,
+def compile_and_warm_up(module: torch.nn.Module, architecture: Architecture, config: dict, dtype: torch.dtype,
                         comm: Communicator) -> float:
     """Compile each of the module's compiled_regions() in place (symbolic batch and sequence sizes), then run the
     module on this rank alone on its family's warm-up requests, which compiles them; return the seconds the warm-up
@@ -35,7 +35,7 @@ def compile_and_warm_up(module: torch.nn.Module, architecture_name: str, config:
     for region in module.compiled_regions():
         region.compile(dynamic=True)
     start = time.perf_counter()
-    requests = family(architecture_name).warm_up_requests(config, dtype)
+    requests = architecture.warm_up_requests(config, dtype)
     # Deterministic: Inductor picks its kernels' configurations without timing them on the device, so every
     # process (a healed worker, a later load) runs the same kernels and computes the same bits for the same inputs.
     with comm.rehearsal(), torch.inference_mode(), torch._inductor.config.patch(deterministic=True):

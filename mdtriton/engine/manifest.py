@@ -61,6 +61,9 @@ class TensorSpec:
         return cls(data["name"], data["data_type"], tuple(int(d) for d in data["shape"]))
 
 
+Signature = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]  # an engine's (inputs, outputs)
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """The largest request the engine takes: batch size, and tokens in one sequence (FLUX: text + image).

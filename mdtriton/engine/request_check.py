@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.manifest import Manifest
-from mdtriton.families import family
 
 
 class RequestError(ValueError):
     """A request this engine cannot take; the message says what is wrong and what to send instead."""
 
 
-def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
-    """Raise RequestError if the inputs (by name) are not a request this engine can run; values are not read
-    (check_finite does that)."""
+def check_request(manifest: Manifest, architecture: Architecture, inputs: dict[str, torch.Tensor]) -> None:
+    """Raise RequestError if the inputs (by name) are not a request this engine (of architecture) can run; values are
+    not read (check_finite does that)."""
     for spec in manifest.inputs:
         tensor = inputs.get(spec.name)
         if tensor is None:
@@ -38,7 +38,7 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
             raise RequestError(f"input {spec.name!r} is empty (shape {list(tensor.shape)}); "
                                "every dimension must be at least 1")
     try:
-        size = family(manifest.architecture).check_request(manifest.config, inputs)
+        size = architecture.check_request(manifest.config, inputs)
     except ValueError as error:
         raise RequestError(str(error)) from None
     limits = manifest.limits

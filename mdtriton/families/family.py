@@ -3,61 +3,33 @@
 A family is a diffusers transformer (FLUX, the tiny test transformer, a user's own) split rank by rank:
 `Family` says how its module is built and configured, which plans can split it, what a request to its
 transformer engine looks like and how big it is, and what warms it up. A family that serves a whole diffusers
-pipeline (prompt in, image or video out) adds a `PipelinePart`. Families are registered by name
-(mdtriton.families); an engine's manifest names its architecture: the family's name for its transformer engine,
+pipeline (prompt in, image or video out) adds a `PipelinePart` (mdtriton.pipeline.part). Families are registered by
+name (mdtriton.families); an engine's manifest names its architecture: the family's name for its transformer engine,
 `<name>-pipeline` for its pipeline.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from abc import abstractmethod
+from typing import ClassVar
 
 import torch
-from torch import nn
 
-from mdtriton.engine.comm import Communicator
-from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, EngineError, TensorSpec
+from mdtriton.engine.architecture import Architecture, RequestSize
+from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, Signature
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.pipeline.part import PipelinePart
 
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import TorchEngine
-    from mdtriton.engine.manifest import Manifest
-
-Signature = tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]  # (inputs, outputs)
+__all__ = ["Family", "PipelinePart", "RequestSize", "Signature"]  # what a family's modules import from here
 
 
-@dataclass(frozen=True)
-class RequestSize:
-    """How big a request is, as the engine's limits count it: samples, and tokens in the sequence its attention
-    runs over (the family says what a token is: FLUX's text plus image tokens, a video's patches)."""
+class Family(Architecture):
+    """A transformer family: its module, config, plans, requests and warm-up (what the engine uses of it:
+    mdtriton.engine.architecture), its presets and signature, and its pipeline if it serves one. Subclass it and
+    register an instance (mdtriton.families: built in, or a user's package through the `mdtriton.families` entry point
+    group)."""
 
-    batch: int
-    tokens: int
-
-
-class TransformerModule(Protocol):
-    """One rank's module of a family (an nn.Module), built as `module_class(config, comm)` (with `fp8=True` too
-    where the family supports FP8): forward takes the inputs by name and returns the full (unsplit) outputs by
-    name on every rank."""
-
-    def fuse_projections(self) -> None:
-        """Arrange the loaded weights for speed (e.g. q, k and v in one GEMM); called once, after the load."""
-
-    def compiled_regions(self) -> list[nn.Module]:
-        """The modules worth compiling on GPUs (blocks between collectives)."""
-
-
-class Family(ABC):
-    """A transformer family: its module, config, plans, requests and warm-up. Subclass it and register an instance
-    (mdtriton.families: built in, or a user's package through the `mdtriton.families` entry point group)."""
-
-    name: ClassVar[str]  # the architecture name of its transformer engines (--architecture)
     description: ClassVar[str]  # one line for `mdtriton build --help`
-    module_class: ClassVar[type[nn.Module]]  # implements TransformerModule
-    supports_fp8: ClassVar[bool] = False  # module_class takes fp8=True: its linear weights in e4m3
     pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
     max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS  # the default limit of a request's tokens (mdtriton build --max-tokens)
 
@@ -75,17 +47,8 @@ class Family(ABC):
         return {**known, **{key: value for key, value in config_json.items() if key in known}}
 
     @abstractmethod
-    def check_plan(self, config: dict, plan: ParallelPlan) -> None:
-        """Raise ValueError, saying what to change, if config is not one of this family's or plan cannot split it."""
-
-    @abstractmethod
     def signature(self, config: dict, data_type: str) -> Signature:
         """The transformer engine's inputs and outputs (data_type: the engine's, e.g. BF16)."""
-
-    @abstractmethod
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
-        """The request's size; ValueError, saying what to send instead, if its inputs (already of the signature's
-        types and ranks, no value read) do not fit together. It must take warm_up_sample's request."""
 
     def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
         """The input shapes of the small all-zeros request Triton sends each instance of a transformer engine at load
@@ -93,10 +56,6 @@ class Family(ABC):
         variable dimension of the signature is cp_size, so that every context-parallel rank gets real tokens."""
         inputs, _ = self.signature(config, "FP32")
         return {spec.name: [plan.cp_size if d == -1 else d for d in spec.shape] for spec in inputs}
-
-    @abstractmethod
-    def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-        """The requests a GPU load runs, in order, to compile every graph later requests need (mdtriton.engine.compile)."""
 
     @abstractmethod
     def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
@@ -110,85 +69,3 @@ class Family(ABC):
         image) of height x width pixels, with the pipeline's text length: what `mdtriton bench` measures. ValueError,
         saying what to send instead, for sizes the pipeline refuses. A family without it is not benchmarked."""
         raise NotImplementedError(f"family {self.name!r} makes no request from a size in pixels")
-
-    def new_module(self, config: dict, comm: Communicator, quantization: str | None = None) -> nn.Module:
-        """Rank's module, its weights not yet loaded (made on the current default device)."""
-        if quantization is None:
-            return self.module_class(config, comm)
-        if not self.supports_fp8:
-            raise EngineError(f"architecture {self.name!r} has no {quantization} weights; build it with --dtype BF16")
-        return self.module_class(config, comm, fp8=True)
-
-
-# What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:
-# mdtriton.engine.step_cache; left out, the model's default from config.pbtxt's parameters, else none), the LoRA
-# adapters merged into the transformer for this request (a JSON object of names and scales: mdtriton.lora; left out,
-# none), and how many denoising steps ran every transformer block.
-SHARED_INPUTS = (TensorSpec("cache", "STRING", (1,)), TensorSpec("loras", "STRING", (1,)))
-SHARED_OUTPUTS = (TensorSpec("full_steps", "INT32", (1,)),)
-
-
-class PipelinePart(ABC):
-    """A family's whole diffusers pipeline, served as one model: the denoising loop on the server, the transformer
-    our multi-rank engine, every other component loaded by diffusers from the pipeline's directory.
-
-    The served model's inputs become the pipeline's call (`call_arguments`), its result the outputs (`outputs`).
-    """
-
-    diffusers_class: ClassVar[str]  # model_index.json's _class_name, e.g. "FluxPipeline"
-    # The pipeline's transformer components, which become engines (in the engine directory's folders of these names)
-    # where its model_index.json lists them: Wan 2.2 A14B has two experts.
-    transformers: ClassVar[tuple[str, ...]] = ("transformer",)
-    # Whether the pipeline runs a conditional and an unconditional transformer call per step (classifier-free
-    # guidance), which guidance parallelism (a plan's cfg_size 2) runs on two rank groups at once.
-    guidance_branches: ClassVar[bool] = False
-    # Components loaded in float32 whatever the engine's data type (Wan's VAE, as diffusers' Wan examples load it);
-    # the others in the engine's data type.
-    float32_components: ClassVar[tuple[str, ...]] = ()
-    request_timeout_s: ClassVar[float] = 300.0  # a request is a whole image or video: every step
-    # The step cache methods its transformer runs (mdtriton.engine.step_cache): First Block Cache needs the module's
-    # first_block, other_blocks and finish; TaylorSeer its keep_attention and given_attention.
-    cache_methods: ClassVar[tuple[str, ...]] = ("first_block",)
-
-    @abstractmethod
-    def signature(self) -> Signature:
-        """The pipeline's own inputs and outputs (served with SHARED_INPUTS and SHARED_OUTPUTS after them:
-        served_signature); progress responses carry the `step` output only."""
-
-    @abstractmethod
-    def optional_inputs(self) -> dict[str, int | float | None]:
-        """Inputs of `signature` a request may leave out (every one but the prompt), with the value a request without
-        it gets (the diffusers pipeline's default; the seed's is 0), or None where leaving it out means something of
-        its own (no second prompt, the longest text). docs/client.md lists them."""
-
-    def served_signature(self) -> Signature:
-        """The served model's inputs and outputs: the pipeline's own, then those every pipeline has."""
-        inputs, outputs = self.signature()
-        return inputs + SHARED_INPUTS, outputs + SHARED_OUTPUTS
-
-    def served_optional_inputs(self) -> dict[str, int | float | None]:
-        """optional_inputs, and the shared inputs (all optional, none with a default of its own)."""
-        return {**self.optional_inputs(), **{spec.name: None for spec in SHARED_INPUTS}}
-
-    def pipeline_config(self, pipeline_dir: Path) -> dict:
-        """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's
-        scale factor); kept in the pipeline's manifest."""
-        return {}
-
-    @abstractmethod
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
-        """Raise RequestError, saying what to send instead, if the inputs are not a request the pipeline can run."""
-
-    @abstractmethod
-    def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
-        """The diffusers pipeline's call arguments for a request (not its callbacks nor output_type)."""
-
-    @abstractmethod
-    def outputs(self, result: Any) -> dict[str, torch.Tensor]:
-        """The served outputs of the pipeline's result (called with output_type "pt"), on the pipeline's device: an
-        engine answers on its communicator's device (mdtriton.engine.comm, the device contract)."""
-
-    @abstractmethod
-    def transformer(self, engine: TorchEngine, pipeline: Any) -> nn.Module:
-        """A transformer engine, called as the pipeline (the diffusers pipeline it serves in) calls its diffusers
-        transformer."""

@@ -18,6 +18,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
+from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
@@ -25,9 +26,9 @@ from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.progress import report_progress
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.step_cache import StepCache
-from mdtriton.families import PipelinePart
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
+from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.split_vae import split_decode
 from mdtriton.pipeline.transformer import EngineAsTransformer
@@ -47,10 +48,11 @@ class PipelineEngine(Engine):
         self.adapters = adapters
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, comm: Communicator, part: PipelinePart,
-             adapters: AdapterSettings | None = None) -> "PipelineEngine":
+    def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
+             part: PipelinePart, adapters: AdapterSettings | None = None) -> "PipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
-        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here). Requests may name
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here); architecture: its
+        transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
         diffusers' LoRA loaders do)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
@@ -75,7 +77,7 @@ class PipelineEngine(Engine):
             # every rank still decodes the whole image or clip (docs/architecture.md, "The VAE decode").
             split_decode(pipeline.vae, comm)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
-        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), comm)
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
                    for folder in transformer_engine_folders(engine_dir, part)}
         transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
         for folder, transformer in zip(engines, transformers):

@@ -4,15 +4,12 @@ the attributes pipelines read of their transformer (dtype, device, cache_context
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
 from mdtriton.engine.dtypes import TORCH_DTYPES
-
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import TorchEngine
-    from mdtriton.engine.step_cache import StepCache
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.step_cache import StepCache
 
 
 class EngineAsTransformer(torch.nn.Module):

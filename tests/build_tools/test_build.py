@@ -16,6 +16,7 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.cli import main
 from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest, file_sha256
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.tiny_transformer import TINY_TRANSFORMER
 
 CONFIG = {"hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "num_layers": 1}
 
@@ -66,7 +67,8 @@ def test_bad_plan_is_refused_before_anything_is_written(tmp_path):
 
 def test_single_rank_engine_loads_and_matches_reference(tmp_path):
     version_dir = build(tmp_path, plan=ParallelPlan(), seed=4)
-    engine = TorchEngine.load(version_dir / "engine", Manifest.read(version_dir / "engine"), Communicator.single())
+    engine = TorchEngine.load(version_dir / "engine", Manifest.read(version_dir / "engine"), TINY_TRANSFORMER,
+                              Communicator.single())
     x = torch.randn(1, 5, 32)
     expected = reference_module("tiny_transformer", CONFIG, random_weights("tiny_transformer", CONFIG, 4), "FP32")(x)
     assert torch.allclose(engine.forward({"hidden_states": x})["output"], expected["output"], atol=1e-6)
@@ -89,7 +91,7 @@ def test_damaged_engine_is_refused_naming_the_file(tmp_path, damage, message):
     engine_dir = build(tmp_path, plan=ParallelPlan()) / "engine"
     damage(engine_dir)
     with pytest.raises(EngineError, match=message) as caught:
-        TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+        TorchEngine.load(engine_dir, Manifest.read(engine_dir), TINY_TRANSFORMER, Communicator.single())
     assert str(engine_dir) in str(caught.value)
 
 
@@ -97,7 +99,7 @@ def test_engine_for_another_plan_is_refused(tmp_path):
     engine_dir = build(tmp_path) / "engine"
     assert Manifest.read(engine_dir).plan.world_size == 2
     with pytest.raises(EngineError, match="built for world 2"):
-        TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+        TorchEngine.load(engine_dir, Manifest.read(engine_dir), TINY_TRANSFORMER, Communicator.single())
 
 
 def test_limits_are_recorded_in_the_manifest(tmp_path):

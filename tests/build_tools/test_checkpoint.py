@@ -45,7 +45,7 @@ def test_sharded_diffusers_checkpoint_builds_each_rank_its_slices(tmp_path, diff
                                       progress=False)
     full = model.state_dict()
     for rank in range(plan.world_size):
-        expected = shard_state_dict(meta_module("flux", CONFIG, plan, rank), full)
+        expected = shard_state_dict(meta_module(FLUX, CONFIG, plan, rank), full)
         got = load_file(version_dir / "engine" / f"rank{rank}.safetensors")
         assert set(got) == set(expected)
         assert all(torch.equal(got[name], expected[name]) for name in expected), f"rank {rank}"
@@ -56,7 +56,8 @@ def test_one_rank_engine_from_checkpoint_matches_diffusers(tmp_path, diffusers_c
     index = next(directory.glob("*.safetensors.index.json"))
     version_dir = build_model_version(tmp_path, "flux", "flux", None, ParallelPlan(), "FP32", "cpu",
                                       weights_path=index, progress=False)
-    engine = TorchEngine.load(version_dir / "engine", Manifest.read(version_dir / "engine"), Communicator.single())
+    engine_dir = version_dir / "engine"
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), FLUX, Communicator.single())
     assert engine.manifest.config["num_single_layers"] == 3  # from config.json
     inputs = flux_inputs(CONFIG, text_len=4, image_len=9)
     with torch.inference_mode():

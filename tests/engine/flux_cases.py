@@ -68,7 +68,7 @@ def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: di
     engine_dir.mkdir(parents=True)
     files = []
     for rank in range(plan.world_size):
-        module = meta_module(architecture, config, plan, rank)
+        module = meta_module(family(architecture), config, plan, rank)
         path = engine_dir / f"rank{rank}.safetensors"
         save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
         files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
@@ -84,6 +84,6 @@ def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: 
         manifest = Manifest.read(engine_dir)
         comm = Communicator(manifest.plan, rank, torch.device("cpu"))
         comm.join_groups()
-        engine = TorchEngine.load(engine_dir, manifest, comm)
+        engine = TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
         results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
     return results

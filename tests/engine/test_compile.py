@@ -29,8 +29,8 @@ def compiled_against_eager(rank: int, world_size: int, engine_dir: str) -> tuple
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, torch.device("cpu"))
     comm.join_groups()
-    eager = TorchEngine.load(engine_dir, manifest, comm, compile=False)
-    compiled = TorchEngine.load(engine_dir, manifest, comm, compile=True)
+    eager = TorchEngine.load(engine_dir, manifest, FLUX, comm, compile=False)
+    compiled = TorchEngine.load(engine_dir, manifest, FLUX, comm, compile=True)
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     errors = []
     for seed, (batch, text_len, image_len) in enumerate(CASES):
@@ -80,7 +80,7 @@ def test_a_gpu_engine_replays_short_requests_as_cuda_graphs_with_the_same_answer
     config = FLUX.default_config()
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), fan_in_scaled_weights(config, seed=3))
     comm = Communicator.single(torch.device("cuda", 0))
-    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), comm)
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), FLUX, comm)
     long_request = (1, 16, GRAPH_MAX_TOKENS)
     for seed, (batch, text_len, image_len) in enumerate([*CASES, CASES[0], long_request]):
         inputs = flux_inputs(config, text_len, image_len, batch=batch, seed=seed)
@@ -99,7 +99,7 @@ def test_step_cache_parts_replay_graphs_of_their_own_and_answer_as_the_forward(t
     attention from the step before, max_order 0) gives the forward's answer again, up to rounding."""
     config = FLUX.default_config()
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), fan_in_scaled_weights(config, seed=3))
-    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single(torch.device("cuda", 0)))
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), FLUX, Communicator.single(torch.device("cuda", 0)))
     inputs = flux_inputs(config, 7, 30, seed=1)
     expected = engine.forward(inputs)["sample"]
     always = StepCache(FirstBlockCache(threshold=-1.0))

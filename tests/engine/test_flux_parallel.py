@@ -33,7 +33,7 @@ def test_parallel_engines_match_one_rank(tmp_path, world_size):
     cases = [flux_inputs(config, text_len, image_len, seed=i) for i, (text_len, image_len) in enumerate(SEQUENCES)]
 
     one_rank = write_engine(tmp_path / "one_rank", config, ParallelPlan(), weights)
-    reference = TorchEngine.load(one_rank, Manifest.read(one_rank), Communicator.single())
+    reference = TorchEngine.load(one_rank, Manifest.read(one_rank), FLUX, Communicator.single())
     expected = [reference.forward(inputs)["sample"] for inputs in cases]
 
     engine_dirs = {}

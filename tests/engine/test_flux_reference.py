@@ -24,14 +24,14 @@ def diffusers_and_ours(config: dict) -> tuple[FluxTransformer2DModel, Flux]:
     with torch.no_grad():
         for parameter in reference.parameters():  # biases and norm scales start at 0 / 1; make every one matter
             parameter.add_(0.05 * torch.randn_like(parameter))
-    return reference, loaded_module("flux", config, Communicator.single(), reference.state_dict())
+    return reference, loaded_module(FLUX, config, Communicator.single(), reference.state_dict())
 
 
 @pytest.mark.parametrize("guidance_embeds", [True, False])
 def test_matches_diffusers_float32(guidance_embeds):
     config = {**FLUX.default_config(), "guidance_embeds": guidance_embeds}
     reference, ours = diffusers_and_ours(config)
-    assert set(meta_module("flux", config, ParallelPlan(), 0).state_dict()) == set(reference.state_dict())
+    assert set(meta_module(FLUX, config, ParallelPlan(), 0).state_dict()) == set(reference.state_dict())
     inputs = flux_inputs(config, text_len=5, image_len=11)
     with torch.inference_mode():
         expected = reference(**inputs).sample
@@ -72,7 +72,7 @@ def test_bfloat16_error_within_diffusers_own(seed):
             if is_modulation(name):
                 parameter.mul_(MODULATION_SCALE)
     reference.to(torch.bfloat16)
-    ours = loaded_module("flux", config, Communicator.single(), reference.state_dict())
+    ours = loaded_module(FLUX, config, Communicator.single(), reference.state_dict())
     exact = copy.deepcopy(reference).float()
     inputs = example_inputs(config, text_tokens=5, image_tokens=11, dtype=torch.bfloat16, batch=2)
     with torch.inference_mode():

@@ -73,13 +73,13 @@ def test_an_fp8_engine_loaded_on_cpu_fails_naming_the_engine_and_what_to_build(t
     assert (manifest.data_type, manifest.quantization, manifest.weight_type) == ("BF16", "fp8", "FP8")
     assert {spec.data_type for spec in manifest.inputs} == {"BF16", "FP32"}  # FP32: position ids
     with pytest.raises(EngineError, match=r"engine: FP8 engines run on NVIDIA GPUs.*--dtype BF16"):
-        TorchEngine.load(version_dir / "engine", manifest, Communicator.single())
+        TorchEngine.load(version_dir / "engine", manifest, FLUX, Communicator.single())
 
 
 def test_fp8_weights_take_about_two_thirds_of_bf16_and_flux_80b_fits_one_h200():
     presets = FLUX.presets()
-    dev_bf16 = rank_weight_bytes("flux", presets["flux.1-dev"], ParallelPlan(), "BF16")
-    dev_fp8 = rank_weight_bytes("flux", presets["flux.1-dev"], ParallelPlan(), "BF16", "fp8")
+    dev_bf16 = rank_weight_bytes(FLUX, presets["flux.1-dev"], ParallelPlan(), "BF16")
+    dev_fp8 = rank_weight_bytes(FLUX, presets["flux.1-dev"], ParallelPlan(), "BF16", "fp8")
     assert 0.6 < dev_fp8 / dev_bf16 < 0.68  # the modulations (a third of the parameters) stay in bf16
-    big_fp8 = rank_weight_bytes("flux", presets["flux-80b"], ParallelPlan(), "BF16", "fp8")
+    big_fp8 = rank_weight_bytes(FLUX, presets["flux-80b"], ParallelPlan(), "BF16", "fp8")
     assert big_fp8 / GIB < 139 - 4  # one H200's memory less the working memory

@@ -61,7 +61,7 @@ def expected_samples(model: WanTransformer3DModel, cases: list[dict]) -> list[to
 
 def test_weight_names_and_shapes_are_diffusers():
     reference = WanTransformer3DModel(**{**TINY_CONFIG, "patch_size": tuple(TINY_CONFIG["patch_size"])})
-    ours = meta_module("wan", TINY_CONFIG, ParallelPlan(), 0).state_dict()
+    ours = meta_module(WAN, TINY_CONFIG, ParallelPlan(), 0).state_dict()
     assert {name: tuple(t.shape) for name, t in ours.items()} == {
         name: tuple(t.shape) for name, t in reference.state_dict().items()}
 
@@ -72,7 +72,7 @@ def test_one_rank_equals_diffusers(tmp_path, cross_attn_norm):
     model = diffusers_model(config, seed=1)
     cases = [wan_inputs(config, latent, seed=i) for i, latent in enumerate(LATENTS)]
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), model.state_dict(), "wan")
-    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), WAN, Communicator.single())
     for inputs, want in zip(cases, expected_samples(model, cases)):
         got = engine.forward(inputs)["sample"]
         assert got.shape == want.shape
@@ -98,7 +98,7 @@ def test_every_plan_equals_diffusers(tmp_path, world_size):
 @pytest.mark.parametrize("preset", sorted(WAN.presets()))
 def test_every_preset_builds_and_has_its_parameter_count(preset):
     counts = {"tiny": 0.000143, "wan2.1-t2v-1.3b": 1.42, "wan2.1-t2v-14b": 14.29, "wan2.2-ti2v-5b": 5.0}
-    module = meta_module("wan", WAN.presets()[preset], ParallelPlan(), 0)
+    module = meta_module(WAN, WAN.presets()[preset], ParallelPlan(), 0)
     assert sum(t.numel() for t in module.state_dict().values()) / 1e9 == pytest.approx(counts[preset], rel=0.02)
 
 

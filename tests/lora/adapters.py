@@ -80,8 +80,8 @@ def rank_engine(rank: int, engine_dir: str, directory: str):
     name the adapters in directory."""
     from mdtriton.engine.comm import Communicator
     from mdtriton.engine.manifest import Manifest
-    from mdtriton.engine.serving import load_engine
     from mdtriton.lora.directory import AdapterSettings
+    from mdtriton.serving import load_engine
 
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, torch.device("cpu"))

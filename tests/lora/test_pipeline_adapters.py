@@ -15,15 +15,15 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import check_request
 from mdtriton.lora.directory import adapters_dir
-from mdtriton.lora.repository import add_adapter
 from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import check_request
 from tests.distributed import run_ranks
 from tests.lora.adapters import diffusers_lora, kohya_lora, loras_input, rank_engine, with_adapters
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines

@@ -12,16 +12,16 @@ import torch
 from diffusers import FluxPipeline
 from safetensors.torch import load_file, save_file
 
+from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.serving import load_engine
 from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings, adapters_dir
-from mdtriton.lora.repository import add_adapter
+from mdtriton.serving import load_engine
 from tests.lora.adapters import diffusers_lora
 from tests.pipeline.pipelines import save_pipelines
 

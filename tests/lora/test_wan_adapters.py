@@ -10,11 +10,11 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.lora.directory import adapters_dir
-from mdtriton.lora.repository import add_adapter
 from tests.distributed import run_ranks
 from tests.lora.adapters import diffusers_lora, loras_input, rank_engine, with_adapters
 from tests.pipeline.pipelines import max_level_difference

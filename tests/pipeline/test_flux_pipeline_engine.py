@@ -20,9 +20,9 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 from mdtriton.engine.progress import progress_to
-from mdtriton.engine.serving import load_engine
 from mdtriton.pipeline.engine import PipelineEngine
 from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import load_engine
 from tests.pipeline.pipelines import max_level_difference, mean_level_difference, reference_image, save_pipelines
 
 

@@ -25,9 +25,9 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.serving import check_request, load_engine, with_defaults
 from mdtriton.engine.step_cache import FirstBlockCache, TaylorSeer, read_cache
 from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import check_request, load_engine, with_defaults
 from tests.distributed import run_ranks
 from tests.pipeline.pipelines import cached_reference_image, max_level_difference, reference_image, save_pipelines
 from tests.pipeline.test_flux_pipeline_engine import request

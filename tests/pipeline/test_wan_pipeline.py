@@ -21,9 +21,9 @@ from mdtriton.client.pipeline import generate_video
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.progress import progress_to
-from mdtriton.engine.serving import load_engine
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import load_engine
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference
 from tests.pipeline.tiny_wan_pipeline import LAYOUTS, reference_video, save_tiny_wan_pipeline

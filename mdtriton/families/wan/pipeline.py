@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
@@ -23,9 +24,6 @@ from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
                                              text_length)
 from mdtriton.pipeline.transformer import EngineAsTransformer
-
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import TorchEngine
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default and UMT5's length
 

@@ -1,9 +1,10 @@
-"""What the server asks of an engine directory: which engine serves it, which check its requests get, and how a
-text (BYTES) input becomes a tensor.
+"""What the server asks of an engine directory: which engine serves it, which check its requests get, the defaults of
+the inputs a request leaves out, and how a text (BYTES) input becomes a tensor.
 
-The registry of families (mdtriton.families) answers by the manifest's architecture, so the backend names no
-family: a transformer engine is served as it is (TorchEngine), a pipeline by the pipeline engine with its
-family's PipelinePart.
+The serving layer, above the engine, LoRA, the pipelines and the families (docs/architecture.md, "Layers"): the
+registry of families (mdtriton.families) answers by the manifest's architecture and the family is handed to the
+engine, so the backend names no family: a transformer engine is served as it is (TorchEngine), a pipeline by the
+pipeline engine with its family's PipelinePart. The backend, the build tools and the benchmarks import it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.families import pipeline_part
+from mdtriton.families import family, pipeline_part
 from mdtriton.lora.directory import AdapterSettings, adapter_names
 from mdtriton.pipeline.prompts import text_rows
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
@@ -34,11 +35,11 @@ def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
     adapters kept where `adapters` says (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
-        return TorchEngine.load(engine_dir, manifest, comm)
+        return TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
     # Imported here: diffusers and transformers (the `pipeline` extra) are needed only to serve pipelines.
     from mdtriton.pipeline.engine import PipelineEngine
 
-    return PipelineEngine.load(engine_dir, manifest, comm, part, adapters)
+    return PipelineEngine.load(engine_dir, manifest, family(manifest.architecture), comm, part, adapters)
 
 
 def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_dir: Path | None = None) -> None:
@@ -46,7 +47,7 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_
     adapters must be kept in adapters_dir (mdtriton.lora)."""
     part = pipeline_part(manifest.architecture)
     if part is None:
-        request_check.check_request(manifest, inputs)
+        request_check.check_request(manifest, family(manifest.architecture), inputs)
         return
     optional = part.served_optional_inputs()
     missing = [spec.name for spec in manifest.inputs if spec.name not in inputs and spec.name not in optional]

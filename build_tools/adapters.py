@@ -20,7 +20,7 @@ from mdtriton.engine.layers import ParallelLinear
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families import PipelinePart, pipeline_part
+from mdtriton.families import PipelinePart, family, pipeline_part
 from mdtriton.lora.adapter_file import METADATA_KEY, AdapterError, Factors, read_user_adapter, write_adapter
 from mdtriton.lora.directory import adapter_names, adapter_path, adapters_dir, check_name
 
@@ -56,7 +56,7 @@ def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, Manifest]]
 def check_fits(factors: dict[str, Factors], transformer: Manifest, where: str) -> None:
     """AdapterError, naming the first module that does not fit, unless each module is a linear layer of the
     transformer whose weight [out, in] the factors A [rank, in] and B [out, rank] fit."""
-    model = meta_module(transformer.architecture, transformer.config, ParallelPlan(), 0)
+    model = meta_module(family(transformer.architecture), transformer.config, ParallelPlan(), 0)
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, (nn.Linear, ParallelLinear))}
     for module, module_factors in factors.items():
         if module not in layers:

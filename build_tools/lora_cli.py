@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def add_command(args: argparse.Namespace) -> int:
-    from mdtriton.lora.repository import add_adapter  # diffusers and peft (the `pipeline` extra)
+    from mdtriton.build_tools.adapters import add_adapter  # diffusers and peft (the `pipeline` extra)
 
     added = add_adapter(args.repository, args.model, args.path, args.name)
     print(f"added {added.name} to {args.model}: {added.modules} modules, rank {describe_ranks(added.ranks)}, "
@@ -51,7 +51,7 @@ def add_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from mdtriton.lora.repository import list_adapters
+    from mdtriton.build_tools.adapters import list_adapters
 
     adapters = list_adapters(args.repository, args.model)
     if not adapters:
@@ -63,7 +63,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def remove_command(args: argparse.Namespace) -> int:
-    from mdtriton.lora.repository import remove_adapter
+    from mdtriton.build_tools.adapters import remove_adapter
 
     remove_adapter(args.repository, args.model, args.name)
     print(f"removed {args.name} from {args.model}")
