@@ -160,29 +160,23 @@ class Communicator:
                 f"(found {dist.get_world_size() if dist.is_initialized() else 'none'})"
             )
         # new_group is collective over the whole world: every rank creates every group, in order.
-        for ranks in plan.tp_group_ranks():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                self._tp_group = group
-        for ranks in plan.cp_group_ranks():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                self._cp_group = group
-        for ranks in plan.cfg_group_ranks():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                self._cfg_group = group
+        self._tp_group = self._group_of(plan.tp_group_ranks(), timeout)
+        self._cp_group = self._group_of(plan.cp_group_ranks(), timeout)
+        self._cfg_group = self._group_of(plan.cfg_group_ranks(), timeout)
         if plan.cp_method == "ulysses_ring":
-            for ranks in plan.ulysses_group_ranks():
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    self._ulysses_group = group
-            for ranks in plan.ring_group_ranks():
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    self._ring_group = group
+            self._ulysses_group = self._group_of(plan.ulysses_group_ranks(), timeout)
+            self._ring_group = self._group_of(plan.ring_group_ranks(), timeout)
         else:
             self._ulysses_group = self._ring_group = self._cp_group
+
+    def _group_of(self, partition: list[list[int]], timeout: timedelta | None):
+        """Create every group of a partition of the world (all ranks together); return this rank's."""
+        mine = None
+        for ranks in partition:
+            group = dist.new_group(ranks, timeout=timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Communicator":
