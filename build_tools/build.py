@@ -122,7 +122,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     sources = {}
     for index, (folder, checkpoint) in enumerate(engines):
         if checkpoint:
-            checkpoint.check(shapes)
+            checkpoint.check(shapes, model_family.unused_weights)
         sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
     staging = staging_dir(model_dir, {"architecture": architecture_name, "config": served.config,
                                       "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,

@@ -76,10 +76,11 @@ class Checkpoint:
         path = self.directory / "config.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    def check(self, expected_shapes: dict[str, tuple[int, ...]]) -> None:
-        """Raise CheckpointError unless the checkpoint holds exactly these weights, with these full shapes."""
+    def check(self, expected_shapes: dict[str, tuple[int, ...]], unused: tuple[str, ...] = ()) -> None:
+        """Raise CheckpointError unless the checkpoint holds exactly these weights, with these full shapes, besides
+        weights whose names start with one of `unused` (the family's Family.unused_weights, never read)."""
         missing = sorted(set(expected_shapes) - set(self.shapes))
-        unexpected = sorted(set(self.shapes) - set(expected_shapes))
+        unexpected = sorted(name for name in set(self.shapes) - set(expected_shapes) if not name.startswith(unused))
         wrong = [f"{name} {self.shapes[name]} (expected {shape})" for name, shape in expected_shapes.items()
                  if name in self.shapes and self.shapes[name] != shape]
         problems = []

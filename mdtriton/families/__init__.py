@@ -19,7 +19,7 @@ __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipel
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
-            "mdtriton.families.wan:WAN")
+            "mdtriton.families.wan:WAN", "mdtriton.families.cosmos3:COSMOS3")
 PIPELINE_SUFFIX = "-pipeline"
 
 

@@ -32,6 +32,9 @@ class Family(Architecture):
     description: ClassVar[str]  # one line for `mdtriton build --help`
     pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
     max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS  # the default limit of a request's tokens (mdtriton build --max-tokens)
+    # Name prefixes of weights a diffusers checkpoint of the family may hold that the module does not (never read: a
+    # head the served model does not use).
+    unused_weights: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def presets(self) -> dict[str, dict]:

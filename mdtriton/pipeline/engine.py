@@ -65,7 +65,7 @@ class PipelineEngine(Engine):
             dtypes = {"default": TORCH_DTYPES[manifest.data_type],
                       **dict.fromkeys(part.float32_components, torch.float32)}
             pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), dtype=dtypes,
-                                                         local_files_only=True)
+                                                         local_files_only=True, **part.load_arguments())
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
         if type(pipeline).__name__ != part.diffusers_class:
@@ -112,7 +112,10 @@ class PipelineEngine(Engine):
         # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
         full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
                                   device=self.comm.device)
-        return {**self.part.outputs(result), "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
+        # Answered on this rank's device (mdtriton.engine.comm, the device contract): a moving no-op for outputs made
+        # there, and a copy back for what a component hands back on the host (Cosmos 3's safety checker's frames).
+        outputs = {name: tensor.to(self.comm.device) for name, tensor in self.part.outputs(result).items()}
+        return {**outputs, "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:

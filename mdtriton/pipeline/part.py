@@ -64,6 +64,11 @@ class PipelinePart(ABC):
         """optional_inputs, and the shared inputs (all optional, none with a default of its own)."""
         return {**self.optional_inputs(), **{spec.name: None for spec in SHARED_INPUTS}}
 
+    def load_arguments(self) -> dict:
+        """Arguments of the pipeline's `from_pretrained` beside the components (e.g. a component left out where the
+        environment lacks its package); read when a rank loads the pipeline."""
+        return {}
+
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's
         scale factor); kept in the pipeline's manifest."""
