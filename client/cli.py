@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
 from mdtriton.client.pipeline import generate, generate_video, streams_progress
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
+from mdtriton.families import pipeline_part
 
 
 def read_inputs(texts: list[str]) -> dict[str, np.ndarray]:
@@ -91,32 +93,40 @@ def add_parsers(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
         description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline: an image; "
-                    "wan-pipeline: a video), show each denoising step as the server finishes it, and write the image "
-                    "as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 [frames, height, "
-                    "width, 3]). The model's outputs say which it makes. Defaults in brackets: [image; video].")
+                    "wan-pipeline, cosmos3-pipeline: a video), show each denoising step as the server finishes it, and "
+                    "write the image as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 "
+                    "[frames, height, width, 3]); a video of one frame (Cosmos 3: --num-frames 1) as a PNG too. The "
+                    "model's outputs say which it makes; what is not given takes the model's defaults (its family's: "
+                    "FLUX 1024x1024, 28 steps, guidance 3.5; Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 "
+                    "720x1280, 189 frames, 35 steps, 6.0).")
     parser.add_argument("model", help="model name of a pipeline")
     parser.add_argument("prompt", help="the prompt")
     parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
     parser.add_argument("--timeout", type=float, help="seconds the image or video may take (default: no limit)")
-    parser.add_argument("--height", type=int, help="height in pixels, a multiple of 16 [1024; 480]")
-    parser.add_argument("--width", type=int, help="width in pixels, a multiple of 16 [1024; 832]")
-    parser.add_argument("--steps", type=int, help="denoising steps [28; 50]")
+    parser.add_argument("--height", type=int, help="height in pixels, a multiple of 16")
+    parser.add_argument("--width", type=int, help="width in pixels, a multiple of 16")
+    parser.add_argument("--steps", type=int, help="denoising steps")
     parser.add_argument("--guidance", type=float,
-                        help="guidance scale [3.5 (ignored by models without guidance, e.g. FLUX.1-schnell); 5.0]")
+                        help="guidance scale (ignored by models without guidance, e.g. FLUX.1-schnell)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
     parser.add_argument("--max-sequence-length", type=int, help="text encoder tokens of the prompt (default 512)")
     parser.add_argument("--prompt-2", help="images: a different prompt for the T5 encoder (default: the prompt)")
-    parser.add_argument("--num-frames", type=int, default=81, help="videos: frames, 4k+1 (default 81: 5 s at 16 fps)")
+    parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (Cosmos 3: 1 makes an image)")
     parser.add_argument("--negative-prompt", help="videos: what to steer away from (default: none)")
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
+    parser.add_argument("--image", type=Path,
+                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3); it is resized "
+                             "and center-cropped to the video's size")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
     parser.add_argument("--lora", action="append", default=[], metavar="NAME[=SCALE]", type=lora_argument,
                         help="apply the model's LoRA adapter NAME (mdtriton lora list) at SCALE (default 1.0); "
                              "repeat for several")
-    parser.add_argument("--fps", type=int, default=16, help="videos: frames per second of the MP4 (default 16, Wan's)")
+    parser.add_argument("--fps", type=float,
+                        help="videos: frames per second of the MP4, and the rate a model that takes one (Cosmos 3) "
+                             "makes the clip for (default: that model's, 24; else 16, Wan's)")
     parser.add_argument("-o", "--output", type=Path,
                         help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
     parser.set_defaults(run=generate_media)
@@ -218,16 +228,30 @@ def lora_argument(text: str) -> tuple[str, float]:
 
 
 def generate_media(args: argparse.Namespace) -> int:
-    """The image or the video, by what the model answers (its outputs: `image` or `video`)."""
+    """The image or the video, by what the model answers (its outputs: `image` or `video`), with the model's defaults
+    (its family's PipelinePart, by the architecture its config names) for what the command line leaves out."""
     with Client(args.url, timeout=args.timeout) as client:
-        outputs = {output["name"] for output in client.metadata(args.model)["outputs"]}
-    video = "video" in outputs
-    output = args.output or Path("clip.mp4" if video else "image.png")
-    suffixes = (".mp4", ".npy") if video else (".png",)
+        metadata = client.metadata(args.model)
+        architecture = client.model_config(args.model)["parameters"]["architecture"]["string_value"]
+    part = pipeline_part(architecture)
+    if part is None:
+        raise ValueError(f"{args.model} serves a transformer engine ({architecture}), not a pipeline: generate takes a "
+                         "model built with --architecture ...-pipeline")
+    defaults = {**part.optional_inputs(), **{name: getattr(args, name) for name in ("height", "width", "num_frames")
+                                             if getattr(args, name) is not None}}
+    takes = {spec["name"] for spec in metadata["inputs"]}
+    video = "video" in {spec["name"] for spec in metadata["outputs"]}
+    one_frame = video and defaults.get("num_frames") == 1
+    output = args.output or Path("clip.mp4" if video and not one_frame else "image.png")
+    suffixes = (".mp4", ".npy") + ((".png",) if one_frame else ()) if video else (".png",)
     if output.suffix.lower() not in suffixes:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
-    steps = args.steps or (50 if video else 28)
+    if args.image is not None and "image" not in takes:
+        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model")
+    steps = args.steps or defaults["num_inference_steps"]
+    guidance = args.guidance if args.guidance is not None else defaults["guidance_scale"]
+    fps = args.fps or defaults.get("fps") or 16
     start = time.perf_counter()
     streamed = streams_progress(args.url, args.model)
     if not streamed:
@@ -237,35 +261,44 @@ def generate_media(args: argparse.Namespace) -> int:
         progress = dict(cache=args.cache, loras=dict(args.lora), on_step=lambda done, total: bar.update(done - bar.n),
                         on_full_steps=full_steps.append, timeout=args.timeout)
         if video:
-            frames = generate_video(args.url, args.model, args.prompt, args.height or 480, args.width or 832,
-                                    args.num_frames, steps, 5.0 if args.guidance is None else args.guidance, args.seed,
-                                    args.negative_prompt, args.guidance_2, args.max_sequence_length, **progress)[0]
+            frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
+                                    defaults["num_frames"], steps, guidance, args.seed, args.negative_prompt,
+                                    args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
+                                    read_image(args.image) if args.image else None, **progress)[0]
         else:
-            image = generate(args.url, args.model, args.prompt, args.height or 1024, args.width or 1024, steps,
-                             3.5 if args.guidance is None else args.guidance, args.seed, args.prompt_2,
-                             args.max_sequence_length, **progress)[0]
+            image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps, guidance,
+                             args.seed, args.prompt_2, args.max_sequence_length, **progress)[0]
     print(f"{full_steps[0]} of {steps} steps ran the whole transformer")
-    if not video:
+    if output.suffix.lower() == ".png":
         from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it
 
+        image = frames[0] if video else image
         Image.fromarray(image).save(output, format="PNG")
         print(f"wrote {output} ({image.shape[1]}x{image.shape[0]}) in {time.perf_counter() - start:.2f} s")
     else:
         if output.suffix.lower() == ".npy":
             np.save(output, frames)
         else:
-            write_mp4(output, frames, args.fps)
+            write_mp4(output, frames, fps)
         print(f"wrote {output} ({frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]}) in "
               f"{time.perf_counter() - start:.2f} s")
     return 0
 
 
-def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+def read_image(path: Path) -> np.ndarray:
+    """An image file's RGB pixels, UINT8 [height, width, 3]."""
+    from PIL import Image  # Pillow (the `pipeline` extra)
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def write_mp4(path: Path, frames: np.ndarray, fps: float) -> None:
     """frames (UINT8 [frames, height, width, 3]) as an H.264 MP4 (yuv420p, which every player takes) through PyAV."""
     import av  # PyAV (the `pipeline` extra), FFmpeg inside its wheel: only this command needs it
 
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         for frame in frames:

@@ -1,5 +1,5 @@
-"""Prompt to image (FLUX: `mdtriton build --architecture flux-pipeline`) or to video (Wan: `wan-pipeline`) from a
-served pipeline model.
+"""Prompt to image (FLUX: `mdtriton build --architecture flux-pipeline`) or to video (Wan: `wan-pipeline`; Cosmos 3:
+`cosmos3-pipeline`, also image to video and, with one frame, to an image) from a served pipeline model.
 
 A pipeline model answers each request once (unary gRPC infer), unless it was built with `--stream`: then it is
 decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
@@ -28,7 +28,7 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 # The data type of each number a pipeline takes (a [1] tensor), as the families' pipelines declare it.
 NUMBER_TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
                 "guidance_scale": np.float32, "guidance_scale_2": np.float32, "seed": np.int64,
-                "max_sequence_length": np.int32}
+                "max_sequence_length": np.int32, "fps": np.float32}
 
 
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
@@ -43,18 +43,23 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
          "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras))
 
 
-def video_inputs(prompts: list[str], height: int, width: int, num_frames: int, num_inference_steps: int,
-                 guidance_scale: float, seed: int, negative_prompts: list[str] | None = None,
-                 guidance_scale_2: float | None = None, max_sequence_length: int | None = None,
+def video_inputs(prompts: list[str], height: int | None, width: int | None, num_frames: int | None,
+                 num_inference_steps: int | None, guidance_scale: float | None, seed: int,
+                 negative_prompts: list[str] | None = None, guidance_scale_2: float | None = None,
+                 max_sequence_length: int | None = None, fps: float | None = None, image: np.ndarray | None = None,
                  cache: str | dict | None = None,
                  loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
-    """A Wan pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache and loras
-    as pipeline_inputs takes them)."""
-    return infer_inputs(request_arrays(
+    """A video pipeline request's inputs (Wan's, Cosmos 3's), named and typed as the model declares them (prompts as
+    BYTES; image UINT8 [height, width, 3]; cache and loras as pipeline_inputs takes them); those given as None are
+    left out, for the model's default."""
+    arrays = request_arrays(
         {"prompt": prompts, "negative_prompt": negative_prompts},
         {"height": height, "width": width, "num_frames": num_frames, "num_inference_steps": num_inference_steps,
          "guidance_scale": guidance_scale, "seed": seed, "guidance_scale_2": guidance_scale_2,
-         "max_sequence_length": max_sequence_length}, cache, loras))
+         "max_sequence_length": max_sequence_length, "fps": fps}, cache, loras)
+    if image is not None:
+        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
+    return infer_inputs(arrays)
 
 
 def request_arrays(prompts: dict[str, list[str] | None], numbers: dict[str, int | float | None],
@@ -115,22 +120,27 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
     return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 
-def generate_video(url: str, model: str, prompt: str | list[str], height: int = 480, width: int = 832,
-                   num_frames: int = 81, num_inference_steps: int = 50, guidance_scale: float = 5.0, seed: int = 0,
-                   negative_prompt: str | list[str] | None = None, guidance_scale_2: float | None = None,
-                   max_sequence_length: int | None = None, cache: str | dict | None = None,
-                   loras: dict[str, float] | None = None, on_step: Callable[[int, int], None] | None = None,
+def generate_video(url: str, model: str, prompt: str | list[str], height: int | None = None,
+                   width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
+                   guidance_scale: float | None = None, seed: int = 0, negative_prompt: str | list[str] | None = None,
+                   guidance_scale_2: float | None = None, max_sequence_length: int | None = None,
+                   fps: float | None = None, image: np.ndarray | None = None, cache: str | dict | None = None,
+                   loras: dict[str, float] | None = None, on_step: Callable[[int, int | None], None] | None = None,
                    on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
-    """Videos for prompt (one per prompt) as UINT8 [batch, frames, height, width, 3], as WanPipeline makes them with
+    """Videos for prompt (one per prompt; Cosmos 3 makes one per request) as UINT8 [batch, frames, height, width, 3],
+    as the model's diffusers pipeline (WanPipeline, Cosmos3OmniPipeline) makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
-    model streams its progress (built with --stream).
+    model streams its progress (built with --stream; total is None when num_inference_steps is left to the model).
 
-    negative_prompt: one for all prompts or one each (default: none, as WanPipeline's). guidance_scale_2: Wan 2.2
-    A14B's guidance for its low-noise expert (default: guidance_scale). cache, loras and on_full_steps as
-    generate's (with guidance, the count is of the conditional branch's calls). Failures raise ClientError (one line).
+    Sizes, frames, steps and guidance left as None take the model's defaults (Wan: 480x832, 81 frames, 50 steps,
+    5.0; Cosmos 3: 720x1280, 189 frames, 35 steps, 6.0). negative_prompt: one for all prompts or one each (default:
+    none). guidance_scale_2: Wan 2.2 A14B's guidance for its low-noise expert (default: guidance_scale). fps (Cosmos
+    3): the clip's frame rate, which the model conditions on (default 24). image (Cosmos 3): UINT8 [height, width,
+    3], the first frame of an image-to-video clip. cache, loras and on_full_steps as generate's (with guidance, the
+    count is of the conditional branch's calls). Failures raise ClientError (one line).
     """
     inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
-                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, cache, loras)
+                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, fps, image, cache, loras)
     return ask(url, model, inputs, "video", num_inference_steps, on_step, on_full_steps, timeout)
 
 
@@ -145,8 +155,8 @@ def streams_progress(url: str, model: str) -> bool:
         client.close()
 
 
-def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
-        on_step: Callable[[int, int], None] | None, on_full_steps: Callable[[int], None] | None,
+def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int | None,
+        on_step: Callable[[int, int | None], None] | None, on_full_steps: Callable[[int], None] | None,
         timeout: float | None) -> np.ndarray:
     """The output of one request: over a stream (progress to on_step) if the model streams, else one unary call;
     on_full_steps gets the answer's full_steps."""
@@ -168,8 +178,8 @@ def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, 
     return result.as_numpy(output)
 
 
-def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int,
-           on_step: Callable[[int, int], None] | None, timeout: float | None) -> grpcclient.InferResult:
+def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int | None,
+           on_step: Callable[[int, int | None], None] | None, timeout: float | None) -> grpcclient.InferResult:
     """Send one request to a decoupled pipeline model; call on_step with each progress response; return the final
     response (the one holding `output`)."""
     responses: queue.Queue = queue.Queue()

@@ -269,15 +269,15 @@ class Cosmos3(nn.Module):
                     noisy_frames: torch.Tensor, input_ids: torch.Tensor | None = None,
                     text_keys_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The embeddings and the first layer: its output (as `x` for the next part and `hidden` to compare with the
-        last layer's output), the `residual` it added to this rank's vision tokens, the rotary tables and the text's
-        keys and values."""
+        last layer's output), the `residual` it added to this rank's vision tokens, the rotary tables, and the text's
+        keys and values if it made them (from input_ids)."""
+        made = {}
         if text_keys_values is None:
-            text_keys_values = self.text_keys_values(input_ids, position_ids)
+            text_keys_values = made["text_keys_values"] = self.text_keys_values(input_ids, position_ids)
         tokens, x_in, cos, sin = self.embed(position_ids, vision_tokens, timestep, noisy_frames, text_keys_values)
         x = self.run_layers(range(1), x_in, cos, sin, tokens, text_keys_values)
         first, end = tokens.image_range()
-        return {"x": x, "hidden": x, "residual": (x - x_in)[:, :end - first], "cos": cos, "sin": sin,
-                "text_keys_values": text_keys_values}
+        return {"x": x, "hidden": x, "residual": (x - x_in)[:, :end - first], "cos": cos, "sin": sin, **made}
 
     def other_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, text_keys_values: torch.Tensor,
                      position_ids: torch.Tensor, vision_tokens: torch.Tensor, noisy_frames: torch.Tensor,
