@@ -76,10 +76,9 @@ def check_plan(config: dict, plan: ParallelPlan) -> None:
     if config["hidden_act"] not in ("silu", "relu2"):
         raise ValueError(f"hidden_act {config['hidden_act']!r}: Cosmos 3's backbones use 'silu' (Qwen3) or 'relu2' "
                          "(Nemotron)")
-    head_dim, axes = config["head_dim"], list(config["rope_axes_dim"])
-    if head_dim % 2 or len(axes) != 3 or sum(axes) != head_dim // 2 or axes[1] > axes[0] or axes[2] > axes[0]:
-        raise ValueError(f"rope_axes_dim {axes} must be three sizes adding up to head_dim / 2 = {head_dim // 2}, "
-                         "time's the largest (diffusers' interleaved 3D rotary embedding)")
+    if config["head_dim"] % 2 or len(config["rope_axes_dim"]) != 3:
+        raise ValueError(f"head_dim {config['head_dim']} must be even and rope_axes_dim {config['rope_axes_dim']} "
+                         "three sizes (time, height, width: diffusers' interleaved 3D rotary embedding)")
     if config["patch_latent_dim"] != config["latent_channel"] * config["latent_patch_size"] ** 2:
         raise ValueError(f"patch_latent_dim {config['patch_latent_dim']} is not latent_channel x latent_patch_size^2")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
