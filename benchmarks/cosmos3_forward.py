@@ -41,8 +41,8 @@ from mdtriton.build_tools.engine_builder import random_shard  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.cosmos3 import COSMOS3  # noqa: E402
-from mdtriton.harness import (bench_engine, init_rank, markdown_table, plans_for, relative_error,  # noqa: E402
-                              run_ranks, time_calls)
+from mdtriton.harness import (bench_engine, forward_table, init_rank, markdown_table, plans_for,  # noqa: E402
+                              relative_error, run_ranks, time_calls, timed_forward)
 
 # (rows, columns) of 2x2 patches of a frame: the VAE makes 45 x 80 latent pixels of a 720p frame (padded to 46), 30 x
 # 52 of a 480p one.
@@ -54,17 +54,6 @@ METHODS = ("allgather_kv", "ring", "ulysses", "tp", "tp_cp")
 def request(config: dict, args, label: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     grid = (((args.frames - 1) // 4 + 1), *SIZES[label])
     return {name: t.to(device) for name, t in COSMOS3.inputs(config, args.text_tokens, grid, dtype).items()}
-
-
-def timed(call, device: torch.device, iterations: int) -> tuple[float, list[float], float]:
-    """(seconds of the first call, seconds of each later one, peak GiB allocated), by the harness's timer."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    first, _ = time_calls(call, cuda, 0, 1)
-    times, _ = time_calls(call, cuda, 0, iterations)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-    return first[0] / 1000, [ms / 1000 for ms in times], peak
 
 
 def ours(args, config: dict, device: torch.device, quantization: str | None) -> dict[str, dict]:
@@ -92,7 +81,7 @@ def ours(args, config: dict, device: torch.device, quantization: str | None) -> 
                  lambda: engine.module.text_keys_values(inputs["input_ids"], inputs["position_ids"])]
         for row, call in zip(rows, calls):
             with torch.inference_mode():
-                rows[row][label] = timed(call, device, args.iterations)
+                rows[row][label] = timed_forward(call, device, args.iterations)
             print(f"  {row}, {label}: {statistics.median(rows[row][label][1]) * 1000:,.1f} ms", flush=True)
     return rows
 
@@ -139,7 +128,7 @@ def diffusers_peer(args, config: dict, device: torch.device) -> dict[str, dict]:
             call = diffusers_call(config, request(config, args, label, device, dtype))
             backends = [SDPBackend.CUDNN_ATTENTION] if mode == "compile" and device.type == "cuda" else None
             with torch.inference_mode(), (sdpa_kernel(backends) if backends else nullcontext()):
-                rows[f"diffusers {mode}"][label] = timed(lambda: model(**call), device, args.iterations)
+                rows[f"diffusers {mode}"][label] = timed_forward(lambda: model(**call), device, args.iterations)
             print(f"  diffusers {mode}, {label}: "
                   f"{statistics.median(rows[f'diffusers {mode}'][label][1]) * 1000:,.1f} ms", flush=True)
     return rows
@@ -170,9 +159,7 @@ def rank_main(rank: int, world_size: int, port: int, args, config: dict, methods
             times, outputs = time_calls(lambda: engine.forward(step), args.device == "cuda", 1, args.iterations)
             results[name][label] = [statistics.median(times) / 1000, outputs["sample"].float().cpu().tolist()]
         del engine
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -193,11 +180,18 @@ def multi_gpu(args, config: dict) -> dict[str, dict]:
     rows = {}
     for count, methods in found.items():
         for name, sizes in methods.items():
-            rows[f"{count} GPU{'s' if count > 1 else ''}, {name}"] = {
+            rows[name if count == 1 else f"{count} GPUs, {name}"] = {
                 label: (seconds, relative_error(torch.tensor(sample), torch.tensor(baseline[label][1]))
                         if label in baseline else float("nan"))
                 for label, (seconds, sample) in sizes.items()}
     return rows
+
+
+def free_memory(device: torch.device) -> None:
+    """Give back what the last model held before the next one is made (two models of 15 B do not fit one GPU)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -227,37 +221,21 @@ def main() -> int:
     rows = {}
     for variant in ([] if args.variants == "none" else args.variants.split(",")):
         rows.update(ours(args, config, device, "fp8" if variant == "fp8" else None))
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     if args.peers:
         rows.update(diffusers_peer(args, config, device))
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
 
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\n{args.preset} {args.config}, {args.frames} frames, {args.text_tokens} text tokens, "
           f"{where}, torch {torch.__version__}; median of {args.iterations} forwards after the first\n")
     tokens = {label: COSMOS3.check_request(config, request(config, args, label, torch.device("cpu"),
                                                            torch.float32)).tokens for label in args.sizes}
-    baseline = rows.get("diffusers compile")
-    table = []
-    for name, results in rows.items():
-        cells = [name]
-        for label in args.sizes:
-            median = statistics.median(results[label][1])
-            ratio = f" ({median / statistics.median(baseline[label][1]):.2f}x)" if baseline else ""
-            cells.append(f"{median * 1000:,.1f} ms{ratio}")
-        cells.append(" / ".join(f"{results[label][0]:.1f} s" for label in args.sizes))
-        cells.append(f"{max(results[label][2] for label in args.sizes):.2f} GiB")
-        table.append(cells)
-    if table:
-        print(markdown_table(["forward", *(f"{label} ({tokens[label]:,} tokens)" for label in args.sizes),
-                              "first call", "peak"], table))
+    if rows:
+        print(forward_table(rows, tokens, "diffusers compile"))
     if args.gpus != [1]:
         methods = multi_gpu(args, config)
-        one = {label: methods.get("1 GPU, 1 GPU", {}).get(label, (float("nan"),))[0] for label in args.sizes}
+        one = {label: methods.get("1 GPU", {}).get(label, (float("nan"),))[0] for label in args.sizes}
         print("\nEach method's step (the text handed in), its speed-up over our 1 GPU, and its output's relative error "
               "to our 1 GPU's\n")
         print(markdown_table(["plan", *(f"{label} ({tokens[label]:,} tokens)" for label in args.sizes)],

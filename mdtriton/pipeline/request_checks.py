@@ -46,6 +46,17 @@ def check_sides(inputs: dict[str, torch.Tensor], multiple: int, why: str) -> tup
     return height, width
 
 
+def check_frames(inputs: dict[str, torch.Tensor], temporal: int, usual: str) -> int:
+    """num_frames, 1 more than a multiple of the VAE's temporal compression (it compresses `temporal` frames into one
+    after the first); usual: the family's typical counts, for the message."""
+    frames = int(inputs["num_frames"][0])
+    if frames < 1 or (frames - 1) % temporal:
+        below = max(frames - 1, 0) // temporal * temporal + 1
+        raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the VAE "
+                           f"compresses {temporal} frames into one after the first; {usual})")
+    return frames
+
+
 def text_length(inputs: dict[str, torch.Tensor], longest: int) -> int:
     """The request's max_sequence_length (default and limit: longest), checked."""
     tokens = int(inputs["max_sequence_length"][0]) if "max_sequence_length" in inputs else longest

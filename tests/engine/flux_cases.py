@@ -77,13 +77,18 @@ def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: di
     return engine_dir
 
 
+def rank_engine(rank: int, engine_dir: str) -> TorchEngine:
+    """On one rank of a gloo world: the engine's groups joined (every rank together) and this rank's engine loaded."""
+    manifest = Manifest.read(engine_dir)
+    comm = Communicator(manifest.plan, rank, torch.device("cpu"))
+    comm.join_groups()
+    return TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
+
+
 def run_engines(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:
     """On one rank of a gloo world: load each engine and run every input case; the samples as numpy arrays."""
     results = {}
     for name, engine_dir in engine_dirs.items():
-        manifest = Manifest.read(engine_dir)
-        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-        comm.join_groups()
-        engine = TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
+        engine = rank_engine(rank, engine_dir)
         results[name] = [engine.forward(inputs)["sample"].numpy() for inputs in cases]
     return results

@@ -26,7 +26,7 @@ from tests.conftest import start_server
 from tests.distributed import run_ranks
 from tests.engine.cosmos3_cases import (NEMOTRON, Case, diffusers_inputs, diffusers_model, engine_inputs,
                                         expected_sample, module_weights)
-from tests.engine.flux_cases import max_relative_error, write_engine
+from tests.engine.flux_cases import max_relative_error, rank_engine, write_engine
 
 # 7 text + 18 video tokens (odd latent width, a conditioning frame) divide by neither 2 nor 4; 20 text + 3 video
 # tokens (an image) leave ranks of 4 with text only; 5 + 12 at 12 fps.
@@ -47,10 +47,7 @@ def three_ways(rank: int, world_size: int, engine_dirs: dict[str, str], cases: l
     of the two steps ran every layer."""
     results = {}
     for name, engine_dir in engine_dirs.items():
-        manifest = Manifest.read(engine_dir)
-        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-        comm.join_groups()
-        engine = TorchEngine.load(engine_dir, manifest, comm)
+        engine = rank_engine(rank, engine_dir)
         samples = []
         for inputs in cases:
             with torch.inference_mode():

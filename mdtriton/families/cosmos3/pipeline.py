@@ -25,7 +25,8 @@ from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
-from mdtriton.pipeline.request_checks import check_sides, check_steps_and_guidance, loras_of, prompts_of
+from mdtriton.pipeline.request_checks import (check_frames, check_sides, check_steps_and_guidance, loras_of,
+                                             prompts_of)
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 if TYPE_CHECKING:
@@ -193,13 +194,8 @@ class Cosmos3PipelinePart(PipelinePart):
             raise RequestError("Cosmos 3's pipeline takes no LoRA adapters (diffusers' Cosmos3OmniPipeline has no LoRA "
                                "loader): leave loras out")
         config = manifest.config
-        temporal, spatial = config["vae_scale_factor_temporal"], config["vae_scale_factor_spatial"]
-        frames = int(inputs["num_frames"][0])
-        if frames < 1 or (frames - 1) % temporal:
-            below = max(frames - 1, 0) // temporal * temporal + 1
-            raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the VAE "
-                               f"compresses {temporal} frames into one after the first; 1 makes an image, Cosmos 3's "
-                               "clips: 189)")
+        spatial = config["vae_scale_factor_spatial"]
+        frames = check_frames(inputs, config["vae_scale_factor_temporal"], "1 makes an image; Cosmos 3's clips: 189")
         height, width = check_sides(inputs, spatial, f"the VAE's {spatial}x compression")
         video = video_tokens(manifest, frames, height, width)
         text = max(len(prompt.encode()) for prompt in prompts + negative) + TEMPLATE_TOKENS

@@ -16,7 +16,6 @@ sound and action heads are never loaded (Cosmos3Family.unused_weights).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -21,8 +21,8 @@ from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
-from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
-                                             text_length)
+from mdtriton.pipeline.request_checks import (check_batch, check_frames, check_sides, check_steps_and_guidance,
+                                             prompts_of, text_length)
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default and UMT5's length
@@ -125,12 +125,7 @@ class WanPipelinePart(PipelinePart):
                                " send one negative_prompt for all, or one per prompt")
         check_batch(manifest, prompts, "videos")
         config = manifest.config
-        temporal = config["vae_scale_factor_temporal"]
-        frames = int(inputs["num_frames"][0])
-        if frames < 1 or (frames - 1) % temporal:
-            below = max(frames - 1, 0) // temporal * temporal + 1
-            raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the "
-                               f"VAE compresses {temporal} frames into one after the first; Wan's clips: 81)")
+        frames = check_frames(inputs, config["vae_scale_factor_temporal"], "Wan's clips: 81")
         height, width = check_sides(inputs, side_multiple(manifest), f"the VAE's {config['vae_scale_factor_spatial']}x "
                                                                      "compression times the transformer's patches")
         tokens = video_tokens(manifest, frames, height, width)
