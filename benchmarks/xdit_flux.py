@@ -679,7 +679,7 @@ def attention_table(rows: list[dict], config: dict) -> str:
               "TFLOP/s per GPU", "% of 1-GPU cuDNN rate", "rel. error vs full attention"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["impl"], r["config"])):
-        flops = attention_flops(r["tokens"], config)
+        flops = attention_flops(r["tokens"], FLUX.attention_shape(config))
         tflops = flops / r["gpus"] / r["median_ms"] / 1e9
         share = f"{100 * tflops / (flops / cudnn[r['tokens']] / 1e9):.0f}%" if r["tokens"] in cudnn else ""
         cells.append([f"{r['tokens']:,}", r["gpus"], r["impl"], r["config"], r["kernel"], f"{r['median_ms']:.2f}",

@@ -1,10 +1,12 @@
-"""`mdtriton bench`: one transformer forward of a model family (FLUX, Wan) per GPU count x parallel method x variant x
-image or clip size.
+"""`mdtriton bench`: one transformer forward of a model family (FLUX, Wan, Cosmos 3) per GPU count x parallel method x
+variant x image or clip size.
 
 Built on the benchmark harness (mdtriton/harness.py), as the scripts in benchmarks/ are. Each GPU count runs in its
 own set of processes (one per GPU, NCCL). Sizes are images or clips in pixels (--height, --width, --frames), made
 into the request the family's pipeline sends its transformer (Family.media_request): FLUX at 1024x1024 is 4,096
-image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600.
+image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600;
+Cosmos 3 at 832x480 x 189 frames 18,720 video + 256 text tokens, 1280x720 x 189 44,160 + 256 (its text pathway
+runs at every call, as diffusers' model runs it; the pipeline runs it once per request: benchmarks/cosmos3_text_once.py).
 Weights are random, made on each GPU shard by shard from one seed (the same full model for every plan), bf16
 (FLUX's with trained-like scales: modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md,
 "Accuracy"). The engine is loaded as the server loads it (TorchEngine.from_weights) and timed through its forward.
@@ -37,6 +39,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import Family, families, family
+from mdtriton.families.family import AttentionShape
 from mdtriton.harness import (METHODS, attention_flops, bench_engine, bench_weights, init_rank, markdown_table,
                               plans_for, relative_error, run_ranks, time_calls, timing, write_results)
 
@@ -58,7 +61,8 @@ class Size:
 @dataclass(frozen=True)
 class Defaults:
     """What a run of an architecture measures unless told otherwise: the real model's size, at the sizes users ask
-    for (FLUX: 1024x1024 and up; Wan: 480p and 720p clips of 81 frames, 5 s at 16 fps)."""
+    for (FLUX: 1024x1024 and up; Wan: 480p and 720p clips of 81 frames, 5 s at 16 fps; Cosmos 3: 480p and 720p clips
+    of 189 frames, its pipeline's default)."""
 
     preset: str
     frames: int
@@ -67,7 +71,8 @@ class Defaults:
 
 
 DEFAULTS = {"flux": Defaults("flux.1-dev", 1, "1024,2048,4096", "1024,2048,4096"),
-            "wan": Defaults("wan2.1-t2v-14b", 81, "480,720", "832,1280")}
+            "wan": Defaults("wan2.1-t2v-14b", 81, "480,720", "832,1280"),
+            "cosmos3": Defaults("cosmos3-15b", 189, "480,720", "832,1280")}
 
 
 def benchmarked_architectures() -> list[str]:
@@ -90,18 +95,16 @@ def communication_share(call) -> float:
     return nccl / total if total else 0.0
 
 
-def attention_inputs(config: dict, plan: ParallelPlan, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """One block's q, k, v [1, heads per TP rank, tokens per CP rank, head_dim] for a sequence of tokens."""
+def attention_inputs(shape: AttentionShape, plan: ParallelPlan, tokens: int,
+                     device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One layer's q [1, heads per TP rank, tokens per CP rank, head_dim] for a sequence of tokens, and k and v with
+    the key/value heads per TP rank (one where they do not divide by tp_size, as Cosmos 3's engine holds them)."""
     generator = torch.Generator(device).manual_seed(1)
     local_len = -(-tokens // plan.cp_size)
-    shape = (1, config["num_attention_heads"] // plan.tp_size, local_len, config["attention_head_dim"])
+    kv_heads = shape.kv_heads // plan.tp_size if shape.kv_heads % plan.tp_size == 0 else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype) for _ in range(3))
-
-
-def attention_layers(config: dict) -> int:
-    """Blocks that attend over the whole sequence: FLUX's double and single blocks, Wan's blocks."""
-    return config["num_layers"] + config.get("num_single_layers", 0)
+    return tuple(torch.randn((1, heads, local_len, shape.head_dim), generator=generator, device=device, dtype=dtype)
+                 for heads in (shape.heads // plan.tp_size, kv_heads, kv_heads))
 
 
 def sample_file(world_size: int, method: str, variant: str) -> str:
@@ -131,7 +134,8 @@ def float32_sample(args: argparse.Namespace, config: dict, request: dict[str, to
     weights = bench_weights(args.architecture, config, ParallelPlan(), 0, device, torch.bfloat16, None)
     weights = {name: weights.pop(name).float() for name in list(weights)}
     engine = bench_engine(args.architecture, config, Communicator.single(device), weights, "FP32", compiled=False)
-    sample = engine.forward({name: tensor.float() for name, tensor in request.items()})["sample"]
+    sample = engine.forward({name: tensor.float() if tensor.is_floating_point() else tensor  # token ids stay ids
+                             for name, tensor in request.items()})["sample"]
     save_sample(sample, Path(work_dir) / sample_file(1, "1 GPU", "float32"))
 
 
@@ -207,7 +211,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             engine = output = None  # free this variant's weights before the next ones are made
             free_memory(device)
         for label in requests:
-            q, k, v = attention_inputs(config, plan, tokens[label], device)
+            q, k, v = attention_inputs(model_family.attention_shape(config), plan, tokens[label], device)
             attention = attention_for(plan)
             with torch.inference_mode():
                 times, _ = time_calls(lambda: attention(q, k, v, comm, tokens[label]), cuda, args.warmup,
@@ -217,7 +221,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     if world_size == 1:
         # cuDNN's attention alone over the whole sequence: the rate the engine's attention is held against.
         for label in requests:
-            q, k, v = attention_inputs(config, ParallelPlan(), tokens[label], device)
+            q, k, v = attention_inputs(model_family.attention_shape(config), ParallelPlan(), tokens[label], device)
             with torch.inference_mode():
                 times, _ = time_calls(lambda: cudnn_sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
             attention_rows.append({"gpus": 1, "method": "cuDNN SDPA", "size": label, "tokens": tokens[label],
@@ -233,7 +237,7 @@ def size_cell(row: dict) -> str:
     return f"{row['size']} ({row['tokens']:,} tokens)"
 
 
-def forward_table(rows: list[dict], config: dict) -> str:
+def forward_table(rows: list[dict], shape: AttentionShape) -> str:
     """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
     single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
@@ -242,7 +246,7 @@ def forward_table(rows: list[dict], config: dict) -> str:
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["size"], float("nan")) / r["median_ms"]
-        tflops = attention_flops(r["tokens"], config) * attention_layers(config) / r["gpus"] / r["median_ms"] / 1e9
+        tflops = attention_flops(r["tokens"], shape) * shape.layers / r["gpus"] / r["median_ms"] / 1e9
         error = " / ".join(f"{r[key]:.1e}" if key in r else "-" for key in ("error_vs_1gpu", "error_vs_float32"))
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
                       f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
@@ -251,13 +255,13 @@ def forward_table(rows: list[dict], config: dict) -> str:
     return markdown_table(header, cells)
 
 
-def attention_table(rows: list[dict], config: dict) -> str:
+def attention_table(rows: list[dict], shape: AttentionShape) -> str:
     cudnn = {r["size"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
     header = ["size", "GPUs", "method", "median ms (one block)", "TFLOP/s per GPU", "% of 1-GPU cuDNN rate"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"])):
-        tflops = attention_flops(r["tokens"], config) / r["gpus"] / r["median_ms"] / 1e9
-        base = attention_flops(r["tokens"], config) / cudnn[r["size"]] / 1e9
+        tflops = attention_flops(r["tokens"], shape) / r["gpus"] / r["median_ms"] / 1e9
+        base = attention_flops(r["tokens"], shape) / cudnn[r["size"]] / 1e9
         cells.append([size_cell(r), r["gpus"], r["method"], f"{r['median_ms']:.2f}", f"{tflops:.0f}",
                       f"{100 * tflops / base:.0f}%"])
     return markdown_table(header, cells)
@@ -376,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
             attention_rows += results["attention"]
         add_errors(rows, str(args.sizes[0]), work_dir)
     title = f"{args.architecture} {args.preset}"
-    tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, config)}\n\n"
-              f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, config)}\n")
+    shape = model_family.attention_shape(config)
+    tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, shape)}\n\n"
+              f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
     print(tables)
     write_results(args.output_dir, tables, {"architecture": args.architecture, "preset": args.preset,
                                             "forward": rows, "attention": attention_rows})

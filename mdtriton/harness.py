@@ -37,6 +37,7 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families import family
+from mdtriton.families.family import AttentionShape
 from mdtriton.families.flux.transformer import example_inputs
 from mdtriton.server import free_port
 
@@ -105,9 +106,9 @@ def plans_for(world_size: int, methods: list[str]) -> dict[str, ParallelPlan]:
     return plans
 
 
-def attention_flops(tokens: int, config: dict) -> float:
-    """FLOPs of one block's attention over tokens: 4 S^2 heads head_dim."""
-    return 4 * tokens**2 * config["num_attention_heads"] * config["attention_head_dim"]
+def attention_flops(tokens: int, shape: AttentionShape) -> float:
+    """FLOPs of one layer's attention over tokens: 4 S^2 heads head_dim (shape: Family.attention_shape)."""
+    return 4 * tokens**2 * shape.heads * shape.head_dim
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -12,7 +12,8 @@ from mdtriton.cli import main
 
 # (architecture, sizes as --height --width --frames, the tokens each becomes)
 RUNS = {"flux": (["--height", "64,32", "--width", "64,48", "--frames", "1"], [16 + 512, 6 + 512]),
-        "wan": (["--height", "32", "--width", "48", "--frames", "9"], [3 * 2 * 3])}
+        "wan": (["--height", "32", "--width", "48", "--frames", "9"], [3 * 2 * 3]),
+        "cosmos3": (["--height", "32", "--width", "48", "--frames", "9"], [3 * 1 * 2 + 256])}
 
 
 def test_every_family_with_sized_requests_is_measured():
@@ -45,6 +46,7 @@ def test_bench_on_cpu_ranks_measures_each_plan_against_one_rank(architecture, tm
     ("wan", ["--height", "488", "--width", "832", "--frames", "81"], "height 488 is not a positive multiple of 16"),
     ("flux", ["--height", "1024", "--width", "1024", "--frames", "5"], "FLUX makes images"),
     ("flux", ["--height", "1024,2048", "--width", "1024"], "one width per height"),
+    ("cosmos3", ["--height", "720", "--width", "1280", "--frames", "188"], "188 frames is not 4k+1"),
 ])
 def test_bad_sizes_are_refused_before_any_rank_starts(architecture, sizes, message, capsys):
     assert main(["bench", "--architecture", architecture, "--device", "cpu", "--preset", "tiny", "--gpus", "1",

@@ -11,6 +11,7 @@ name (mdtriton.families); an engine's manifest names its architecture: the famil
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,7 +21,18 @@ from mdtriton.engine.manifest import DEFAULT_MAX_TOKENS, Signature
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.part import PipelinePart
 
-__all__ = ["Family", "PipelinePart", "RequestSize", "Signature"]  # what a family's modules import from here
+__all__ = ["AttentionShape", "Family", "PipelinePart", "RequestSize", "Signature"]  # what a family's modules import from here
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention a forward runs, as benchmarks count it: layers that attend over the whole sequence, query heads,
+    key/value heads (fewer with grouped-query attention) and the head size."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
 
 
 class Family(Architecture):
@@ -65,6 +77,13 @@ class Family(Architecture):
                         batch: int = 1) -> dict[str, torch.Tensor]:
         """A seeded request of `tokens` tokens (as check_request counts them), laid out as a typical one: for
         benchmarks and tests."""
+
+    def attention_shape(self, config: dict) -> AttentionShape:
+        """The model's attention, for `mdtriton bench`'s attention rows; by default from the config keys diffusers' FLUX
+        and Wan transformers share (num_layers and num_single_layers, num_attention_heads, attention_head_dim)."""
+        heads = config["num_attention_heads"]
+        return AttentionShape(config["num_layers"] + config.get("num_single_layers", 0), heads, heads,
+                              config["attention_head_dim"])
 
     def media_request(self, config: dict, frames: int, height: int, width: int,
                       dtype: torch.dtype) -> dict[str, torch.Tensor]:

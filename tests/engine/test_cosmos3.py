@@ -36,7 +36,8 @@ PLANS = {
     2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
     # tp 4 keeps one key/value head for two ranks; ulysses on 4 ranks (and on 2 with tp 2) copies key/value heads.
     4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
-       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS],
+       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS]
+       + [ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)],
 }
 
 

@@ -59,8 +59,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
 
 
 def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """torch's cuDNN attention [B, H, S, D] alone: the rate benchmarks hold the engine's attention against. On CPU,
-    which has no cuDNN, torch's SDPA as it chooses, so that the benchmarks' CPU checks run."""
+    """torch's cuDNN attention [B, H, S, D] alone (fewer key/value heads repeated for it, as plain_attention does):
+    the rate benchmarks hold the engine's attention against. On CPU, which has no cuDNN, torch's SDPA as it chooses,
+    so that the benchmarks' CPU checks run."""
+    k, v = expand_heads(q, k, v)
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -14,15 +14,18 @@ from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.cosmos3.pipeline import Cosmos3PipelinePart
 from mdtriton.families.cosmos3.transformer import COSMOS3_CONFIG, TINY_CONFIG, Cosmos3, check_plan
-from mdtriton.families.family import Family, RequestSize, Signature
+from mdtriton.families.family import AttentionShape, Family, RequestSize, Signature
 
-# The warm-up requests' (text tokens, latent frames, rows and columns of patches), in order: a short one, then 480p x
+# The warm-up requests' (text tokens, latent frames, latent height and width), in order: a short one, then 480p x
 # 189 frames, the size most requests have (graphs are tuned for the sizes they first see). Text lengths are prime and
 # text plus video tokens odd, so that no size of the warm-up equals a model dimension or another of its sizes (Dynamo
 # would take two equal sizes for one).
-WARM_UP_SHAPES = ((127, 2, 7, 11), (509, 48, 15, 26))
-TEXT_TOKENS = 256  # an example request's text: the system prompt, the prompt and the metadata sentences
-VAE_TEMPORAL = 4  # the Wan 2.2 VAE's frames per latent frame (after the first), which the positions follow
+WARM_UP_SHAPES = ((127, 2, 14, 22), (509, 48, 30, 52))
+TEXT_TOKENS = 256  # a typical request's text: the system prompt, the prompt and the metadata sentences
+# The Wan 2.2 VAE's compression: 4 frames after the first into one latent frame (the positions follow it), 16x16 pixels
+# into one latent.
+VAE_TEMPORAL = 4
+VAE_SPATIAL = 16
 
 
 class Cosmos3Family(Family):
@@ -95,8 +98,7 @@ class Cosmos3Family(Family):
                 "noisy_frames": [1]}
 
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-        return [self.inputs(config, text, (frames, rows, columns), dtype) for text, frames, rows, columns in
-                WARM_UP_SHAPES]
+        return [self.inputs(config, text, latent, dtype) for text, *latent in WARM_UP_SHAPES]
 
     def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
                         batch: int = 1) -> dict[str, torch.Tensor]:
@@ -104,25 +106,45 @@ class Cosmos3Family(Family):
         as a 720p frame's 920 tokens allow): 720p x 189 frames is 44,160 video tokens, 480p 18,720."""
         if batch != 1:
             raise ValueError("Cosmos 3's transformer takes one video per request")
+        p = config["latent_patch_size"]
         video = max(1, tokens - TEXT_TOKENS)
         frames = max(1, min(48, round(video / 920)))
         per_frame = max(1, video // frames)
         rows = max(1, math.isqrt(per_frame * 9 // 16))
-        return self.inputs(config, TEXT_TOKENS, (frames, rows, max(1, per_frame // rows)), dtype)
+        return self.inputs(config, TEXT_TOKENS, (frames, rows * p, max(1, per_frame // rows) * p), dtype)
+
+    def media_request(self, config: dict, frames: int, height: int, width: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Cosmos3OmniPipeline's: the latent video of frames x height x width pixels (4k+1 frames, 1 an image; sides
+        multiples of 16, the VAE's compression), 256 text tokens, at 24 fps."""
+        if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+            below = max(frames - 1, 0) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+            raise ValueError(f"{frames} frames is not 4k+1 (Cosmos 3's VAE compresses 4 frames after the first into "
+                             f"one); ask for {below} or {below + VAE_TEMPORAL}")
+        for name, side in (("height", height), ("width", width)):
+            if side < VAE_SPATIAL or side % VAE_SPATIAL:
+                raise ValueError(f"{name} {side} is not a positive multiple of {VAE_SPATIAL} (the VAE's compression); "
+                                 f"send a multiple of {VAE_SPATIAL}")
+        latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+        return self.inputs(config, TEXT_TOKENS, latent, dtype)
+
+    def attention_shape(self, config: dict) -> AttentionShape:
+        return AttentionShape(config["num_hidden_layers"], config["num_attention_heads"],
+                              config["num_key_value_heads"], config["head_dim"])
 
     @staticmethod
-    def inputs(config: dict, text_tokens: int, grid: tuple[int, int, int], dtype: torch.dtype,
+    def inputs(config: dict, text_tokens: int, latent: tuple[int, int, int], dtype: torch.dtype,
                fps: float = 24.0) -> dict[str, torch.Tensor]:
-        """A seeded request (CPU) of text_tokens random ids and a random latent video of grid (latent frames, rows and
-        columns of patches), timestep 500, every frame noisy, positions as the pipeline makes them at fps."""
+        """A seeded request (CPU) of text_tokens random ids and a random latent video of latent (frames, height,
+        width; sides padded to whole patches as diffusers pads them), timestep 500, every frame noisy, positions as
+        the pipeline makes them at fps."""
         generator = torch.Generator().manual_seed(0)
-        frames, rows, columns = grid
+        frames, height, width = latent
         p = config["latent_patch_size"]
-        latent = (1, config["latent_channel"], frames, rows * p, columns * p)
         return {
             "input_ids": torch.randint(0, config["vocab_size"], (text_tokens,), generator=generator),
-            "position_ids": position_ids(config, text_tokens, grid, fps),
-            "vision_tokens": torch.randn(latent, generator=generator).to(dtype),
+            "position_ids": position_ids(config, text_tokens, (frames, -(-height // p), -(-width // p)), fps),
+            "vision_tokens": torch.randn(1, config["latent_channel"], *latent, generator=generator).to(dtype),
             "timestep": torch.tensor([500.0]),
             "noisy_frames": torch.ones(frames),
         }
