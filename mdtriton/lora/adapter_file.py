@@ -55,14 +55,14 @@ def read_user_adapter(path: Path, diffusers_class: str) -> dict[str, Factors]:
     from diffusers.utils.peft_utils import _create_lora_config
     from peft.utils.other import get_pattern_key
 
+    if not hasattr(getattr(diffusers, diffusers_class), "lora_state_dict"):
+        raise AdapterError(f"diffusers' {diffusers_class} has no LoRA loader: its models take no adapters")
     path = Path(path)
     file = path / DIFFUSERS_FILE if path.is_dir() else path
     if not file.is_file():
         raise AdapterError(f"{path}: no such file" + (f" (a directory must hold {DIFFUSERS_FILE})"
                                                       if path.is_dir() else ""))
     loader = getattr(diffusers, diffusers_class)
-    if not hasattr(loader, "lora_state_dict"):
-        raise AdapterError(f"diffusers' {diffusers_class} has no LoRA loader: its models take no adapters")
     with_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
     try:
         if with_alphas:

@@ -19,7 +19,7 @@ from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.lora.adapter_file import AdapterError
+from mdtriton.lora.adapter_file import AdapterError, read_user_adapter
 from mdtriton.lora.directory import AdapterSettings, adapters_dir
 from mdtriton.serving import load_engine
 from tests.lora.adapters import diffusers_lora
@@ -119,6 +119,13 @@ def test_names_and_models_are_checked(repository):
     with pytest.raises(ValueError, match="no model versions there"):
         add_adapter(repository, "nosuch", good, "style")
     assert nothing_written(repository)
+
+
+def test_a_pipeline_without_a_lora_loader_takes_no_adapter(repository):
+    """diffusers' Cosmos3OmniPipeline has no LoRA loader: an adapter for it is refused saying so."""
+    _, good, _ = repository
+    with pytest.raises(AdapterError, match="diffusers' Cosmos3OmniPipeline has no LoRA loader"):
+        read_user_adapter(good, "Cosmos3OmniPipeline")
 
 
 def test_a_rank_keeps_its_adapters_up_to_the_cap(repository, tmp_path):
