@@ -14,15 +14,12 @@ memory allocated is each size's.
 from __future__ import annotations
 
 import argparse
-import json
-from contextlib import nullcontext
 
 import torch
 from diffusers import Cosmos3OmniTransformer
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.families.cosmos3 import COSMOS3
-from mdtriton.harness import markdown_table, time_calls, timing
+from mdtriton.harness import peer_table, time_peer
 
 
 def diffusers_call(config: dict, request: dict[str, torch.Tensor]) -> dict:
@@ -55,10 +52,8 @@ def main() -> None:
     if args.tiny:
         args.preset, args.height, args.width, args.frames = "tiny", "32", "48", 9
     device = torch.device("cpu" if args.tiny else "cuda")
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = COSMOS3.presets()[args.preset]
-    sizes = list(zip((int(n) for n in args.height.split(",")), (int(n) for n in args.width.split(","))))
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # made in its type on the GPU: 15 B float32 parameters and a bf16 copy do not fit
@@ -68,29 +63,13 @@ def main() -> None:
     finally:
         torch.set_default_dtype(previous)
     model.time_embedder.float()  # diffusers' _keep_in_fp32_modules
-    rows = []
-    for mode in args.modes.split(","):
-        if mode == "compile":
-            model.compile_repeated_blocks(fullgraph=True)
-        for height, width in sizes:
-            request = {name: t.to(device) for name, t in COSMOS3.media_request(config, args.frames, height, width,
-                                                                               dtype).items()}
-            call = diffusers_call(config, request)
-            backends = [SDPBackend.CUDNN_ATTENTION] if mode == "compile" and cuda else None
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode(), (sdpa_kernel(backends) if backends else nullcontext()):
-                first, _ = time_calls(lambda: model(**call), cuda, 0, 1)
-                times, _ = time_calls(lambda: model(**call), cuda, 0, args.iterations)
-            row = {"peer": f"diffusers {mode}", "size": f"{width}x{height} x {args.frames}",
-                   "tokens": COSMOS3.check_request(config, request).tokens, "median_ms": timing(times)["median_ms"],
-                   "first_call_s": first[0] / 1000,
-                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
-                         [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
-                           f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows]))
+    calls = {}
+    for height, width in zip((int(n) for n in args.height.split(",")), (int(n) for n in args.width.split(","))):
+        request = {name: t.to(device) for name, t in COSMOS3.media_request(config, args.frames, height, width,
+                                                                           dtype).items()}
+        calls[f"{width}x{height} x {args.frames}"] = (diffusers_call(config, request),
+                                                      COSMOS3.check_request(config, request).tokens)
+    print(peer_table(time_peer(model, args.modes.split(","), calls, device, args.iterations)))
 
 
 if __name__ == "__main__":

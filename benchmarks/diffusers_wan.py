@@ -13,15 +13,12 @@ recompile shows there); the peak memory allocated is each size's.
 from __future__ import annotations
 
 import argparse
-import json
-from contextlib import nullcontext
 
 import torch
 from diffusers import WanTransformer3DModel
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.families.wan import WAN
-from mdtriton.harness import markdown_table, time_calls, timing
+from mdtriton.harness import peer_table, time_peer
 
 
 def main() -> None:
@@ -37,35 +34,18 @@ def main() -> None:
     if args.tiny:
         args.preset, args.height, args.width, args.frames = "tiny", "32", "48", 9
     device = torch.device("cpu" if args.tiny else "cuda")
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = WAN.presets()[args.preset]
-    sizes = list(zip((int(n) for n in args.height.split(",")), (int(n) for n in args.width.split(","))))
     torch.manual_seed(0)
     with device:
         model = WanTransformer3DModel(**{**config, "patch_size": tuple(config["patch_size"])}).to(dtype).eval()
-    rows = []
-    for mode in args.modes.split(","):
-        if mode == "compile":
-            model.compile_repeated_blocks(fullgraph=True)
-        for height, width in sizes:
-            request = {name: t.to(device) for name, t in WAN.media_request(config, args.frames, height, width,
-                                                                           dtype).items()}
-            backends = [SDPBackend.CUDNN_ATTENTION] if mode == "compile" and cuda else None
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode(), (sdpa_kernel(backends) if backends else nullcontext()):
-                first, _ = time_calls(lambda: model(**request, return_dict=False), cuda, 0, 1)
-                times, _ = time_calls(lambda: model(**request, return_dict=False), cuda, 0, args.iterations)
-            row = {"peer": f"diffusers {mode}", "size": f"{width}x{height} x {args.frames}",
-                   "tokens": WAN.check_request(config, request).tokens, "median_ms": timing(times)["median_ms"],
-                   "first_call_s": first[0] / 1000,
-                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
-                         [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
-                           f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows]))
+    calls = {}
+    for height, width in zip((int(n) for n in args.height.split(",")), (int(n) for n in args.width.split(","))):
+        request = {name: t.to(device) for name, t in WAN.media_request(config, args.frames, height, width,
+                                                                       dtype).items()}
+        calls[f"{width}x{height} x {args.frames}"] = ({**request, "return_dict": False},
+                                                      WAN.check_request(config, request).tokens)
+    print(peer_table(time_peer(model, args.modes.split(","), calls, device, args.iterations)))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -137,6 +138,42 @@ def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[flo
         if i >= warmup:
             times.append(elapsed)
     return times, result
+
+
+def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[dict, int]], device: torch.device,
+              iterations: int) -> list[dict]:
+    """A diffusers model as the 1-GPU peer of `mdtriton bench` (benchmarks/diffusers_wan.py, diffusers_cosmos3.py): in
+    each mode (eager: torch's SDPA choice; compile: its repeated blocks compiled, cuDNN attention), each size's call
+    (its label: diffusers' keyword arguments and the request's tokens) timed by time_calls: the first call apart (a
+    compile shows there), the median of `iterations` later ones, the peak memory allocated meanwhile. Each row is printed
+    as JSON as it is measured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = device.type == "cuda"
+    rows = []
+    for mode in modes:
+        if mode == "compile":
+            model.compile_repeated_blocks(fullgraph=True)
+        for label, (arguments, tokens) in calls.items():
+            backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if mode == "compile" and cuda else nullcontext()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            with torch.inference_mode(), backends:
+                first, _ = time_calls(lambda: model(**arguments), cuda, 0, 1)
+                times, _ = time_calls(lambda: model(**arguments), cuda, 0, iterations)
+            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens, "median_ms": timing(times)["median_ms"],
+                   "first_call_s": first[0] / 1000,
+                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def peer_table(rows: list[dict]) -> str:
+    """time_peer's rows as a Markdown table."""
+    return markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
+                          [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
+                            f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows])
 
 
 def timing(times: list[float]) -> dict[str, float]:
