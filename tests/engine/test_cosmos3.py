@@ -64,7 +64,7 @@ def three_ways(rank: int, world_size: int, engine_dirs: dict[str, str], cases: l
 def test_weight_names_and_shapes_are_diffusers_but_the_unused_heads():
     with torch.device("meta"):
         reference = Cosmos3OmniTransformer(**TINY_CONFIG).state_dict()
-    ours = meta_module("cosmos3", TINY_CONFIG, ParallelPlan(), 0).state_dict()
+    ours = meta_module(COSMOS3, TINY_CONFIG, ParallelPlan(), 0).state_dict()
     assert {name: tuple(t.shape) for name, t in ours.items()} == {
         name: tuple(t.shape) for name, t in reference.items() if not name.startswith(COSMOS3.unused_weights)}
     assert sorted({name.split(".")[0] for name in reference if name.startswith(COSMOS3.unused_weights)}) == [
@@ -76,7 +76,7 @@ def test_one_rank_equals_diffusers(tmp_path, backbone):
     config = {**TINY_CONFIG, **(NEMOTRON if backbone == "nemotron" else {})}
     model = diffusers_model(config, seed=1)
     engine_dir = write_engine(tmp_path / "engine", config, ParallelPlan(), module_weights(model), "cosmos3")
-    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), Communicator.single())
+    engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), COSMOS3, Communicator.single())
     for seed, case in enumerate(CASES):
         call = diffusers_inputs(config, case, seed)
         want = expected_sample(model, call)
@@ -112,12 +112,12 @@ def test_every_preset_builds_and_has_diffusers_parameter_count(preset):
     config = COSMOS3.presets()[preset]
     with torch.device("meta"):
         reference = sum(t.numel() for t in Cosmos3OmniTransformer(**config).parameters())
-    module = meta_module("cosmos3", config, ParallelPlan(), 0)
+    module = meta_module(COSMOS3, config, ParallelPlan(), 0)
     unused = config["vocab_size"] * config["hidden_size"] + config["hidden_size"]  # lm_head and the text's norm
     assert sum(t.numel() for t in module.state_dict().values()) == reference - unused
     if preset == "cosmos3-15b":
         assert reference / 1e9 == pytest.approx(15.2, abs=0.05)
-        shard = meta_module("cosmos3", config, ParallelPlan(tp_size=8), 3).state_dict()
+        shard = meta_module(COSMOS3, config, ParallelPlan(tp_size=8), 3).state_dict()
         assert shard["layers.0.self_attn.add_k_proj.weight"].shape == (128, 4096)  # one of the 8 key/value heads
 
 
@@ -158,7 +158,7 @@ def test_fp8_weights_give_the_velocity_within_e4m3_rounding():
     with torch.inference_mode():
         want = reference_module("cosmos3", TINY_CONFIG, weights, "FP32")(**inputs)["sample"]
         fp8 = TorchEngine.from_weights(Manifest("cosmos3", TINY_CONFIG, ParallelPlan(), "FP32", (), (),
-                                                quantization="fp8"), Communicator.single(), shard).module
+                                                quantization="fp8"), COSMOS3, Communicator.single(), shard).module
         assert relative_error(fp8(**inputs)["sample"], want) < 0.1
 
 
@@ -167,8 +167,8 @@ def test_compiled_regions_answer_as_eager_and_never_compile_after_the_load():
     velocity at lengths the warm-up did not have, whole and through First Block Cache's parts, with no new graph."""
     manifest = Manifest("cosmos3", TINY_CONFIG, ParallelPlan(), "FP32", (), ())
     weights = random_weights("cosmos3", TINY_CONFIG, seed=4)
-    eager = TorchEngine.from_weights(manifest, Communicator.single(), dict(weights), compile=False)
-    compiled = TorchEngine.from_weights(manifest, Communicator.single(), weights, compile=True)
+    eager = TorchEngine.from_weights(manifest, COSMOS3, Communicator.single(), dict(weights), compile=False)
+    compiled = TorchEngine.from_weights(manifest, COSMOS3, Communicator.single(), weights, compile=True)
     graphs = counters["stats"]["unique_graphs"]
     for seed, case in enumerate(CASES):
         inputs = engine_inputs(diffusers_inputs(TINY_CONFIG, case, seed))

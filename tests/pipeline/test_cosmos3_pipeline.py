@@ -24,7 +24,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.progress import progress_to
-from mdtriton.engine.serving import load_engine
+from mdtriton.serving import load_engine
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference

@@ -17,10 +17,11 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
@@ -28,9 +29,6 @@ from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import (check_frames, check_sides, check_steps_and_guidance, loras_of,
                                              prompts_of)
 from mdtriton.pipeline.transformer import EngineAsTransformer
-
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import TorchEngine
 
 SERVED = "text to video, text to image (num_frames 1) and image to video (the image input)"
 # Inputs of diffusers' call for what is not served, declared so that a request for them is refused saying so.
