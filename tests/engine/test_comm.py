@@ -34,33 +34,38 @@ def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
     return collectives
 
 
-def _refusals_on_gpu_ranks(rank: int, world_size: int, plan: ParallelPlan) -> dict:
-    """Ranks that say they are on GPUs (the collectives run over gloo here: no GPU needed) are handed a host tensor:
-    every collective refuses it; then the world still sums a tensor, so nobody entered a collective alone."""
-    on_gpu = Communicator(plan, rank, torch.device("cuda", rank))
-    on_gpu.join_groups()
-    refused = {}
-    for name, collective in _collectives_of_two_ranks(on_gpu, torch.ones(4)).items():
-        try:
-            collective()
-            refused[name] = None
-        except CollectiveInputError as error:
-            refused[name] = str(error)
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    return {"refused": refused, "sum after": float(total)}
+def _refusals_on_gpu_ranks(rank: int, world_size: int) -> dict:
+    """For each plan, ranks that say they are on GPUs (the collectives run over gloo here: no GPU needed) are handed a
+    host tensor: every collective refuses it; then the world still sums a tensor, so nobody entered a collective
+    alone."""
+    results = {}
+    for plan_name, plan in PLANS.items():
+        on_gpu = Communicator(plan, rank, torch.device("cuda", rank))
+        on_gpu.join_groups()
+        refused = {}
+        for name, collective in _collectives_of_two_ranks(on_gpu, torch.ones(4)).items():
+            try:
+                collective()
+                refused[name] = None
+            except CollectiveInputError as error:
+                refused[name] = str(error)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        results[plan_name] = {"refused": refused, "sum after": float(total)}
+    return results
 
 
-@pytest.mark.parametrize("plan_name", sorted(PLANS))
-def test_a_host_tensor_is_refused_by_gpu_ranks_before_the_collective(plan_name):
+def test_a_host_tensor_is_refused_by_gpu_ranks_before_the_collective():
     # the world's 4 collectives and the plan group's
-    expected = {"tp": 5, "allgather_kv": 7, "cfg": 5, "ulysses": 8, "ring": 8}[plan_name]
-    for rank, result in enumerate(run_ranks(2, _refusals_on_gpu_ranks, PLANS[plan_name])):
-        assert result["sum after"] == 2.0
-        assert len(result["refused"]) == expected
-        for name, message in result["refused"].items():
-            assert message is not None, f"{name} sent a host tensor from a GPU rank"
-            assert f"rank {rank}" in message and "on cpu" in message and f"cuda:{rank} only" in message
+    expected = {"tp": 5, "allgather_kv": 7, "cfg": 5, "ulysses": 8, "ring": 8}
+    for rank, results in enumerate(run_ranks(2, _refusals_on_gpu_ranks)):
+        assert sorted(results) == sorted(expected)
+        for plan_name, result in results.items():
+            assert result["sum after"] == 2.0
+            assert len(result["refused"]) == expected[plan_name], plan_name
+            for name, message in result["refused"].items():
+                assert message is not None, f"{plan_name}: {name} sent a host tensor from a GPU rank"
+                assert f"rank {rank}" in message and "on cpu" in message and f"cuda:{rank} only" in message
 
 
 def _world_collectives(rank: int, world_size: int) -> dict:
