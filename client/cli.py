@@ -7,6 +7,7 @@ exit code 1 (mdtriton/cli.py prints the ClientError).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -217,6 +218,16 @@ def lora_argument(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: give NAME or NAME=SCALE, SCALE a number") from None
 
 
+def check_writable(path: Path) -> None:
+    """ValueError, naming path, unless its directory exists and this user may write there: checked before the
+    request, so that a long job is not lost at the end."""
+    directory = path.parent
+    if not directory.is_dir():
+        raise ValueError(f"cannot write {path}: there is no directory {directory}")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"cannot write {path}: this user may not write in {directory}")
+
+
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`)."""
     with Client(args.url, timeout=args.timeout) as client:
@@ -227,6 +238,7 @@ def generate_media(args: argparse.Namespace) -> int:
     if output.suffix.lower() not in suffixes:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
+    check_writable(output)
     steps = args.steps or (50 if video else 28)
     start = time.perf_counter()
     streamed = streams_progress(args.url, args.model)

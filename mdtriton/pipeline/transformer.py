@@ -1,5 +1,6 @@
 """The base of a family's adapter that a diffusers pipeline calls as its transformer: a transformer engine with
-the attributes pipelines read of their transformer (dtype, device, cache_context), and the request's step cache."""
+the attributes pipelines read of their transformer (dtype, device, cache_context), the request's step cache and its
+agreement point (mdtriton.engine.job_control)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from mdtriton.engine.engine import TorchEngine
+    from mdtriton.engine.job_control import JobAgreement
     from mdtriton.engine.step_cache import StepCache
 
 
@@ -24,6 +26,7 @@ class EngineAsTransformer(torch.nn.Module):
         self.engine = engine
         self._dtype = TORCH_DTYPES[engine.manifest.data_type]
         self.step_cache: StepCache | None = None  # the request's, set by the pipeline engine while it runs
+        self.agreement: JobAgreement | None = None  # the job's, set likewise: the ranks agree before the first call
 
     @property
     def device(self) -> torch.device:
@@ -41,5 +44,8 @@ class EngineAsTransformer(torch.nn.Module):
         return nullcontext()
 
     def run_engine(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The engine's sample for inputs, through the request's step cache."""
+        """The engine's sample for inputs, through the request's step cache; the first call of a job waits for every
+        rank to agree that none failed before it (its collectives follow)."""
+        if self.agreement is not None:
+            self.agreement.before_collectives()
         return self.engine.forward(inputs, self.step_cache)["sample"]

@@ -20,8 +20,8 @@ from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
-from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
-                                             text_length)
+from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, nearest_of,
+                                             prompts_of, text_length)
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 if TYPE_CHECKING:
@@ -112,10 +112,13 @@ class WanPipelinePart(PipelinePart):
                 "seed": 0, "negative_prompt": None, "max_sequence_length": None, "guidance_scale_2": None}
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
-        """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial)."""
+        """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial), and where the pipeline
+        switches to its second expert (boundary_ratio; None: it has one transformer, and takes no guidance_scale_2)."""
         vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
+        model_index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
         return {"vae_scale_factor_temporal": vae_config.get("scale_factor_temporal", 4),
-                "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8)}
+                "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8),
+                "boundary_ratio": model_index.get("boundary_ratio")}
 
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
@@ -130,8 +133,7 @@ class WanPipelinePart(PipelinePart):
         temporal = config["vae_scale_factor_temporal"]
         frames = int(inputs["num_frames"][0])
         if frames < 1 or (frames - 1) % temporal:
-            below = max(frames - 1, 0) // temporal * temporal + 1
-            raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the "
+            raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {nearest_of(frames, temporal, 1)} (the "
                                f"VAE compresses {temporal} frames into one after the first; Wan's clips: 81)")
         height, width = check_sides(inputs, side_multiple(manifest), f"the VAE's {config['vae_scale_factor_spatial']}x "
                                                                      "compression times the transformer's patches")
@@ -142,6 +144,11 @@ class WanPipelinePart(PipelinePart):
                                "at build time: mdtriton build --max-tokens)")
         text_length(inputs, MAX_SEQUENCE_LENGTH)
         check_steps_and_guidance(inputs, ("guidance_scale", "guidance_scale_2"), "Wan: 5.0")
+        # (An engine built before boundary_ratio was kept has no word on it: diffusers refuses such a request then, on
+        # every rank before any collective, and the request is answered with its message.)
+        if "guidance_scale_2" in inputs and "boundary_ratio" in config and config["boundary_ratio"] is None:
+            raise RequestError("guidance_scale_2 is the guidance of a second expert (Wan 2.2 A14B's low-noise "
+                               "transformer), and this pipeline has one transformer: leave guidance_scale_2 out")
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         arguments = {
