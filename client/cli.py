@@ -230,6 +230,8 @@ def check_writable(path: Path) -> None:
 
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`)."""
+    if args.output is not None:
+        check_writable(args.output)
     with Client(args.url, timeout=args.timeout) as client:
         outputs = {output["name"] for output in client.metadata(args.model)["outputs"]}
     video = "video" in outputs
@@ -238,7 +240,6 @@ def generate_media(args: argparse.Namespace) -> int:
     if output.suffix.lower() not in suffixes:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
-    check_writable(output)
     steps = args.steps or (50 if video else 28)
     start = time.perf_counter()
     streamed = streams_progress(args.url, args.model)

@@ -102,8 +102,9 @@ def server_environment() -> dict[str, str]:
 # its stubs) leaves them there, a memory of 1 MiB and more each that nothing frees until the machine restarts.
 SHARED_MEMORY_DIR = Path("/dev/shm")
 SHARED_MEMORY_PREFIX = "triton_python_backend_shm_region_"
-# A region younger than this may belong to a server starting now, before it has mapped it.
-SHARED_MEMORY_MIN_AGE_S = 60.0
+# Younger regions are left alone: a process may map one and close its descriptor between our reading its maps and its
+# descriptors.
+SHARED_MEMORY_MIN_AGE_S = 5.0
 
 
 def held_files() -> set[str]:
