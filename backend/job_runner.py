@@ -288,7 +288,7 @@ class JobRunner:
         with self._lock:
             job = self._pending[job_id]
         if job.not_awaited() is not None:
-            self._end_job(job, JobStopped(0, 0))
+            self._drop(job)
             return
         job.on_device = self._fresh_copy(job.inputs)
         try:
@@ -328,8 +328,7 @@ class JobRunner:
             job = self._pending[run.job] if origin == self.comm.rank else None
         if self._skip(job, origin):
             if job is not None:
-                log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
-                self._end_job(job, JobStopped(0, 0))
+                self._drop(job)
             return
         if job is not None:
             self._on_started(job.id)
@@ -373,6 +372,11 @@ class JobRunner:
         if self.comm.device.type == "cuda":
             wait_for_device(self.timeout)
         return bool(flag.item())
+
+    def _drop(self, job: Job) -> None:
+        """End a job of this rank that never started: its request no longer waits for it."""
+        log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
+        self._end_job(job, JobStopped(0, 0))
 
     def _end_job(self, job: Job, outcome) -> None:
         """Forget a job of this rank and hand its request the outcome: its outputs, or the exception that ended it."""
