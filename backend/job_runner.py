@@ -354,13 +354,14 @@ class JobRunner:
                 if self._aborted.is_set():
                     # The kernels of an aborted collective end without its data: these outputs are not the answer.
                     raise CommunicationError("the process groups were aborted during the job (a peer exited)")
-        if isinstance(outcome, JobStopped) and job is not None:
+        if job is None:
+            return
+        if isinstance(outcome, JobStopped):
             log.info("rank %d: request %s %s: %s", self.comm.rank, job.id, outcome, job.stop_reason)
         elif isinstance(outcome, JobFailed):
-            log.warning("rank %d: a job failed on every rank before its collectives (the ranks serve on): %s",
-                        self.comm.rank, outcome)
-        if job is not None:
-            self._end_job(job, outcome)
+            log.warning("rank %d: request %s failed on every rank before its collectives (the ranks serve on): %s",
+                        self.comm.rank, job.id, outcome)
+        self._end_job(job, outcome)
 
     def _skip(self, job: Job | None, origin: int) -> bool:
         """Whether every rank skips this job: the rank that received it says so as its turn comes, if its request no

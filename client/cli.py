@@ -119,7 +119,8 @@ def add_parsers(subparsers) -> None:
                              "repeat for several")
     parser.add_argument("--fps", type=int, default=16, help="videos: frames per second of the MP4 (default 16, Wan's)")
     parser.add_argument("-o", "--output", type=Path,
-                        help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
+                        help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]; its "
+                             "directory must exist and be writable (checked before the request)")
     parser.set_defaults(run=generate_media)
 
     parser = subparsers.add_parser("health", parents=[connection], help="is the server (or a model) live and ready",

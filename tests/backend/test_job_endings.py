@@ -233,7 +233,7 @@ def test_a_failure_on_one_rank_before_the_collectives_is_answered_at_once_on_thr
     print(f"\nrank 2 out of memory before the collectives: {status} after {seconds:.2f} s: {answer}")
     assert status == "StatusCode.INTERNAL" and answer.startswith("rank 2: "), (status, answer)
     assert seconds < ANSWERED_WITHIN_S, seconds
-    assert "a job failed on every rank before its collectives" in log_of(server)
+    assert "failed on every rank before its collectives (the ranks serve on): rank 2: " in log_of(server)
     assert workers(server) == before and "healing" not in log_of(server)
     assert wan_infer(server, loras={"large": 1.0}).as_numpy("video").shape == (1, 9, 32, 48, 3)
     wan_is_right(server, pipelines)
@@ -395,7 +395,7 @@ def test_a_request_run_again_after_a_healing_reports_each_step_once(served):
     and its client sees each step once, in order (the steps it saw before are not reported again), then the right
     image."""
     server, _, pipelines = served
-    steps = max(8, math.ceil(3.0 / step_seconds(server)[0]))
+    steps = max(10, math.ceil(1.0 / step_seconds(server)[0]))
     seen = []
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(generate, server.grpc_address, "flux", "a cat", **FLUX, num_inference_steps=steps,
