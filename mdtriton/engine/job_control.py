@@ -138,7 +138,7 @@ class JobAgreement:
         if verdict == 0:
             return
         rank = world - 1 - verdict % world
-        text = message.encode()[:MESSAGE_LIMIT] if rank == comm.rank else b""
+        text = (message or "no message").encode()[:MESSAGE_LIMIT] if rank == comm.rank else b""
         length = self._read(comm.broadcast(torch.full((1,), len(text), dtype=torch.int64, device=comm.device), rank))[0]
         data = torch.zeros(length, dtype=torch.uint8)
         if text:
