@@ -157,5 +157,6 @@ def kept_scalings(file) -> dict[str, float]:
 
 
 def not_kept(path: Path, error: Exception) -> AdapterError:
+    """The error for a file at path that does not read as a kept adapter (error: what reading it raised)."""
     return AdapterError(f"{path}: not an adapter kept by `mdtriton lora add` ({type(error).__name__}: {error}); add it "
                         "again")

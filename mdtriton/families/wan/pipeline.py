@@ -123,7 +123,7 @@ class WanPipelinePart(PipelinePart):
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
         VAE's compression times the patch, more tokens than the engine takes (naming what fits), step counts,
-        guidance that is not finite, a batch over the limit."""
+        guidance that is not finite, guidance_scale_2 without a second expert, a batch over the limit."""
         prompts = prompts_of(inputs, "prompt")
         if "negative_prompt" in inputs and len(prompts_of(inputs, "negative_prompt")) not in (1, len(prompts)):
             raise RequestError(f"negative_prompt has {inputs['negative_prompt'].shape[0]} rows, prompt {len(prompts)};"
