@@ -86,8 +86,8 @@ def current_control() -> JobControl:
 def wait_for_event(event: torch.cuda.Event, timeout: float | None) -> None:
     """Wait for a CUDA event at most timeout seconds (None: without a limit).
 
-    NCCL's collectives are queued with no wait on the CPU (mdtriton.engine.comm), so a collective with a stopped or stuck
-    peer shows only when a rank waits for its work: CommunicationError after the timeout, instead of waiting forever."""
+    NCCL's collectives are queued with no wait on the CPU (mdtriton.engine.comm), so a collective with a stopped or
+    stuck peer shows only when a rank waits for its work: CommunicationError after the timeout, not a wait forever."""
     if timeout is None:
         event.synchronize()
         return
