@@ -7,8 +7,8 @@ done) and then the image. generate() asks the model's config which it is. The st
 request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
 server's message, as a unary call does; it carries that one request only (with the header, Triton 2.51 crashes when an
 error closes a stream that has another request in flight: docs/reliability.md). Every answer says how many of its
-steps ran the whole transformer (`full_steps`: fewer with a step cache, the `cache` input). A request may name LoRA adapters kept with the model
-(`loras`: `mdtriton lora add`), each with its scale.
+steps ran the whole transformer (`full_steps`: fewer with a step cache, the `cache` input). A request may name LoRA
+adapters kept with the model (`loras`: `mdtriton lora add`), each with its scale.
 """
 
 from __future__ import annotations
