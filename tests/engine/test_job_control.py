@@ -28,31 +28,37 @@ def communicator(rank: int, world_size: int) -> Communicator:
     return comm
 
 
-def _agree(rank: int, world_size: int, failing: dict[int, tuple[str, bool]]) -> dict:
-    """Each rank in `failing` fails before the job's collectives with (message, request error); the others reach the
-    job's first collective."""
-    agreement = JobAgreement(communicator(rank, world_size))
-    try:
-        if rank in failing:
-            agreement.failed(*failing[rank])
-        agreement.before_collectives()
-        outcome = None
-    except JobFailed as error:
-        outcome = (str(error), error.request_error)
-    return {"outcome": outcome, "sum": world_sum(rank)}
+CASES = [  # (the ranks that fail before the collectives: (message, request error)), what every rank raises
+    ({}, None),
+    ({1: ("OSError: the disk went", False)}, ("rank 1: OSError: the disk went", False)),
+    ({0: ("RuntimeError: out of memory", False), 2: ("no adapter 'x'", True)}, ("rank 2: no adapter 'x'", True)),
+    ({2: ("b", False), 1: ("a", False)}, ("rank 1: a", False)),
+]
 
 
-@pytest.mark.parametrize("world_size, failing, expected", [
-    (3, {}, None),
-    (3, {1: ("OSError: the disk went", False)}, ("rank 1: OSError: the disk went", False)),
-    (2, {0: ("RuntimeError: out of memory", False), 1: ("no adapter 'x'", True)}, ("rank 1: no adapter 'x'", True)),
-    (3, {2: ("b", False), 1: ("a", False)}, ("rank 1: a", False)),
-])
-def test_a_failure_before_the_collectives_ends_the_job_on_every_rank_with_its_message(world_size, failing, expected):
-    """The request's own fault wins over another failure, then the lowest rank."""
-    results = run_ranks(world_size, _agree, failing)
-    assert [result["outcome"] for result in results] == [expected] * world_size
-    assert {result["sum"] for result in results} == {world_size * (world_size + 1) / 2}
+def _agree(rank: int, world_size: int) -> list:
+    """Each case on this rank, one job after another: the failing ranks fail before the job's collectives, the others
+    reach its first collective; what this rank raised, and the ranks' sum after each."""
+    comm = communicator(rank, world_size)
+    results = []
+    for failing, _ in CASES:
+        agreement = JobAgreement(comm)
+        try:
+            if rank in failing:
+                agreement.failed(*failing[rank])
+            agreement.before_collectives()
+            outcome = None
+        except JobFailed as error:
+            outcome = (str(error), error.request_error)
+        results.append((outcome, world_sum(rank)))
+    return results
+
+
+def test_a_failure_before_the_collectives_ends_the_job_on_every_rank_with_its_message():
+    """On 3 ranks: the request's own fault wins over another failure, then the lowest rank; after each job the ranks
+    still sum together."""
+    for results in run_ranks(3, _agree):
+        assert results == [(expected, 6.0) for _, expected in CASES]
 
 
 def _stop_after(rank: int, world_size: int, asked_at: int) -> dict:
