@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mdtriton.engine.comm import CollectiveInputError, CommunicationError, Communicator, is_backend_failure
+from mdtriton.engine.comm import CommunicationError, Communicator, is_backend_failure
 from mdtriton.engine.job_control import JobAgreement, JobControl, JobFailed, JobStopped, controlled_by
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
