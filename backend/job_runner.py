@@ -12,14 +12,21 @@ infinity fails with RequestError before any other rank hears of it, and the gene
 is the only one that uses the device while serving (while it captures a CUDA graph, another thread's device work
 could break the capture).
 
-The generation ends when anything goes wrong in it: a rank's process exits (the hub sees its socket close; on
+A job ends early on every rank at once, and the generation goes on, in three ways:
+- its request no longer waits (cancelled by its client, or past its deadline; the stub says so, `cancel`): before it
+  starts, the receiving rank tells the others as the job's turn comes (one broadcast) and every rank skips it; once
+  started, a pipeline's ranks stop after the next step (mdtriton.engine.job_control);
+- a pipeline's job fails on a rank before any collective of it (an adapter that cannot be read, a check of
+  diffusers'): every rank ends it there (JobFailed), and the request is answered with the failure.
+
+The generation ends when anything else goes wrong in it: a rank's process exits (the hub sees its socket close; on
 NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
 that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank
-stopped or stuck), a job of this rank gets no turn by its deadline (the hub's rank stopped or stuck), or a
-job raises on this rank (its peers may be waiting in a collective that will never complete, so the job order
-cannot be trusted any more). Every job still pending then fails at once, saying
-why, and the runner ends: its worker exits, and the stub starts a new worker, which meets the other ranks' new
-workers in a new generation (backend/worker_keeper.py).
+stopped or stuck), the hub orders nothing for the timeout while a job of this rank waits (the hub's rank stopped or
+stuck; a busy hub orders other jobs, so a long queue is no sign of it), or a job raises on this rank anywhere else
+(its peers may be waiting in a collective that will never complete, so the job order cannot be trusted any more).
+Every job still pending then fails at once, saying why, and the runner ends: its worker exits, and the stub starts a
+new worker, which meets the other ranks' new workers in a new generation (backend/worker_keeper.py).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
 
@@ -43,7 +51,7 @@ from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous
 from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
-from mdtriton.engine.progress import ProgressListener, progress_to
+from mdtriton.engine.job_control import JobControl, JobFailed, JobStopped, controlled_by, wait_for_device
 from mdtriton.engine.request_check import RequestError, check_finite
 
 log = logging.getLogger("mdtriton.backend")
@@ -58,25 +66,8 @@ ANSWERING_RANK = 0
 # How long an unloading worker waits for its generation to end before it leaves anyway: less than its stub waits
 # for it to exit (worker_keeper.STOP_TIMEOUT_S, 10 s).
 LEAVE_TIMEOUT_S = 5.0
-# How often an idle runner checks the deadlines of its waiting jobs.
+# How often an idle runner looks whether the job hub has gone quiet while a job of this rank waits.
 WATCH_INTERVAL_S = 0.2
-# How often a rank looks whether its job's GPU work is done (wait_for_device).
-DEVICE_POLL_S = 0.0002
-
-
-def wait_for_device(timeout: float) -> None:
-    """Wait for the work queued so far on the current CUDA stream, at most timeout seconds.
-
-    NCCL's collectives are queued with no wait on the CPU (mdtriton.engine.comm), so a collective with a stopped
-    or stuck peer shows here, at the job's end: CommunicationError after the timeout, instead of waiting forever."""
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + timeout
-    while not done.query():
-        if time.monotonic() > deadline:
-            raise CommunicationError(f"the job's GPU work, its collectives included, did not complete within "
-                                     f"{timeout:.0f} s (a rank stopped or stuck)")
-        time.sleep(DEVICE_POLL_S)
 
 
 @dataclass
@@ -84,10 +75,16 @@ class Job:
     inputs: dict[str, torch.Tensor]
     deadline: float  # time.monotonic() by which all ranks must have run it: the request's, set by its stub
     id: str  # the stub's id of the request
-    on_progress: ProgressListener | None = None  # told of the engine's progress while this rank runs the job
     result: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
     on_device: dict[str, torch.Tensor] | None = None  # the inputs copied to this rank's device, once checked
+    stop_reason: str | None = None  # set when its request no longer waits for it (cancel)
+
+    def not_awaited(self) -> str | None:
+        """Why its request no longer waits for this job (it should not start, or go on), or None."""
+        if self.stop_reason is None and self.deadline < time.monotonic():
+            self.stop_reason = "past its deadline"
+        return self.stop_reason
 
 
 @dataclass(frozen=True)
@@ -102,13 +99,14 @@ class GenerationEnd:
 class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
                  timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
-                 on_started: Callable[[str], None]):
+                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None]):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
         lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
         on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
-        submitted starts running (both in the runner thread)."""
+        submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
+        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread)."""
         self.engine = engine
         self.comm = comm
         self.rendezvous = rendezvous
@@ -118,6 +116,7 @@ class JobRunner:
         self.timer = timer
         self._on_serving = on_serving
         self._on_started = on_started
+        self._on_progress = on_progress
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, Job] = {}
         self._link: HubLink | SingleRankLink | None = None
@@ -129,6 +128,7 @@ class JobRunner:
         self._stopping = threading.Event()
         self._generation: Generation | None = None
         self._hub: JobHub | None = None
+        self._hub_heard = time.monotonic()  # when the job order last moved: a job ordered, or ended, on this rank
         self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
 
     def start(self) -> None:
@@ -139,14 +139,13 @@ class JobRunner:
         self._ended.wait()
         return self._end
 
-    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float,
-               on_progress: ProgressListener | None = None) -> Job:
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float) -> Job:
         """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
-        infinity, or RanksUnavailable if the generation ends first. Raises RanksUnavailable if the generation is not
-        serving. deadline: the request's, a time.monotonic() set by its stub (backend/messages.py, Job: one clock for
-        every process of the machine); on_progress: called, on the runner thread, with the steps the engine reports
-        (pipelines do)."""
-        job = Job(inputs, deadline=deadline, id=job_id, on_progress=on_progress)
+        infinity, JobFailed or JobStopped if every rank ended it early (module doc), or RanksUnavailable if the
+        generation ends first. Raises RanksUnavailable if the generation is not serving. deadline: the request's, a
+        time.monotonic() set by its stub (backend/messages.py, Job: one clock for every process of the machine): a
+        job that has not started by then is dropped."""
+        job = Job(inputs, deadline=deadline, id=job_id)
         with self._lock:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
@@ -155,6 +154,14 @@ class JobRunner:
             # the pipe holds (64 KiB, 36 bytes a job).
             self._arrivals_writer.send_bytes(job.id.encode())
         return job
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        """The request of a job of this rank no longer waits for it (reason: why): the job is dropped if it has not
+        started, and a pipeline's job stops after its next step (every rank together)."""
+        with self._lock:
+            job = self._pending.get(job_id)
+            if job is not None and job.stop_reason is None:
+                job.stop_reason = reason
 
     def stop(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
         """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us. If the
@@ -217,28 +224,33 @@ class JobRunner:
             while True:
                 ready = wait([self._arrivals, link], WATCH_INTERVAL_S)
                 if not ready:
-                    if self._overdue():
-                        return f"a job of rank {rank} got no turn from rank 0's job hub within {self.timeout:.0f} s"
+                    if self._hub_quiet():
+                        return (f"rank 0's job hub ordered no job for {self.timeout:.0f} s while a job of rank {rank} "
+                                "waited (rank 0 stopped or stuck)")
                     continue
                 if self._arrivals in ready:
                     self._check_and_submit(self._arrivals.recv_bytes().decode(), link)
                 if link not in ready:
                     continue
-                match link.receive():
+                message = link.receive()
+                self._hub_heard = time.monotonic()
+                match message:
                     case EndGeneration(reason=reason, unloading=unloading):
                         if unloading:
                             # Triton unloads every instance of the model: this rank's own stop follows.
                             self._stopping.set()
                         return reason
                     case Run() as run:
-                        with self.timer.job():
-                            self._execute(run)
-                    case message:
+                        self._execute(run)
+                        self._hub_heard = time.monotonic()
+                    case _:
                         raise ProtocolError(f"a runner takes jobs to run and the generation's end, not {message}")
         except (EOFError, ConnectionError):
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
-        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
+        except CommunicationError as error:
             return f"rank {rank}: {error}"
+        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
+            return f"rank {rank}: {type(error).__name__}: {error}"
         finally:
             serving.clear()
             if watcher is not None:
@@ -280,13 +292,14 @@ class JobRunner:
         the job to the hub. A job whose inputs are not fails with RequestError: no other rank hears of it."""
         with self._lock:
             job = self._pending[job_id]
+        if job.not_awaited() is not None:
+            self._drop(job)
+            return
         job.on_device = self._fresh_copy(job.inputs)
         try:
             check_finite(job.on_device)
         except RequestError as error:
-            with self._lock:
-                del self._pending[job.id]
-            job.result.set_exception(error)
+            self._end_job(job, error)
             return
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
         try:
@@ -308,36 +321,77 @@ class JobRunner:
         return copies
 
     def _execute(self, run: Run) -> None:
-        """Run one job with all ranks.
+        """Run one job with all ranks, or skip it with all ranks if its request no longer waits.
 
-        Any exception leaves the collective order unknown, so it ends the generation; the job stays in
-        _pending until it has its outputs, so the end of the generation fails it with the reason.
+        A job that every rank ends at the same point (JobFailed, JobStopped) leaves the order as it was: its request
+        is answered with that ending. Any other exception leaves the collective order unknown, so it ends the
+        generation; the job stays in _pending until it has its outputs, so the end of the generation fails it with
+        the reason.
         """
         origin = run.origin
         with self._lock:
             job = self._pending[run.job] if origin == self.comm.rank else None
+        if self._skip(job, origin):
+            if job is not None:
+                self._drop(job)
+            return
         if job is not None:
             self._on_started(job.id)
             self.timer.waited(time.monotonic() - job.submitted)
-        inputs = {}
-        for name, data_type, shape in run.inputs:
-            # The origin broadcasts its checked copy; the others receive into fresh tensors of the same kind.
-            tensor = job.on_device[name] if job is not None else torch.empty(shape, dtype=TORCH_DTYPES[data_type],
-                                                                               device=self.comm.device)
-            inputs[name] = self.comm.broadcast(tensor, src=origin)
-        with progress_to(job.on_progress if job is not None else None):
-            outputs = self._answer_of_rank_0(origin, self.engine.forward(inputs))
-        if self.comm.device.type == "cuda" and self.comm.plan.world_size == 1:
-            torch.cuda.current_stream().synchronize()  # no collective, nothing to wait for but this GPU
-        elif self.comm.device.type == "cuda":
+        control = JobControl(on_progress=partial(self._on_progress, run.job), timeout=self.timeout,
+                             stop_requested=lambda: job is not None and job.not_awaited() is not None)
+        with self.timer.job():
+            inputs = {}
+            for name, data_type, shape in run.inputs:
+                # The origin broadcasts its checked copy; the others receive into fresh tensors of the same kind.
+                tensor = job.on_device[name] if job is not None else torch.empty(
+                    shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
+                inputs[name] = self.comm.broadcast(tensor, src=origin)
+            try:
+                with controlled_by(control):
+                    outcome = self._answer_of_rank_0(origin, self.engine.forward(inputs))
+            except (JobFailed, JobStopped) as ended:  # every rank ended the job at the same point: the order holds
+                outcome = ended
+            if self.comm.device.type == "cuda" and self.comm.plan.world_size == 1:
+                torch.cuda.current_stream().synchronize()  # no collective, nothing to wait for but this GPU
+            elif self.comm.device.type == "cuda":
+                wait_for_device(self.timeout)
+                if self._aborted.is_set():
+                    # The kernels of an aborted collective end without its data: these outputs are not the answer.
+                    raise CommunicationError("the process groups were aborted during the job (a peer exited)")
+        if job is None:
+            return
+        if isinstance(outcome, JobStopped):
+            log.info("rank %d: request %s %s: %s", self.comm.rank, job.id, outcome, job.stop_reason)
+        elif isinstance(outcome, JobFailed):
+            log.warning("rank %d: request %s failed on every rank before its collectives (the ranks serve on): %s",
+                        self.comm.rank, job.id, outcome)
+        self._end_job(job, outcome)
+
+    def _skip(self, job: Job | None, origin: int) -> bool:
+        """Whether every rank skips this job: the rank that received it says so as its turn comes, if its request no
+        longer waits for it (one broadcast: no other rank knows)."""
+        skip = job is not None and job.not_awaited() is not None
+        if self.comm.plan.world_size == 1:
+            return skip
+        flag = self.comm.broadcast(torch.full((1,), int(skip), dtype=torch.int32, device=self.comm.device), origin)
+        if self.comm.device.type == "cuda":
             wait_for_device(self.timeout)
-            if self._aborted.is_set():
-                # The kernels of an aborted collective end without its data: these outputs are not the answer.
-                raise CommunicationError("the process groups were aborted during the job (a peer exited)")
-        if job is not None:
-            with self._lock:
-                del self._pending[job.id]
-            job.result.set_result(outputs)
+        return bool(flag.item())
+
+    def _drop(self, job: Job) -> None:
+        """End a job of this rank that never started: its request no longer waits for it."""
+        log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
+        self._end_job(job, JobStopped(0, 0))
+
+    def _end_job(self, job: Job, outcome) -> None:
+        """Forget a job of this rank and hand its request the outcome: its outputs, or the exception that ended it."""
+        with self._lock:
+            self._pending.pop(job.id, None)
+        if isinstance(outcome, BaseException):
+            job.result.set_exception(outcome)
+        else:
+            job.result.set_result(outcome)
 
     def _answer_of_rank_0(self, origin: int, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank 0's outputs, on every rank: the answer must not depend on which instance received the request.
@@ -390,11 +444,13 @@ class JobRunner:
                  generation.number, time.monotonic() - started)
         return GenerationEnd(what, unloading=self._stopping.is_set())
 
-    def _overdue(self) -> bool:
-        """Whether a job of this rank is past its deadline (checked while no job runs, so it was never ordered)."""
+    def _hub_quiet(self) -> bool:
+        """Whether a job of this rank has waited for the hub's order for the timeout, while the order did not move
+        (checked while no job runs): the hub is stopped or stuck. A job behind others is ordered when they are."""
         now = time.monotonic()
         with self._lock:
-            return any(job.deadline < now for job in self._pending.values())
+            waiting = [job.submitted for job in self._pending.values() if job.on_device is not None]
+        return bool(waiting) and now - max(min(waiting), self._hub_heard) > self.timeout
 
     def _lost_ranks(self, generation: Generation) -> str:
         """The members that exited or stopped, as one phrase; a killed peer's socket can close a moment before

@@ -28,17 +28,26 @@ class ProtocolError(RuntimeError):
 
 @dataclass(frozen=True)
 class Job:
-    """Run a request; `progress`: report each step of it; `deadline`: the request's one deadline, set by the stub as it
-    received the request, by which the ranks must have answered it.
+    """Run a request; `deadline`: the request's one deadline, set by the stub as it received the request, by which the
+    ranks must have answered it (a job that has not started by then is dropped).
 
     The deadline is a time.monotonic() of the stub's process, read by the worker, another process: on Linux
     time.monotonic() is CLOCK_MONOTONIC, one clock for the whole system, and a stub and its worker share a machine."""
 
     kind: ClassVar[str] = "job"
     id: str
-    progress: bool
     deadline: float
     tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Drop a job, or stop it at its next step: its request no longer waits for it (why: cancelled by its client, or
+    past its deadline)."""
+
+    kind: ClassVar[str] = "cancel"
+    id: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Progress:
-    """A job's step is done."""
+    """A job's step is done (reported for every job the rank runs: the stub judges by them whether its worker is
+    stuck)."""
 
     kind: ClassVar[str] = "progress"
     id: str
@@ -95,11 +105,32 @@ class Done:
 
 @dataclass(frozen=True)
 class Refused:
-    """A job that is never to run (inputs that are not finite), and why."""
+    """A request that is wrong (inputs that are not finite, an adapter that cannot be used), and why: it was never
+    run, or every rank ended its job at the same point (the ranks serve on)."""
 
     kind: ClassVar[str] = "refused"
     id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job that failed on a rank before any collective of it, and why: every rank ended it at the same point, so
+    the ranks serve on and the request is answered with the failure."""
+
+    kind: ClassVar[str] = "failed"
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A job its stub cancelled, ended on every rank: after `done` of its `total` steps (0 of 0: before it started)."""
+
+    kind: ClassVar[str] = "stopped"
+    id: str
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -182,11 +213,11 @@ class EndGeneration:
     unloading: bool
 
 
-Message = (Job | Stop | Loaded | Serving | Started | Progress | Done | Refused | JobTimed | Ended | GivenUp | Hello
-           | Submit | Leave | Run | EndGeneration)
-KINDS: dict[str, type] = {cls.kind: cls for cls in (Job, Stop, Loaded, Serving, Started, Progress, Done, Refused,
-                                                     JobTimed, Ended, GivenUp, Hello, Submit, Leave, Run,
-                                                     EndGeneration)}
+Message = (Job | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
+           | Ended | GivenUp | Hello | Submit | Leave | Run | EndGeneration)
+KINDS: dict[str, type] = {cls.kind: cls for cls in (Job, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
+                                                     Refused, Failed, Stopped, JobTimed, Ended, GivenUp, Hello, Submit,
+                                                     Leave, Run, EndGeneration)}
 
 
 def header_of(message: Message) -> tuple[dict, dict[str, torch.Tensor] | None]:

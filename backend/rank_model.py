@@ -23,6 +23,7 @@ from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import rendezvous_dir
 from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
+from mdtriton.engine.job_control import JobFailed
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
@@ -36,6 +37,8 @@ log = logging.getLogger("mdtriton.backend")
 # (Rendezvous.fail), which then stop waiting at once. Requests that come before the ranks have met wait for
 # them (up to request_timeout_s).
 INITIALIZE_JOIN_WAIT_S = 5.0
+# How often a stub waiting for an answer asks Triton whether the request's client cancelled it (or went away).
+CANCEL_POLL_S = 0.1
 # A rank whose worker dies more than this many times within the window is given up (config.pbtxt parameters
 # heal_limit and heal_window_s).
 DEFAULT_HEAL_LIMIT = "10"
@@ -151,16 +154,16 @@ class RankModel:
         self.watchdog.check()
         senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
         # Each request's one deadline, set here, as this stub receives it: the stub answers UNAVAILABLE at it, and the
-        # keeper and the worker's job runner take the ranks as stopped or stuck if it passes without an answer.
+        # ranks drop its job if it has not started by then, or stop it after its next step.
         deadline = time.monotonic() + self.request_timeout
         # Submit every request first so all of them are ordered and running before we wait on any.
         submitted = [self._submit(request, sender, deadline) for request, sender in zip(requests, senders)]
         # Counted while the worker runs them, not before: a metric update is a round trip to the server process.
         self.metrics.received(len(requests))
         if not self.decoupled:
-            return [self._answer(item) for item in submitted]
+            return [self._answer(item, request.is_cancelled) for request, item in zip(requests, submitted)]
         for sender, item in zip(senders, submitted):
-            send(sender, self._answer(item), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            send(sender, self._answer(item, sender.is_cancelled), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _submit(self, request, sender, deadline: float):
@@ -188,26 +191,47 @@ class RankModel:
                 else torch.from_dlpack(given[spec.name].to_dlpack())
                 for spec in self.manifest.inputs if spec.name in given}
 
-    def _answer(self, item):
-        """The response to a request: its error response as it is, or its request's outputs (or failure)."""
-        return item if isinstance(item, pb_utils.InferenceResponse) else self._response(item)
+    def _answer(self, item, is_cancelled):
+        """The response to a request: its error response as it is, or its request's outputs (or failure);
+        is_cancelled: Triton's word on whether the client has cancelled it (or gone)."""
+        return item if isinstance(item, pb_utils.InferenceResponse) else self._response(item, is_cancelled)
 
-    def _response(self, request):
+    def _response(self, request, is_cancelled):
+        """Wait for the request's answer, looking every CANCEL_POLL_S whether its client cancelled it; at its deadline,
+        or once cancelled, give it up: the ranks drop its job, or stop it after its next step."""
         try:
-            outputs = request.answer.result(timeout=max(request.deadline - time.monotonic(), 0.0))
-        except FutureTimeout:
-            self.workers.abandon(request)
-            status = self.workers.status()
-            return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "
-                                  f"config.pbtxt){': ' + status if status else ''}", pb_utils.TritonError.UNAVAILABLE)
-        except RequestError as error:  # the worker found NaN or infinity in its inputs
+            while True:
+                try:
+                    outputs = request.answer.result(timeout=max(min(request.deadline - time.monotonic(),
+                                                                    CANCEL_POLL_S), 0.0))
+                    break
+                except FutureTimeout:
+                    if time.monotonic() >= request.deadline:
+                        return self._give_up(request)
+                    if is_cancelled():
+                        self.workers.give_up(request, "cancelled by its client")
+                        return error_response("the request was cancelled", pb_utils.TritonError.CANCELLED)
+        except RequestError as error:  # the ranks refused it (inputs not finite, an adapter they cannot use)
             return error_response(str(error), pb_utils.TritonError.INVALID_ARG)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
-        except PoisonRequest as error:
+        except (PoisonRequest, JobFailed) as error:
             return error_response(str(error), pb_utils.TritonError.INTERNAL)
         tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous())) for name, value in outputs.items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _give_up(self, request) -> "pb_utils.InferenceResponse":
+        """The answer to a request whose deadline has passed: the ranks were busy, healing, or stuck."""
+        self.workers.give_up(request, "past its deadline")
+        status = self.workers.status()
+        if status:
+            what = status
+        elif request.running:
+            what = "its job was running, and stops after its next step"
+        else:
+            what = "it waited for the ranks, busy with other requests, and was dropped without running"
+        return error_response(f"no answer from all ranks within {self.request_timeout:.0f} s (request_timeout_s in "
+                              f"config.pbtxt): {what}", pb_utils.TritonError.UNAVAILABLE)
 
     def _on_freeze(self, seconds: float) -> None:
         log.error("rank %d was frozen for %.1f s (SIGSTOP?); Triton may have declared this stub unhealthy, and "

@@ -32,10 +32,11 @@ from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
-from mdtriton.backend.messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
-                                              Refused, Serving, Started, Stop, receive, send)
+from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
+                                       ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
+from mdtriton.engine.job_control import JobFailed, JobStopped
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.serving import load_engine
@@ -99,7 +100,8 @@ class RankWorker:
         timer = JobTimer(self.device, self._report_job_time)
         comm.collective_timer = timer.time_collective
         runner = JobRunner(engine, comm, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
-                           on_serving=self._report_serving, on_started=self._report_started)
+                           on_serving=self._report_serving, on_started=self._report_started,
+                           on_progress=self._report_progress)
         runner.start()
         threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
         end = runner.wait_ended()
@@ -129,26 +131,35 @@ class RankWorker:
                 case Stop():
                     runner.stop()
                     return
-                case Job(id=job_id, progress=progress, deadline=deadline, tensors=inputs):
+                case Job(id=job_id, deadline=deadline, tensors=inputs):
                     try:
-                        job = runner.submit(inputs, job_id, deadline,
-                                            on_progress=partial(self._report_progress, job_id) if progress else None)
+                        job = runner.submit(inputs, job_id, deadline)
                     except RanksUnavailable:
                         continue  # the generation is ending: the stub sends the job again to the next worker
                     job.result.add_done_callback(partial(self._answer, job_id))
+                case Cancel(id=job_id, reason=reason):
+                    runner.cancel(job_id, reason)
                 case _:
                     log.error("rank %d: a worker takes jobs and stops, not %s: leaving", self.spec.rank, message)
                     runner.stop()
                     return
 
     def _answer(self, job_id: str, result) -> None:
-        """Send the stub a job's outputs, or why its request is refused (inputs that are not finite). A job that
-        failed otherwise failed with its generation: the stub hands it to the next worker, so no answer here."""
-        error = result.exception()
-        if error is None:
-            send(self.link, Done(job_id, result.result()))
-        elif isinstance(error, RequestError):
-            send(self.link, Refused(job_id, str(error)))
+        """Send the stub a job's outputs, or how every rank ended it early (the request's fault, another failure before
+        its collectives, or a stop its stub asked for)."""
+        match result.exception():
+            case None:
+                send(self.link, Done(job_id, result.result()))
+            case RequestError() as error:
+                send(self.link, Refused(job_id, str(error)))
+            case JobFailed(request_error=True) as error:
+                send(self.link, Refused(job_id, str(error)))
+            case JobFailed() as error:
+                send(self.link, Failed(job_id, str(error)))
+            case JobStopped(done=done, total=total):
+                send(self.link, Stopped(job_id, done, total))
+            case RanksUnavailable():
+                pass  # it failed with its generation: the stub hands it to the next worker
 
     def _report_serving(self, generation: Generation) -> None:
         send(self.link, Serving(generation.number, dict(generation.members)))

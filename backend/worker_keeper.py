@@ -11,6 +11,11 @@ that arrive meanwhile wait (up to their deadline) and run on the new workers. A 
 two failures in a row is the likely cause: it fails, saying so, and is not run again (a poison request). A rank
 whose worker keeps dying is given up after `heal_limit` deaths within `heal_window_s`: its requests, and through
 the rendezvous every other rank's, then fail at once, naming the rank and what to do.
+
+Only a lost or stuck worker heals. A request the ranks refuse or fail together is answered and the worker serves
+on; a request whose caller stopped waiting (cancelled, or past its deadline) is dropped or stopped by the ranks
+(give_up). A worker is stuck when it holds requests and reports nothing (no step, no job done) for
+`request_timeout_s`: a long queue makes progress, so it is no sign of one.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
-from mdtriton.backend.messages import (Done, Ended, GivenUp, Job, JobTimed, Loaded, Progress, ProtocolError,
-                                              Refused, Serving, Started, Stop, receive, send)
-from mdtriton.engine.progress import ProgressListener
+from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
+                                       ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
+from mdtriton.engine.job_control import JobFailed, JobStopped, ProgressListener
 from mdtriton.engine.request_check import RequestError
 
 log = logging.getLogger("mdtriton.backend")
@@ -72,6 +77,7 @@ class Request:
     failures: int = 0  # failures of the ranks while it was running
     abandoned: bool = False  # its caller stopped waiting; kept until the worker is done with it
     on_progress: ProgressListener | None = None  # told of the steps the engine reports (pipelines)
+    steps_reported: int = 0  # the most steps told to on_progress: a run again after a healing goes on from there
 
 
 def python_executable() -> str:
@@ -117,6 +123,7 @@ class WorkerKeeper:
         self._first_start_over = threading.Event()  # the ranks met, or this rank gave up
         self._stopping = threading.Event()
         self._deaths: deque[float] = deque()  # when this rank's workers died, within the window
+        self._heard = time.monotonic()  # when the worker last reported, or was handed work while it held none
         self._healing_since: float | None = None
         self._thread = threading.Thread(target=self._keep, name="mdtriton-worker-keeper", daemon=True)
 
@@ -146,8 +153,9 @@ class WorkerKeeper:
 
     def submit(self, inputs: dict[str, torch.Tensor], deadline: float,
                on_progress: ProgressListener | None = None) -> Request:
-        """Queue a request; it runs as soon as the ranks serve; its `answer` gets the outputs, or RequestError if the
-        worker finds NaN or infinity in its inputs. Raises RanksUnavailable if the ranks never serve again.
+        """Queue a request; it runs as soon as the ranks serve; its `answer` gets the outputs, RequestError if the ranks
+        refuse it (NaN or infinity in its inputs, an adapter that cannot be used), or JobFailed if its job failed on a
+        rank before any collective. Raises RanksUnavailable if the ranks never serve again.
         deadline: the request's time.monotonic() by which the ranks must answer it, which travels with its job to the
         worker; on_progress: called, on the keeper thread, with the steps the engine reports (pipelines do)."""
         request = Request(inputs, deadline=deadline, on_progress=on_progress)
@@ -159,13 +167,19 @@ class WorkerKeeper:
                 self._send(request)
         return request
 
-    def abandon(self, request: Request) -> None:
-        """Forget a request whose caller stopped waiting (its deadline passed); one the worker holds is forgotten
-        once the worker is done with it (until then, it tells whether the worker is stuck)."""
+    def give_up(self, request: Request, reason: str) -> None:
+        """Forget a request whose caller stopped waiting (reason: cancelled, or past its deadline); the worker, if it
+        holds it, drops its job or stops it after its next step, and it is forgotten once the worker says so (until
+        then it still counts as work the worker holds)."""
         with self._lock:
+            request.abandoned = True
             if not request.held:
                 self._requests.pop(request.id, None)
-            request.abandoned = True
+            elif self._link is not None:  # else its worker has ended: the healing forgets the request
+                try:
+                    send(self._link, Cancel(request.id, reason))
+                except OSError:
+                    pass  # the worker has died: likewise
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop the worker (the model is unloading): it leaves its generation, so the others end without waiting."""
@@ -191,7 +205,9 @@ class WorkerKeeper:
         """Hand a request to the current worker (under the lock); a send to a worker that just died is retried by
         the next healing."""
         try:
-            send(self._link, Job(request.id, request.on_progress is not None, request.deadline, request.inputs))
+            if not any(other.held for other in self._requests.values()):
+                self._heard = time.monotonic()  # idle until now: it has not been quiet while holding work
+            send(self._link, Job(request.id, request.deadline, request.inputs))
             request.held = True
         except OSError:
             pass
@@ -273,9 +289,9 @@ class WorkerKeeper:
         while True:
             if not link.poll(WATCH_INTERVAL_S):
                 self._record_job_times()
-                if self._overdue():
-                    log.error("rank %d: worker (pid %d) holds a request past its deadline (request_timeout_s %.0f s; "
-                              "%s): killing it", self.rank, worker.pid, self.spec.request_timeout,
+                if self._stuck():
+                    log.error("rank %d: worker (pid %d) holds requests and reported no progress for %.0f s "
+                              "(request_timeout_s; %s): killing it", self.rank, worker.pid, self.spec.request_timeout,
                               process_state(worker.pid).value)
                     worker.kill()
                 continue
@@ -283,6 +299,7 @@ class WorkerKeeper:
                 message = receive(link)
             except (EOFError, OSError):
                 return None, members
+            self._heard = time.monotonic()
             match message:
                 case Loaded():
                     self._first_load_over.set()
@@ -299,15 +316,18 @@ class WorkerKeeper:
                         request = self._requests.pop(job_id, None)
                     if request is not None and not request.abandoned:
                         request.answer.set_result(outputs)
-                case Refused(id=job_id, reason=reason):  # its inputs are not finite: it fails now, never runs again
-                    with self._lock:
-                        request = self._requests.pop(job_id, None)
-                    if request is not None and not request.abandoned:
-                        request.answer.set_exception(RequestError(reason))
+                case Refused(id=job_id, reason=reason):  # the request's fault: it fails now, never runs again
+                    self._answer(job_id, RequestError(reason))
+                case Failed(id=job_id, reason=reason):  # failed on a rank, ended by every rank: the ranks serve on
+                    self._answer(job_id, JobFailed(reason))
+                case Stopped(id=job_id, done=done, total=total):  # given up: its caller has its answer already
+                    self._answer(job_id, JobStopped(done, total))
                 case Progress(id=job_id, done=done, total=total):
                     with self._lock:
                         request = self._requests.get(job_id)
-                    if request is not None and not request.abandoned and request.on_progress is not None:
+                    if (request is not None and not request.abandoned and request.on_progress is not None
+                            and done > request.steps_reported):
+                        request.steps_reported = done
                         request.on_progress(done, total)
                 case JobTimed(communication=communication, compute=compute, waited=waited):
                     self._job_times.append((communication, compute, waited))
@@ -315,6 +335,13 @@ class WorkerKeeper:
                     return message, members
                 case _:
                     raise ProtocolError(f"a stub takes a worker's reports, not {message}")
+
+    def _answer(self, job_id: str, error: Exception) -> None:
+        """End a request the worker has ended, with error (unless its caller stopped waiting)."""
+        with self._lock:
+            request = self._requests.pop(job_id, None)
+        if request is not None and not request.abandoned:
+            request.answer.set_exception(error)
 
     def _record_job_times(self) -> None:
         """Hand the jobs' times to on_job_timed (Triton's metrics: each update is a round trip to the server process).
@@ -339,12 +366,12 @@ class WorkerKeeper:
             self._healing_since = None
         self._first_start_over.set()
 
-    def _overdue(self) -> bool:
-        """Whether the worker holds a request past its deadline (it is stopped or stuck, and its peers may never
-        notice: they only do when they wait for it in a collective)."""
-        now = time.monotonic()
+    def _stuck(self) -> bool:
+        """Whether the worker holds requests and has reported nothing (a step, a job's end) for request_timeout_s: it is
+        stopped or stuck, and its peers may never notice (they only do when they wait for it in a collective)."""
         with self._lock:
-            return any(request.held and request.deadline < now for request in self._requests.values())
+            holds = any(request.held for request in self._requests.values())
+        return holds and time.monotonic() - self._heard > self.spec.request_timeout
 
     def _end_peers(self, members: dict[int, int]) -> None:
         """Give the other workers of the ended generation a moment to end by themselves; kill those still there."""

@@ -7,6 +7,7 @@ exit code 1 (mdtriton/cli.py prints the ClientError).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -128,7 +129,8 @@ def add_parsers(subparsers) -> None:
                         help="videos: frames per second of the MP4, and the rate a model that takes one (Cosmos 3) "
                              "makes the clip for (default: that model's, 24; else 16, Wan's)")
     parser.add_argument("-o", "--output", type=Path,
-                        help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]")
+                        help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]; its "
+                             "directory must exist and be writable (checked before the request)")
     parser.set_defaults(run=generate_media)
 
     parser = subparsers.add_parser("health", parents=[connection], help="is the server (or a model) live and ready",
@@ -227,9 +229,21 @@ def lora_argument(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: give NAME or NAME=SCALE, SCALE a number") from None
 
 
+def check_writable(path: Path) -> None:
+    """ValueError, naming path, unless its directory exists and this user may write there: checked before the
+    request, so that a long job is not lost at the end."""
+    directory = path.parent
+    if not directory.is_dir():
+        raise ValueError(f"cannot write {path}: there is no directory {directory}")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"cannot write {path}: this user may not write in {directory}")
+
+
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`), with the model's defaults
     (its family's PipelinePart, by the architecture its config names) for what the command line leaves out."""
+    if args.output is not None:
+        check_writable(args.output)
     with Client(args.url, timeout=args.timeout) as client:
         metadata = client.metadata(args.model)
         architecture = client.model_config(args.model)["parameters"]["architecture"]["string_value"]

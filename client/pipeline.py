@@ -5,9 +5,10 @@ A pipeline model answers each request once (unary gRPC infer), unless it was bui
 decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
 done) and then the image. generate() asks the model's config which it is. The stream asks Triton to end with the
 request's gRPC status on an error (header triton_grpc_error), so a bad request fails as INVALID_ARGUMENT with the
-server's message, as a unary call does. Every answer says how many of its steps ran the whole transformer
-(`full_steps`: fewer with a step cache, the `cache` input). A request may name LoRA adapters kept with the model
-(`loras`: `mdtriton lora add`), each with its scale.
+server's message, as a unary call does; it carries that one request only (with the header, Triton 2.51 crashes when an
+error closes a stream that has another request in flight: docs/reliability.md). Every answer says how many of its
+steps ran the whole transformer (`full_steps`: fewer with a step cache, the `cache` input). A request may name LoRA
+adapters kept with the model (`loras`: `mdtriton lora add`), each with its scale.
 """
 
 from __future__ import annotations

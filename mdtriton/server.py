@@ -98,6 +98,56 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+# Triton's Python backend keeps each stub's shared memory in a file of /dev/shm named so; a server that crashes (with
+# its stubs) leaves them there, a memory of 1 MiB and more each that nothing frees until the machine restarts.
+SHARED_MEMORY_DIR = Path("/dev/shm")
+SHARED_MEMORY_PREFIX = "triton_python_backend_shm_region_"
+# Younger regions are left alone: a process may map one and close its descriptor between our reading its maps and its
+# descriptors.
+SHARED_MEMORY_MIN_AGE_S = 5.0
+
+
+def held_files() -> set[str]:
+    """The paths that live processes have mapped or open (those whose /proc entries this user may read)."""
+    held = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for line in (entry / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address, permissions, offset, device, inode, path (if any)
+                if len(fields) == 6:
+                    held.add(fields[5])
+            for descriptor in (entry / "fd").iterdir():
+                held.add(os.readlink(descriptor))
+        except OSError:
+            continue  # gone, or another user's: it cannot write-map this user's regions anyway
+    return held
+
+
+def remove_left_shared_memory() -> list[Path]:
+    """Remove the Python backend's shared memory regions of this user that no live process holds (a crashed server's,
+    which live servers' stubs never share: each region is one stub's); return them."""
+    now = time.time()
+    left = []
+    for region in SHARED_MEMORY_DIR.glob(SHARED_MEMORY_PREFIX + "*"):
+        try:
+            status = region.stat()
+        except OSError:
+            continue
+        if status.st_uid == os.getuid() and now - status.st_mtime > SHARED_MEMORY_MIN_AGE_S:
+            left.append(region)
+    if not left:
+        return []
+    held = held_files()
+    removed = []
+    for region in left:
+        if str(region) not in held:
+            region.unlink(missing_ok=True)
+            removed.append(region)
+    return removed
+
+
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start() and stop()."""
 
@@ -148,6 +198,10 @@ class TritonServer:
         return command + list(self.extra_args)
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        removed = remove_left_shared_memory()
+        if removed:
+            print(f"mdtriton: removed {len(removed)} shared memory region(s) that a crashed Triton server left in "
+                  f"{SHARED_MEMORY_DIR} ({', '.join(region.name for region in removed)})", file=sys.stderr)
         self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None

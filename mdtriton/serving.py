@@ -20,7 +20,8 @@ from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import family, pipeline_part
-from mdtriton.lora.directory import AdapterSettings, adapter_names
+from mdtriton.lora.adapter_file import AdapterError, check_adapter
+from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
 from mdtriton.pipeline.prompts import text_rows
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 
@@ -65,6 +66,11 @@ def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_
         if unknown:
             raise RequestError(f"this model has no adapter {unknown[0]!r}; its adapters: {', '.join(kept) or 'none'} "
                                "(mdtriton lora add puts one there)")
+        for name in loras:
+            try:
+                check_adapter(adapter_path(adapters_dir, name))
+            except AdapterError as error:
+                raise RequestError(f"adapter {name!r} cannot be used: {error}") from None
 
 
 def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],

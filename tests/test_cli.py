@@ -32,6 +32,14 @@ def test_bad_arguments_give_one_clear_line(tmp_path):
     assert result.returncode != 0 and "--config is not valid JSON" in result.stderr
 
 
+def test_generate_refuses_an_output_it_cannot_write_before_it_asks(tmp_path, capsys):
+    """Checked before the request (no server here), so a long job is never lost at its end; the message names the
+    path."""
+    target = tmp_path / "no such directory" / "clip.mp4"
+    assert main(["generate", "wan", "a cat", "--url", "127.0.0.1:1", "-o", str(target)]) == 1
+    assert f"cannot write {target}: there is no directory {target.parent}" in capsys.readouterr().err
+
+
 def stub_processes_of(pid: int) -> list[int]:
     result = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True)
     return [int(line.split()[0]) for line in result.stdout.splitlines()[1:]

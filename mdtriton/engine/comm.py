@@ -6,13 +6,16 @@ ranks and `disconnect()` ends them, so the same processes can form a new generat
 (`join_groups()` alone creates the groups when torch.distributed was initialised elsewhere). Every
 collective is a no-op when its group has one rank, so the same model code runs on 1..N ranks.
 
-A collective that fails (a peer exited, stopped past the timeout, or left) raises CommunicationError:
-the groups cannot be used again, and the caller must disconnect and form a new generation.
+A collective that fails in the backend (a peer exited, stopped past the timeout, or left; the groups were aborted)
+raises CommunicationError: the groups cannot be used again, and the caller must disconnect and form a new
+generation. Any other error is the caller's (a programming error) and keeps its own type.
 
 The device contract: every tensor handed to a collective lives on this rank's device (`Communicator.device`), the
 only memory NCCL can send; gloo would take host memory too, so CPU ranks would hide a host tensor that GPU ranks
-refuse. Each collective checks it before this rank enters it (CollectiveInputError, a programming error: no peer is
-left waiting and the groups stay usable). Engines keep to it by answering on their device (mdtriton.engine.engine).
+refuse. Each collective checks it before this rank enters it, and that chunks it sends are equal (the peers would
+wait for other sizes): CollectiveInputError, a programming error, raised before this rank enters the collective
+(torch's own checks of a collective's arguments also fail before it, and keep their type). Engines keep to the
+contract by answering on their device (mdtriton.engine.engine).
 """
 
 from __future__ import annotations
@@ -34,8 +37,15 @@ class CommunicationError(RuntimeError):
 
 
 class CollectiveInputError(TypeError):
-    """A programming error: a collective was handed a tensor that is not on this rank's device. Raised before this
-    rank enters the collective, so the peers and the groups are unaffected."""
+    """A programming error: a collective was handed a tensor that is not on this rank's device, or not laid out as the
+    collective needs. Raised before this rank enters the collective."""
+
+
+def is_backend_failure(error: Exception) -> bool:
+    """Whether a collective's error comes from the backend: torch.distributed's own errors (NCCL's DistBackendError, the
+    store's, the network's), gloo's transport (a lost peer, a timeout: plain RuntimeErrors naming gloo's source), or the
+    groups ended under the collective (aborted when a peer exited). Not a tensor the backend refused."""
+    return isinstance(error, dist.DistError) or "/gloo/transport/" in str(error) or not dist.is_initialized()
 
 
 def first_sentence(error: Exception) -> str:
@@ -98,6 +108,12 @@ class Communicator:
                     f"{what} on rank {self.rank} was handed a tensor on {tensor.device}; this rank's collectives take "
                     f"tensors on {self.device} only (NCCL cannot send host memory): move it there first")
 
+    def check_splits(self, what: str, tensor: torch.Tensor, parts: int, dim: int) -> None:
+        """A collective that sends a tensor's chunks needs `parts` equal chunks along dim: refuse another before it."""
+        if tensor.shape[dim] % parts:
+            raise CollectiveInputError(f"{what} on rank {self.rank} was handed a tensor of {tensor.shape[dim]} along "
+                                       f"dimension {dim}, not a multiple of the {parts} ranks it is split over")
+
     def _timed(self):
         return self.collective_timer() if self.collective_timer is not None else nullcontext()
 
@@ -138,12 +154,14 @@ class Communicator:
 
     @contextmanager
     def _collective(self, what: str, timed: bool = True):
-        """Time a collective (the collective_timer hook) and report its failure as CommunicationError, naming
-        this rank and the operation."""
+        """Time a collective (the collective_timer hook) and report a failure of the backend as CommunicationError,
+        naming this rank and the operation; any other error passes as it is (a programming error)."""
         try:
             with self._timed() if timed else nullcontext():
                 yield
         except RuntimeError as error:  # gloo and NCCL (DistBackendError) report lost peers and timeouts as this
+            if not is_backend_failure(error):
+                raise
             raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
     def join_groups(self, timeout: timedelta | None = None) -> None:
@@ -282,6 +300,7 @@ class Communicator:
         if self._rehearsing:
             return Pending(self, "Ulysses all-to-all", [])
         self.check_device("Ulysses all-to-all", x, out)
+        self.check_splits("Ulysses all-to-all", x, self.ulysses_size, 0)
         with self._collective("Ulysses all-to-all"):
             work = dist.all_to_all_single(out, x, group=self._ulysses_group, async_op=True)
         return Pending(self, "Ulysses all-to-all", [work])
@@ -363,6 +382,14 @@ class Communicator:
                 dist.broadcast(x, src=src)
         return x
 
+    def world_max(self, x: torch.Tensor) -> torch.Tensor:
+        """x's elementwise maximum over every rank of the world, in place: how the ranks agree on a job's fate
+        (mdtriton.engine.job_control)."""
+        if self.plan.world_size > 1 and not self._rehearsing:
+            self.check_device("world maximum", x)
+            with self._collective("world maximum"):
+                dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
 
 class Pending:
     """Collectives started without waiting (async on NCCL's own stream, so compute can run meanwhile).

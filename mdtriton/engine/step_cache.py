@@ -71,7 +71,7 @@ def read_cache(text: str) -> CacheConfig | None:
         raise ValueError(f"cache is not JSON ({error.msg} at character {error.pos}); send an object such as "
                          f"{EXAMPLE}") from None
     if not isinstance(given, dict):
-        raise ValueError(f"cache is a JSON {type(given).__name__}, not an object; send one such as {EXAMPLE}")
+        raise ValueError(f"cache is {json_kind(given)}, not a JSON object; send one such as {EXAMPLE}")
     method = given.pop("method", None)
     if method not in METHODS:
         raise ValueError(f"cache method {method!r} is not one of {', '.join(METHODS)}")
@@ -86,6 +86,13 @@ def read_cache(text: str) -> CacheConfig | None:
     for name, value in given.items():
         check_field(name, value)
     return config_class(**given)
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (for messages): "null", "an array", "a string", ..."""
+    kinds = ((type(None), "null"), (bool, "true or false"), (list, "an array"), (str, "a string"),
+             ((int, float), "a number"), (dict, "an object"))
+    return next(kind for types, kind in kinds if isinstance(value, types))
 
 
 def check_field(name: str, value) -> None:

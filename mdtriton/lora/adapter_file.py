@@ -132,11 +132,33 @@ def read_adapter(path: Path, device: torch.device | str = "cpu") -> dict[str, Fa
     """The factors kept at path (write_adapter's form), on device; AdapterError if the file is not one."""
     try:
         with safe_open(path, framework="pt", device=str(device)) as file:
-            metadata = file.metadata() or {}
-            scalings = json.loads(metadata[METADATA_KEY])["scalings"]
             return {module: Factors(file.get_tensor(f"{module}.lora_A.weight"),
                                     file.get_tensor(f"{module}.lora_B.weight"), float(scaling))
-                    for module, scaling in scalings.items()}
+                    for module, scaling in kept_scalings(file).items()}
     except (OSError, SafetensorError, KeyError, ValueError, TypeError) as error:
-        raise AdapterError(f"{path}: not an adapter kept by `mdtriton lora add` ({type(error).__name__}: "
-                           f"{error}); add it again") from None
+        raise not_kept(path, error) from None
+
+
+def check_adapter(path: Path) -> None:
+    """AdapterError if the file at path is not one write_adapter keeps (gone, truncated, damaged in its header, another
+    kind of file), from its header alone: what the stub checks of a request's adapters before the ranks read them."""
+    try:
+        with safe_open(path, framework="pt") as file:
+            names = set(file.keys())
+            for module in kept_scalings(file):
+                for factor in (f"{module}.lora_A.weight", f"{module}.lora_B.weight"):
+                    if factor not in names:
+                        raise KeyError(factor)
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError) as error:
+        raise not_kept(path, error) from None
+
+
+def kept_scalings(file) -> dict[str, float]:
+    """The scaling of each module of an open kept adapter (its metadata; KeyError or ValueError if it has none)."""
+    return json.loads((file.metadata() or {})[METADATA_KEY])["scalings"]
+
+
+def not_kept(path: Path, error: Exception) -> AdapterError:
+    """The error for a file at path that does not read as a kept adapter (error: what reading it raised)."""
+    return AdapterError(f"{path}: not an adapter kept by `mdtriton lora add` ({type(error).__name__}: {error}); add it "
+                        "again")

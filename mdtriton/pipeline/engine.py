@@ -6,7 +6,9 @@ runs it, so an image equals diffusers' for the same components; its `transformer
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
 replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
 the ranks in step. On CPU ranks the VAE decode is split across the ranks by bands of rows
-(mdtriton.pipeline.split_vae); GPU ranks decode whole until that has run on NCCL.
+(mdtriton.pipeline.split_vae); GPU ranks decode whole until that has run on NCCL. The ranks agree before the first transformer call that none failed before it, and after each step
+whether to stop (mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at
+once and leaves them serving.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
-from mdtriton.engine.progress import report_progress
+from mdtriton.engine.job_control import JobAgreement
 from mdtriton.engine.request_check import RequestError
 from mdtriton.engine.step_cache import StepCache
+from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
 from mdtriton.pipeline.part import PipelinePart
@@ -93,22 +96,33 @@ class PipelineEngine(Engine):
         """The request's outputs (the family's PipelinePart says which) and `full_steps`, progress reported after
         each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache);
         the request's adapters are merged into the transformer's weights first, or the base weights put back if it
-        names none (mdtriton.lora.weights)."""
-        loras = loras_of(inputs)
-        if self.adapters is not None:
-            self.adapters.activate(loras)
-        elif loras:
-            raise RequestError("this pipeline was loaded without an adapters directory: its requests name no adapters")
-        config = step_cache_of(inputs)
-        caches = [StepCache(config) for _ in self.transformers]
+        names none (mdtriton.lora.weights). JobFailed if a rank failed before the first transformer call (every rank
+        raises it), JobStopped if the request's rank asked to stop after a step."""
+        agreement = JobAgreement(self.comm)
+        caches = []
         try:
+            loras = loras_of(inputs)
+            if self.adapters is not None:
+                self.adapters.activate(loras)
+            elif loras:
+                raise RequestError("this pipeline was loaded without an adapters directory: its requests name no "
+                                   "adapters")
+            caches = [StepCache(step_cache_of(inputs)) for _ in self.transformers]
             for transformer, cache in zip(self.transformers, caches):
-                transformer.step_cache = cache
+                transformer.step_cache, transformer.agreement = cache, agreement
+
+            def step_done(pipeline: DiffusionPipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+                agreement.step_done(step + 1, pipeline.num_timesteps)
+                return callback_kwargs
+
             result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
                                    callback_on_step_end=step_done)
+        except Exception as error:  # noqa: BLE001 - before the first collective, any failure is agreed on, then raised
+            agreement.failed(*failure_message(error))
+            raise
         finally:
             for transformer in self.transformers:
-                transformer.step_cache = None
+                transformer.step_cache, transformer.agreement = None, None
         # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
         full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
                                   device=self.comm.device)
@@ -124,7 +138,9 @@ def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str
     return [folder for folder in part.transformers if (Path(engine_dir) / folder / MANIFEST_FILE).is_file()]
 
 
-def step_done(pipeline: DiffusionPipeline, step: int, timestep, callback_kwargs: dict) -> dict:
-    """A diffusers pipeline's step-end callback: report the step, change nothing."""
-    report_progress(step + 1, pipeline.num_timesteps)
-    return callback_kwargs
+def failure_message(error: Exception) -> tuple[str, bool]:
+    """What a request's answer says of a failure of its job on a rank, and whether the request was at fault: a
+    RequestError, or an adapter it names that cannot be used (its file went, or is damaged)."""
+    if isinstance(error, (RequestError, AdapterError)):
+        return str(error), True
+    return f"{type(error).__name__}: {error}", False

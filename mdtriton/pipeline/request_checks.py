@@ -1,6 +1,7 @@
 """The checks every pipeline's requests share, each raising RequestError that says what to send instead: prompts,
 the batch, image sides, the text length, step counts, finite guidance, the step cache, the adapters. A family's
-PipelinePart.check_request calls them with its own limits and words (no diffusers needed)."""
+PipelinePart.check_request calls them with its own limits and words (no diffusers needed). They run in the stub that
+received the request, so a request that fails them never reaches the ranks."""
 
 from __future__ import annotations
 
@@ -11,19 +12,39 @@ import torch
 
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.engine.step_cache import CacheConfig, read_cache
+from mdtriton.engine.step_cache import CacheConfig, json_kind, read_cache
 from mdtriton.lora.directory import check_name
 from mdtriton.pipeline.prompts import read_prompts
 
 MAX_STEPS = 1000
+# The longest prompt taken, in UTF-8 bytes: the text encoders read only its first tokens (at most 512, in 2 to 4 KiB of
+# English), and every rank tokenizes the whole text (8 MiB took 15 s).
+MAX_PROMPT_BYTES = 65536
+INT32_MAX = 2**31 - 1
 
 
 def prompts_of(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
-    """The prompts of input `name` (UTF-8 rows); RequestError if a row is not UTF-8."""
+    """The prompts of input `name` (UTF-8 rows); RequestError if it has none, if one is longer than MAX_PROMPT_BYTES,
+    or if one is not UTF-8."""
+    rows = inputs[name]
+    if rows.shape[0] == 0:
+        raise RequestError(f"{name} has no rows (shape [0]); send at least one")
+    if rows.shape[1] > MAX_PROMPT_BYTES:
+        lengths = (rows != 0).sum(dim=1)
+        index = int(lengths.argmax())
+        raise RequestError(f"{name}[{index}] is {int(lengths[index])} bytes, over the {MAX_PROMPT_BYTES} taken; the text "
+                           "encoders read only a prompt's first tokens (max_sequence_length): send a shorter one")
     try:
-        return read_prompts(inputs[name], name)
+        return read_prompts(rows, name)
     except ValueError as error:
         raise RequestError(str(error)) from None
+
+
+def nearest_of(value: int, multiple: int, least: int) -> str:
+    """The values nearest to value that are `least` plus a multiple of `multiple`, at least `least`, and fit INT32, as
+    "A or B" (or A alone)."""
+    below = max(value - least, 0) // multiple * multiple + least
+    return " or ".join(str(v) for v in (below, below + multiple) if v <= INT32_MAX)
 
 
 def check_batch(manifest: Manifest, prompts: list[str], outputs: str) -> None:
@@ -39,10 +60,8 @@ def check_sides(inputs: dict[str, torch.Tensor], multiple: int, why: str) -> tup
     height, width = int(inputs["height"][0]), int(inputs["width"][0])
     for name, side in (("height", height), ("width", width)):
         if side < multiple or side % multiple:
-            below = side // multiple * multiple
-            nearest = f"{below} or {below + multiple}" if below >= multiple else f"{multiple}"
-            raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of {nearest} "
-                               f"({why})")
+            raise RequestError(f"{name} {side} is not a positive multiple of {multiple}; send a {name} of "
+                               f"{nearest_of(side, multiple, multiple)} ({why})")
     return height, width
 
 
@@ -51,8 +70,7 @@ def check_frames(inputs: dict[str, torch.Tensor], temporal: int, usual: str) -> 
     after the first); usual: the family's typical counts, for the message."""
     frames = int(inputs["num_frames"][0])
     if frames < 1 or (frames - 1) % temporal:
-        below = max(frames - 1, 0) // temporal * temporal + 1
-        raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {below} or {below + temporal} (the VAE "
+        raise RequestError(f"num_frames {frames} is not {temporal}k+1; send {nearest_of(frames, temporal, 1)} (the VAE "
                            f"compresses {temporal} frames into one after the first; {usual})")
     return frames
 
@@ -96,7 +114,7 @@ def loras_of(inputs: dict[str, torch.Tensor]) -> dict[str, float]:
     except json.JSONDecodeError as error:
         raise RequestError(f"loras is not JSON ({error}); {example}") from None
     if not isinstance(loras, dict):
-        raise RequestError(f"loras is a JSON {type(loras).__name__}, not an object; {example}")
+        raise RequestError(f"loras is {json_kind(loras)}, not a JSON object; {example}")
     for name, scale in loras.items():
         try:
             check_name(name)

@@ -1,5 +1,6 @@
 """The base of a family's adapter that a diffusers pipeline calls as its transformer: a transformer engine with
-the attributes pipelines read of their transformer (dtype, device, cache_context), and the request's step cache."""
+the attributes pipelines read of their transformer (dtype, device, cache_context), the request's step cache and its
+agreement point (mdtriton.engine.job_control)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.job_control import JobAgreement
 from mdtriton.engine.step_cache import StepCache
 
 
@@ -21,6 +23,7 @@ class EngineAsTransformer(torch.nn.Module):
         self.engine = engine
         self._dtype = TORCH_DTYPES[engine.manifest.data_type]
         self.step_cache: StepCache | None = None  # the request's, set by the pipeline engine while it runs
+        self.agreement: JobAgreement | None = None  # the job's, set likewise: the ranks agree before the first call
 
     @property
     def device(self) -> torch.device:
@@ -37,6 +40,13 @@ class EngineAsTransformer(torch.nn.Module):
             self.step_cache.context = name
         return nullcontext()
 
+    def before_collectives(self) -> None:
+        """Wait, at a job's first call, for every rank to agree that none failed before it: call it before any of the
+        engine's work that has collectives (run_engine does)."""
+        if self.agreement is not None:
+            self.agreement.before_collectives()
+
     def run_engine(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The engine's sample for inputs, through the request's step cache."""
+        """The engine's sample for inputs, through the request's step cache (after the agreement point)."""
+        self.before_collectives()
         return self.engine.forward(inputs, self.step_cache)["sample"]

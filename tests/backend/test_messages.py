@@ -13,9 +13,9 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.job_hub import SingleRankLink
-from mdtriton.backend.messages import (Done, EndGeneration, Ended, GivenUp, Hello, Job, JobTimed, Leave, Loaded,
-                                       Progress, ProtocolError, Refused, Run, Serving, Started, Stop, Submit, receive,
-                                       receive_over, send, send_over)
+from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, Job, JobTimed,
+                                       Leave, Loaded, Progress, ProtocolError, Refused, Run, Serving, Started, Stop,
+                                       Stopped, Submit, receive, receive_over, send, send_over)
 
 
 @pytest.fixture
@@ -30,18 +30,18 @@ def links():
 def test_every_kind_arrives_as_it_was_sent(links):
     sender, receiver = links
     inputs = {"x": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-    messages = [Stop(), Loaded(), Serving(3, {0: 101, 1: 102}), Started("j1"), Progress("j1", 2, 28),
-                Refused("j2", "input 'x' holds NaN"), JobTimed(0.5, 1.5, 0.25), Ended("rank 1 left", False),
-                GivenUp("rank 0 could not load", True)]
+    messages = [Stop(), Cancel("j1", "cancelled by its client"), Loaded(), Serving(3, {0: 101, 1: 102}),
+                Started("j1"), Progress("j1", 2, 28), Refused("j2", "input 'x' holds NaN"),
+                Failed("j2", "rank 1: OSError: disk gone"), Stopped("j1", 3, 28), JobTimed(0.5, 1.5, 0.25),
+                Ended("rank 1 left", False), GivenUp("rank 0 could not load", True)]
     for message in messages:
         send(sender, message)
         assert receive(receiver) == message
-    for message in (Job("j3", True, 1234.5678901234, inputs), Done("j3", inputs)):
+    for message in (Job("j3", 1234.5678901234, inputs), Done("j3", inputs)):
         send(sender, message)
         got = receive(receiver)
         assert type(got) is type(message) and got.id == "j3" and torch.equal(got.tensors["x"], inputs["x"])
-    assert receive_after(sender, receiver, Job("j3", True, 1234.5678901234, inputs)).deadline == 1234.5678901234
-    assert receive_after(sender, receiver, Job("j4", False, 1.0, inputs)).progress is False
+    assert receive_after(sender, receiver, Job("j3", 1234.5678901234, inputs)).deadline == 1234.5678901234
 
 
 def receive_after(sender, receiver, message):

@@ -105,7 +105,8 @@ def test_every_plan_splits_the_adapters_as_the_weights(adapted):
     ('{"style": "0.5"}', "loras: the scale of 'style' is \"0.5\"; send a finite number"),
     ('{"style": true}', "loras: the scale of 'style' is true; send a finite number"),
     ("{style: 1}", "loras is not JSON"),
-    ('["style"]', "loras is a JSON list, not an object"),
+    ('["style"]', "loras is an array, not a JSON object"),
+    ('"style"', "loras is a string, not a JSON object"),
     ('{"../style": 1}', "loras: adapter name '../style': use 1 to 100 letters"),
 ])
 def test_bad_adapter_requests_are_refused_before_the_ranks(adapted, loras, message):

@@ -23,7 +23,7 @@ from mdtriton.client.pipeline import ask, generate_video, infer_inputs, texts
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.progress import progress_to
+from mdtriton.engine.job_control import JobControl, controlled_by
 from mdtriton.serving import load_engine
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.conftest import start_server
@@ -76,7 +76,7 @@ def test_one_rank_makes_diffusers_videos_images_and_image_to_video(pipeline_dir,
     for frames, image in ((9, None), (1, None), (9, IMAGE)):
         reported = []
         values = {**GOOD, "num_frames": frames}
-        with progress_to(lambda done, total: reported.append((done, total))):
+        with controlled_by(JobControl(on_progress=lambda done, total: reported.append((done, total)))):
             video = engine.forward(request("a red cat", image, **values))["video"].numpy()
         expected = reference_video(pipeline_dir, "a red cat", 32, 48, frames, GOOD["num_inference_steps"],
                                    GOOD["guidance_scale"], GOOD["seed"], **({} if image is None else {"image": image}))

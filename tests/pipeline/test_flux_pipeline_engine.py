@@ -19,7 +19,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
-from mdtriton.engine.progress import progress_to
+from mdtriton.engine.job_control import JobControl, controlled_by
 from mdtriton.pipeline.engine import PipelineEngine
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
@@ -65,7 +65,7 @@ def test_one_rank_image_equals_diffusers_and_reports_each_step(engines, layout):
     engine, pipeline_dir = engines[layout]
     prompts, size, steps, guidance, seed = ["a red cat with a sign", "the blue dog"], (48, 80), 3, 3.5, 7
     reported = []
-    with progress_to(lambda done, total: reported.append((done, total))):
+    with controlled_by(JobControl(on_progress=lambda done, total: reported.append((done, total)))):
         image = engine.forward(request(prompts, *size, steps, guidance, seed))["image"].numpy()
     expected = reference_image(pipeline_dir, prompts, *size, steps, guidance, seed)
     # Our transformer sums the single blocks' output projection in another order than diffusers (two GEMMs, one

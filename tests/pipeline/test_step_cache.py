@@ -128,7 +128,8 @@ def test_configs_read_as_diffusers_names_them():
 
 @pytest.mark.parametrize("text, message", [
     ("{method: first_block}", "cache is not JSON"),
-    ('["first_block"]', "cache is a JSON list, not an object"),
+    ('["first_block"]', "cache is an array, not a JSON object"),
+    ("null", "cache is null, not a JSON object"),
     ('{"threshold": 0.1}', "cache method None is not one of none, first_block, taylorseer"),
     ('{"method": "teacache"}', "cache method 'teacache' is not one of"),
     ('{"method": "first_block", "cache_interval": 2}', "cache field(s) cache_interval unknown to method 'first_block'"),

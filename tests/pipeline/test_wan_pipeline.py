@@ -20,7 +20,7 @@ from mdtriton.client.grpc_client import ClientError
 from mdtriton.client.pipeline import generate_video
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineLimits, Manifest
-from mdtriton.engine.progress import progress_to
+from mdtriton.engine.job_control import JobControl, controlled_by
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
@@ -71,7 +71,7 @@ def test_one_rank_video_equals_diffusers_and_reports_each_step(pipelines, tmp_pa
     engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single())
     reported = []
     prompts = ["a red cat", "the blue dog"]
-    with progress_to(lambda done, total: reported.append((done, total))):
+    with controlled_by(JobControl(on_progress=lambda done, total: reported.append((done, total)))):
         video = engine.forward(request(prompts, **GOOD))["video"].numpy()
     expected = reference_video(pipelines[layout], prompts, **{k: GOOD[k] for k in ("height", "width", "num_frames")},
                                steps=GOOD["num_inference_steps"], guidance=GOOD["guidance_scale"], seed=GOOD["seed"])

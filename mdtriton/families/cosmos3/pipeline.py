@@ -98,6 +98,7 @@ class EngineTransformer(EngineAsTransformer):
         text_positions = position_ids[:, :input_ids.shape[0]].float()
         key = input_ids.cpu().numpy().tobytes() + text_positions.cpu().numpy().tobytes()
         if key not in self.texts:
+            self.before_collectives()  # the text pathway's tensor-parallel layers all-reduce
             with torch.inference_mode():
                 self.texts[key] = self.engine.module.text_keys_values(input_ids.to(self.device),
                                                                       text_positions.to(self.device))

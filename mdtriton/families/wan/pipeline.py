@@ -110,15 +110,18 @@ class WanPipelinePart(PipelinePart):
                 "seed": 0, "negative_prompt": None, "max_sequence_length": None, "guidance_scale_2": None}
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
-        """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial)."""
+        """The VAE's compression (WanPipeline's vae_scale_factor_temporal and _spatial), and where the pipeline
+        switches to its second expert (boundary_ratio; None: it has one transformer, and takes no guidance_scale_2)."""
         vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
+        model_index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
         return {"vae_scale_factor_temporal": vae_config.get("scale_factor_temporal", 4),
-                "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8)}
+                "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8),
+                "boundary_ratio": model_index.get("boundary_ratio")}
 
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
         VAE's compression times the patch, more tokens than the engine takes (naming what fits), step counts,
-        guidance that is not finite, a batch over the limit."""
+        guidance that is not finite, guidance_scale_2 without a second expert, a batch over the limit."""
         prompts = prompts_of(inputs, "prompt")
         if "negative_prompt" in inputs and len(prompts_of(inputs, "negative_prompt")) not in (1, len(prompts)):
             raise RequestError(f"negative_prompt has {inputs['negative_prompt'].shape[0]} rows, prompt {len(prompts)};"
@@ -135,6 +138,11 @@ class WanPipelinePart(PipelinePart):
                                "at build time: mdtriton build --max-tokens)")
         text_length(inputs, MAX_SEQUENCE_LENGTH)
         check_steps_and_guidance(inputs, ("guidance_scale", "guidance_scale_2"), "Wan: 5.0")
+        # (An engine built before boundary_ratio was kept has no word on it: diffusers refuses such a request then, on
+        # every rank before any collective, and the request is answered with its message.)
+        if "guidance_scale_2" in inputs and "boundary_ratio" in config and config["boundary_ratio"] is None:
+            raise RequestError("guidance_scale_2 is the guidance of a second expert (Wan 2.2 A14B's low-noise "
+                               "transformer), and this pipeline has one transformer: leave guidance_scale_2 out")
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         arguments = {
