@@ -18,56 +18,23 @@ GPU's variation between runs does not enter it.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
-from transformers import UMT5Config, UMT5EncoderModel
+from random_pipelines import WAN_PROMPT, wan_pipeline_dir, work_directory
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mdtriton.build_tools.build import build_model_version  # noqa: E402
-from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
-from mdtriton.client.pipeline import generate_video  # noqa: E402
-from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.manifest import Manifest  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.serving import load_engine  # noqa: E402
-from mdtriton.families.wan import WAN  # noqa: E402
-from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
-from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
-from mdtriton.server import TritonServer  # noqa: E402
-from tests.backend.test_metrics import settled  # noqa: E402
-from tests.pipeline.tiny_flux_pipeline import t5_tokenizer  # noqa: E402
-from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-
-PROMPT = "a cat walking on a sunny beach, cinematic"
-# Wan 2.1's text encoder: google/umt5-xxl's encoder (its config.json).
-UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-
-
-def components(device: torch.device, dtype: torch.dtype) -> dict:
-    """Wan 2.1's components but the transformer: random UMT5-XXL and Wan VAE (diffusers' default config, Wan 2.1's),
-    the 480p scheduler, a local tokenizer."""
-    with torch.device(device):
-        text_encoder = UMT5EncoderModel(UMT5Config(**UMT5_XXL)).to(dtype).eval()
-        vae = AutoencoderKLWan().eval()  # float32, as WanPipeline keeps it
-    return {"text_encoder": text_encoder, "vae": vae, "tokenizer": t5_tokenizer(),
-            "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                 flow_shift=3.0)}
-
-
-# model_index.json of a Wan 2.1 text-to-video pipeline (one transformer); the components' entries are added.
-WAN_INDEX = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
-             "transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
+from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.client.pipeline import generate_video
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import Manifest
+from mdtriton.harness import build_pipeline, device_name, markdown_table, precision, started_server, time_calls
+from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import load_engine
+from tests.backend.test_metrics import settled
 
 
 def seconds(call, device: torch.device) -> float:
@@ -98,41 +65,24 @@ def main() -> int:
     args.width = args.width or (48 if args.tiny else 832)
     args.frames = args.frames or (9 if args.tiny else 81)
     device = torch.device("cpu" if args.tiny else "cuda:0")
-    data_type = "FP32" if args.tiny else "BF16"
+    _, data_type = precision(device)
     clip = dict(height=args.height, width=args.width, num_frames=args.frames, num_inference_steps=args.steps,
                 guidance_scale=5.0, seed=0)
 
-    with tempfile.TemporaryDirectory(prefix="pipeline-wan-") as scratch:
-        workdir = args.workdir or Path(scratch)
+    with work_directory(args) as workdir:
         start = time.perf_counter()
-        if args.tiny:
-            tiny = tiny_wan_pipeline()
-            parts = {name: getattr(tiny, name) for name in ("text_encoder", "vae", "tokenizer", "scheduler")}
-            config = {**dict(tiny.transformer.config), "patch_size": list(tiny.transformer.config.patch_size)}
-            config = {key: config[key] for key in WAN.default_config()}
-        else:
-            parts, config = components(device, torch.bfloat16), WAN.presets()["wan2.1-t2v-14b"]
-        pipeline_dir = save_pipeline_dir(workdir / "pipeline", WAN_INDEX, parts, config)
-        del parts
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        version_dir = build_model_version(workdir / "repository", "wan", "wan-pipeline", None, ParallelPlan(),
-                                          data_type, "gpu" if device.type == "cuda" else "cpu",
-                                          weights_path=pipeline_dir, progress=False, random_transformer=True,
-                                          random_device=device.type)
+        pipeline_dir, config = wan_pipeline_dir(workdir / "pipeline", args.tiny, device)
+        version_dir = build_pipeline(workdir / "repository", "wan", "wan-pipeline", pipeline_dir, data_type, device)
         print(f"made and built the pipeline in {time.perf_counter() - start:.0f} s", flush=True)
 
-        start = time.perf_counter()
-        with TritonServer(version_dir.parent.parent, log_file=workdir / "server.log") as server:
+        with started_server(version_dir.parent.parent, workdir / "server.log") as (server, ready_s):
             videos = []
 
             def served():
-                videos.append(generate_video(server.grpc_address, "wan", PROMPT, **clip))
+                videos.append(generate_video(server.grpc_address, "wan", WAN_PROMPT, **clip))
 
             first_served = seconds(served, torch.device("cpu"))
-            print(f"server start to first clip {time.perf_counter() - start:.1f} s (that clip {first_served:.1f} s)",
-                  flush=True)
+            print(f"server start to ready {ready_s:.1f} s, first clip {first_served:.1f} s", flush=True)
             clips = []  # (the client's seconds, the rank's job seconds) of each served clip
             for _ in range(args.clips):
                 before = job_seconds(server.metrics_url)
@@ -145,14 +95,14 @@ def main() -> int:
 
         engine_dir = version_dir / ENGINE_DIR
         engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single(device))
-        request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])),
+        request = {"prompt": torch.from_numpy(prompt_tensor([WAN_PROMPT])),
                    **{name: torch.tensor([value]) for name, value in clip.items()}}
         in_process = seconds(lambda: engine.forward(request), device)
         in_process = min(in_process, seconds(lambda: engine.forward(request), device))
         again = engine.forward(request)["video"].cpu().numpy()
         pipeline = engine.pipeline
         with torch.inference_mode():
-            encode = seconds(lambda: pipeline.encode_prompt(PROMPT, do_classifier_free_guidance=True,
+            encode = seconds(lambda: pipeline.encode_prompt(WAN_PROMPT, do_classifier_free_guidance=True,
                                                             device=device), device)
             latent_frames = (args.frames - 1) // 4 + 1
             latents = torch.randn(1, 16 if not args.tiny else 4, latent_frames, args.height // 8, args.width // 8,
@@ -165,10 +115,9 @@ def main() -> int:
 
     calls = 2 * args.steps
     parts_sum = encode + calls * step + decode
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\n{'tiny Wan' if args.tiny else 'Wan 2.1 T2V 14B size (random weights)'}, {args.width}x{args.height} x "
-          f"{args.frames} frames, {args.steps} steps with guidance ({calls} transformer calls), one rank, {where}, "
-          f"torch {torch.__version__}\n")
+          f"{args.frames} frames, {args.steps} steps with guidance ({calls} transformer calls), one rank, "
+          f"{device_name(device)}\n")
     print(markdown_table(["", "seconds"], [
         [f"served clip (Triton, unary gRPC infer; median of {args.clips})", f"{served_clip:.2f}"],
         ["of it outside the rank's job (median of the clips' client time - job time)", f"{serving_cost:.3f}"],
