@@ -54,7 +54,7 @@ def patch() -> None:
 
     try:
         import xfuser.envs
-    except ImportError:  # checking the fallback without xfuser
+    except ImportError:  # no xfuser: its rows are recorded as failed, the others still run
         xfuser = None
     if xfuser is not None:
         from xfuser.core.distributed import parallel_state
@@ -89,7 +89,7 @@ def main() -> int:
     failures = []
     with tempfile.TemporaryDirectory() as output_dir:
         argv = ["--device", "cpu", "--preset", "tiny", "--mode", "eager", "--gpus", "1,2,4", "--image-tokens", "64,144",
-                "--text-tokens", "8", "--check-tokens", "64,144", "--impls", "xdit,mdtriton,yunchang+diffusers",
+                "--text-tokens", "8", "--check-tokens", "64,144", "--impls", "xdit,mdtriton",
                 "--yunchang-attn", "auto", "--xdit-attention-backend", "SDPA_EFFICIENT", "--warmup", "0",
                 "--iterations", "1", "--attention-iterations", "1", "--output-dir", output_dir,
                 "--setup", "benchmarks.xdit_cpu_check:patch", "--time-limit", "600"]
@@ -98,10 +98,9 @@ def main() -> int:
     rows = results["rows"]
     failures += [f"{r['impl']} {r['gpus']} {r['config']}: {r['message']}" for r in rows if r["part"] == "error"]
     failures += results["problems"]
-    expected = {("forward", impl, gpus, config) for impl in ("xdit", "yunchang+diffusers")
-                for gpus, config in ((1, "1 GPU"), (2, "ulysses2"), (2, "ring2"), (4, "ulysses4"),
-                                     (4, "usp u2r2"), (4, "ring4"))}
-    expected |= {("attention", impl, gpus, config) for impl, gpus, config in expected_keys(expected)}
+    configs = ((1, "1 GPU"), (2, "ulysses2"), (2, "ring2"), (4, "ulysses4"), (4, "usp u2r2"), (4, "ring4"))
+    expected = {(part, impl, gpus, config) for part in ("forward", "attention") for impl in ("xdit", "yunchang")
+                for gpus, config in configs if (part, impl) != ("forward", "yunchang")}
     found = {(r["part"], r["impl"], r["gpus"], r["config"]) for r in rows if r["part"] != "error"}
     failures += [f"missing row {key}" for key in sorted(expected - found)]
     for r in rows:
@@ -110,11 +109,6 @@ def main() -> int:
             failures.append(f"{r['part']} {r['impl']} {r['gpus']} {r['config']}: error {error}")
     print("\n".join(["CPU check:", *failures] if failures else ["CPU check: every row ran and matched"]))
     return 1 if failures else 0
-
-
-def expected_keys(forward_keys):
-    for _, impl, gpus, config in forward_keys:
-        yield ("xdit" if impl == "xdit" else "yunchang"), gpus, config
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""The one benchmark harness: how `mdtriton bench` and the scripts in benchmarks/ load, time, run and report.
+"""The one benchmark harness: how `mdtriton bench` and the scripts in benchmarks/ take their arguments, load, serve,
+time, run and report; each of them keeps only what it measures.
 
+- **One set of model arguments**: `add_model_arguments` (--architecture, --preset, --config, --height, --width,
+  --frames, --device), read by `model_config` and `model_sizes` (images or clips in pixels, `Size`, the
+  architecture's `DEFAULTS` where not given); bf16 on GPUs, float32 on CPU (`precision`).
 - **Load as the server loads**: `bench_engine` makes our engine from weights made in memory through
   TorchEngine.from_weights, what a rank's worker does once it has read its rank file (the module, projections fused,
   then on GPUs the compile and warm-up, and CUDA graphs for short requests), with the manifest the build writes. A
   benchmark times `engine.forward`, the call the job runner makes, so it follows the load path when that changes.
+- **Serve as users serve**: `build_pipeline` builds a diffusers pipeline directory with random transformer weights as
+  `mdtriton build` does, and `started_server` starts the embedded Triton server on a repository and says how long it
+  took to be ready.
 - **One timer**: `time_calls` (CUDA events on GPUs, ranks lined up by a barrier first; wall time on CPU), in
   milliseconds, and `timing` for the median and minimum of its times.
 - **One way to start ranks**: `run_ranks` starts one process per rank on this host and `init_rank` begins each
   (its device, its process group: NCCL on GPUs, gloo on CPU).
-- **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), written with the rows'
-  JSON by `write_results`.
+- **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), titled with
+  `device_name`, written with the rows' JSON by `write_results`.
 - What every benchmark measures with: random weights (`bench_weights`; FLUX's with trained-like modulation scales),
-  the plans of a GPU count (`plans_for`, of the methods in `METHODS`), a FLUX request's inputs (`flux_inputs`), and
-  the relative error of an output (`relative_error`); and what the pipeline benchmarks build from: a diffusers
-  pipeline directory whose transformer has random weights (`save_pipeline_dir`).
+  the plans of a GPU count (`plans_for`, of the methods in `METHODS`), a FLUX request's inputs (`flux_inputs`), the
+  relative error of an output (`relative_error`) and an image's PSNR against another (`psnr`).
 """
 
 from __future__ import annotations
