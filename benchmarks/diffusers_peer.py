@@ -92,8 +92,8 @@ def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[d
             with torch.inference_mode(), backends:
                 first, _ = time_calls(lambda: model(**arguments), cuda, 0, 1)
                 times, _ = time_calls(lambda: model(**arguments), cuda, 0, iterations)
-            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens, "median_ms": timing(times)["median_ms"],
-                   "first_call_s": first[0] / 1000,
+            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens,
+                   "median_ms": timing(times)["median_ms"], "first_call_s": first[0] / 1000,
                    "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
             rows.append(row)
             print(json.dumps(row), flush=True)

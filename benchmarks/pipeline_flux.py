@@ -1,16 +1,17 @@
 """Prompt to image on one GPU: our FLUX pipeline engine against diffusers' FluxPipeline, same components.
 
 Every component has random weights and FLUX.1-dev's configs (T5-XXL, CLIP-L, the 16-channel VAE, the 11.9 B
-transformer), created on the GPU (benchmarks/random_pipelines.py). The transformer's random bf16 weights are built into our
-engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
-components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name into
-diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
+transformer), created on the GPU (benchmarks/random_pipelines.py). The transformer's random bf16 weights are built
+into our engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
+components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name
+into diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
 
 - mdtriton served, unary and streamed: the pipeline built into a model repository (the harness's `build_pipeline`:
-  `build_model_version`, the transformer's random weights generated on the device: a unary model, the default), and the same version served as
-  a second model built as `--stream` makes it (decoupled: a progress response per step over a gRPC stream), each
-  served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate` (unary gRPC infer, or the
-  stream); its memory is the GPU memory in use after its images, as seen from outside the server (not a peak);
+  `build_model_version`, the transformer's random weights generated on the device: a unary model, the default), and
+  the same version served as a second model built as `--stream` makes it (decoupled: a progress response per step
+  over a gRPC stream), each served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate`
+  (unary gRPC infer, or the stream); its memory is the GPU memory in use after its images, as seen from outside the
+  server (not a peak);
 - mdtriton in-process: the same model version loaded in this process as a served rank loads it (`load_engine`: the
   components from the engine directory, then the transformer engine), and its `forward` (what the served rank runs
   per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);

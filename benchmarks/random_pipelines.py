@@ -62,7 +62,8 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, dis
     parser.add_argument("--width", type=int, help="pixels (default 1024; --tiny: 64)")
     parser.add_argument("--steps", type=int, help=f"denoising steps (default 28; --tiny: {tiny_steps})")
     parser.add_argument("--workdir", type=Path, help="the pipeline directory and model repositories (default: a "
-                                                     f"temporary directory; FLUX.1-dev size needs {disk_gb} GB of disk)")
+                                                     "temporary directory; FLUX.1-dev size needs "
+                                                     f"{disk_gb} GB of disk)")
 
 
 def pipeline_device(args: argparse.Namespace, tiny_steps: int) -> torch.device:
@@ -95,10 +96,6 @@ def save_pipeline_dir(directory: Path, index: dict, components: dict, transforme
     return directory
 
 
-def flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    return FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER)
-
-
 def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
     """A FLUX pipeline directory (FLUX.1-dev's components, made on device in bf16; or the tests' tiny ones) and its
     transformer's config."""
@@ -114,7 +111,8 @@ def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tupl
                           "vae": AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)}
         components.update(tokenizer=clip_tokenizer(), tokenizer_2=t5_tokenizer())
         config = dict(FLUX_DEV_CONFIG)
-    save_pipeline_dir(directory, FLUX_INDEX, {"scheduler": flux_scheduler(), **components}, config)
+    components["scheduler"] = FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER)
+    save_pipeline_dir(directory, FLUX_INDEX, components, config)
     del components
     free_memory()
     return directory, config

@@ -173,8 +173,9 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     rows.append((f"diffusers FluxPipeline, {compiled}", f"its First Block Cache {args.threshold:.5f}", times,
                  sum(decisions)))
 
-    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, {args.width}x{args.height}, "
-          f"{args.steps} steps, {device_name(device)}; median of {args.repeats} images after one\n")
+    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, "
+          f"{args.width}x{args.height}, {args.steps} steps, {device_name(device)}; median of {args.repeats} images "
+          "after one\n")
     print(markdown_table(["pipeline", "cache", "full steps", "time per image"],
                          [[pipeline, label, f"{count} of {args.steps}", f"{statistics.median(times):,.0f} ms"]
                           for pipeline, label, times, count in rows]))

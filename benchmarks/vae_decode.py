@@ -117,8 +117,9 @@ def main() -> None:
             row["unclipped"] = float(((whole > 0) & (whole < 255)).float().mean())
     single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
     device = torch.device("cpu" if args.tiny else "cuda:0")
-    print(f"\nVAE decode, batch 1, {args.dtype}, {device_name(device)}, {'gloo' if args.tiny else 'NCCL'} ranks; median "
-          f"of {args.iterations} decodes after one warm-up\n")
+    ranks = "gloo" if args.tiny else "NCCL"
+    print(f"\nVAE decode, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of {args.iterations} "
+          "decodes after one warm-up\n")
     print(markdown_table(
         ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",
          "max uint8 difference vs 1 GPU", "unclipped levels"],

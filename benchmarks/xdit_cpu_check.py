@@ -9,7 +9,10 @@ xfuser and yunchang are GPU-only in places, so each rank process patches them fi
   computation done explicitly in float32. yunchang's torch_cudnn/torch_math kernels keep their real
   behaviour (a log-sum-exp of zeros), so a ring with them shows a large error, as on GPU.
 
-    PYTHONPATH=$PWD:SITE python benchmarks/xdit_cpu_check.py      # SITE: where xfuser, yunchang, distvae are
+    PYTHONPATH=$PWD:SITE python benchmarks/xdit_cpu_check.py
+
+SITE: where xfuser, yunchang, distvae, einops and triton are (`pip install --no-deps --target SITE xfuser==0.7.0
+yunchang==0.6.4 distvae==0.1.0 einops triton`; xfuser imports triton, which a CPU torch does not bring).
 
 It runs both implementations eagerly (`--mode eager`), which takes about a minute. The compiled mode compiles
 xDiT's whole forward once per length and configuration, 30-55 s each on 2 cores; it was checked by hand
