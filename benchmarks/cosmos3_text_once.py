@@ -3,7 +3,8 @@ the text's token ids in (the text pathway at every call, as a transformer engine
 what `mdtriton bench --architecture cosmos3` times), with the text's keys and values handed in (a denoising step as
 the pipeline runs it), and the text pathway alone, at the bench's requests (Family.media_request: 256 text tokens, 189
 frames at 480p and 720p). Loaded as the server loads it (the harness's bench_engine: compiled and warmed up on a GPU),
-random bf16 weights; the harness's timer, the median of --iterations after a first call.
+random bf16 weights; the harness's timer, the median of --iterations after a first call. It takes the bench's model
+arguments (mdtriton/harness.py: --preset, --config, --height, --width, --frames, --device).
 
     python benchmarks/cosmos3_text_once.py                     # cosmos3-15b, 480p and 720p x 189 frames, one GPU
     python benchmarks/cosmos3_text_once.py --height 720 --width 1280 --frames 1     # a 720p image
@@ -20,28 +21,24 @@ import torch
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.cosmos3 import COSMOS3
-from mdtriton.harness import bench_engine, bench_weights, markdown_table, time_calls, timing
+from mdtriton.harness import (add_model_arguments, bench_engine, bench_weights, markdown_table, model_config,
+                              model_sizes, precision, time_calls, timing)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="cosmos3-15b", choices=sorted(COSMOS3.presets()))
-    parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
-    parser.add_argument("--height", default="480,720")
-    parser.add_argument("--width", default="832,1280", help="one per height")
-    parser.add_argument("--frames", type=int, default=189)
+    add_model_arguments(parser, ["cosmos3"])
     parser.add_argument("--iterations", type=int, default=3, help="timed calls after the first (default 3)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    config = model_config(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    dtype, data_type = (torch.bfloat16, "BF16") if cuda else (torch.float32, "FP32")
-    config = {**COSMOS3.presets()[args.preset], **json.loads(args.config)}
+    dtype, data_type = precision(device)
     weights = bench_weights("cosmos3", config, ParallelPlan(), 0, device, dtype, None)
     engine = bench_engine("cosmos3", config, Communicator.single(device), weights, data_type)
     rows = []
-    for height, width in zip((int(n) for n in args.height.split(",")), (int(n) for n in args.width.split(","))):
-        request = {name: t.to(device) for name, t in COSMOS3.media_request(config, args.frames, height, width,
+    for size in model_sizes(args, config):
+        request = {name: t.to(device) for name, t in COSMOS3.media_request(config, size.frames, size.height, size.width,
                                                                            dtype).items()}
         with torch.inference_mode():
             text = engine.module.text_keys_values(request["input_ids"], request["position_ids"])
@@ -54,7 +51,7 @@ def main() -> None:
             with torch.inference_mode():
                 time_calls(call, cuda, 0, 1)
                 times, _ = time_calls(call, cuda, 0, args.iterations)
-            row = {"call": name, "size": f"{width}x{height} x {args.frames}",
+            row = {"call": name, "size": str(size),
                    "tokens": COSMOS3.check_request(config, request).tokens, **timing(times)}
             rows.append(row)
             print(json.dumps(row), flush=True)

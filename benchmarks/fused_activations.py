@@ -17,6 +17,7 @@ import triton.testing
 from mdtriton.engine.fp8 import FP8_DTYPE, quantize_rows
 from mdtriton.engine.fused_activations import (GELU_WARPS, launch_config, launch_gelu_rows_to_fp8,
                                                launch_modulated_norm, launch_rows_to_fp8, modulate_reference)
+from mdtriton.harness import markdown_table
 
 DIM, MLP = 3072, 12288
 ROW_CONFIGS = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8)]  # (rows per program, warps)
@@ -64,15 +65,16 @@ def main() -> None:
     copy = torch.empty(2 ** 28, device="cuda", dtype=torch.bfloat16)
     copy_rate = 2 * copy.numel() * 2 / median_us(lambda: copy.clone()) / 1e3
     print(f"{torch.cuda.get_device_name()}: a 512 MiB device copy moves {copy_rate:.0f} GB/s (read + write)\n")
-    print("| tokens | kernel | Inductor us | config | us | GB/s | vs Inductor |\n|---|---|---|---|---|---|---|")
+    rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name, moved, inductor, ours, configs, engine_config in cases(tokens):
             inductor_us = median_us(inductor)
             for config in configs:
                 us = median_us(lambda: ours(*config))
                 mark = " (engine)" if config == engine_config else ""
-                print(f"| {tokens:,} | {name} | {inductor_us:.1f} | {config}{mark} | {us:.1f} | {moved / us / 1e3:.0f} | "
-                      f"{inductor_us / us:.2f}x |")
+                rows.append([f"{tokens:,}", name, f"{inductor_us:.1f}", f"{config}{mark}", f"{us:.1f}",
+                             f"{moved / us / 1e3:.0f}", f"{inductor_us / us:.2f}x"])
+    print(markdown_table(["tokens", "kernel", "Inductor us", "config", "us", "GB/s", "vs Inductor"], rows))
 
 
 if __name__ == "__main__":

@@ -32,31 +32,28 @@ import argparse
 import math
 import statistics
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from random_pipelines import FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device, work_directory
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mdtriton.build_tools.build import build_model_version  # noqa: E402
-from mdtriton.build_tools.engine_builder import random_shard  # noqa: E402
-from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.engine import TorchEngine  # noqa: E402
-from mdtriton.harness import bench_engine, flux_inputs, markdown_table, relative_error, time_calls  # noqa: E402
-from mdtriton.engine.layers import ParallelLinear  # noqa: E402
-from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
-from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
-from mdtriton.engine.modules import meta_module  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.flux import FLUX  # noqa: E402
-from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG  # noqa: E402
-from mdtriton.lora.adapter_file import Factors, write_adapter  # noqa: E402
-from mdtriton.lora.weights import AdapterWeights  # noqa: E402
+from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.engine import TorchEngine
+from mdtriton.engine.layers import ParallelLinear
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.modules import meta_module
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG
+from mdtriton.harness import (bench_engine, build_pipeline, device_name, flux_inputs, markdown_table, precision,
+                              relative_error, started_server, time_calls)
+from mdtriton.lora.adapter_file import Factors, write_adapter
+from mdtriton.lora.weights import AdapterWeights
 
 RANK = 64
 TEXT_TOKENS, IMAGE_TOKENS = 512, 4096
@@ -105,7 +102,7 @@ def captured_graphs(engine: TorchEngine) -> int:
 def forward_part(args, device: torch.device, workdir: Path) -> None:
     cuda = device.type == "cuda"
     config = dict(TINY_CONFIG if args.tiny else FLUX_DEV_CONFIG)
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype, _ = precision(device)
     adapters = workdir / "loras"
     adapters.mkdir(parents=True, exist_ok=True)
     for name, seed in (("a", 1), ("b", 2)):
@@ -196,9 +193,8 @@ def diffusers_rows(args, config, dtype, device, inputs, adapters) -> dict[str, f
 
 
 def report_forward(args, rows, outputs, peft, device) -> None:
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, {IMAGE_TOKENS}+{TEXT_TOKENS} tokens, "
-          f"{where}, torch {torch.__version__}; adapters of rank {args.rank} on every linear layer of the blocks "
+          f"{device_name(device)}; adapters of rank {args.rank} on every linear layer of the blocks "
           f"(median of {args.iterations} forwards; switches: median of {args.switches})\n")
     header = ["engine", "forward", "with `a` merged", "cost", "first merge (read + split + merge)", "a -> b",
               "b -> a", "a -> none", "none -> a", "recompiled / captured again", "base output back exactly",
@@ -231,14 +227,14 @@ def free_gib(device: torch.device) -> str:
     return f"{torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB" if device.type == "cuda" else ""
 
 
-def diffusers_images(args, device: torch.device, pipeline_dir: Path, transformer_dir: Path, workdir: Path,
-                     prompt: str) -> list[tuple[str, float, str]]:
+def diffusers_images(args, device: torch.device, pipeline_dir: Path, transformer_dir: Path,
+                     workdir: Path) -> list[tuple[str, float, str]]:
     """diffusers' FluxPipeline, eager, with the served transformer's weights, after the server has gone: an image
     without an adapter, with `a` loaded by peft (unfused), `fuse_lora`, with `a` fused; each image after one untimed."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from safetensors.torch import load_file
 
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype, _ = precision(device)
     manifest = Manifest.read(transformer_dir)
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**manifest.config)
@@ -248,7 +244,7 @@ def diffusers_images(args, device: torch.device, pipeline_dir: Path, transformer
     pipeline.set_progress_bar_config(disable=True)
 
     def image_ms() -> float:
-        call = partial(pipeline, prompt, height=args.size, width=args.size, num_inference_steps=args.steps,
+        call = partial(pipeline, FLUX_PROMPT, height=args.height, width=args.width, num_inference_steps=args.steps,
                        guidance_scale=3.5, generator=torch.Generator().manual_seed(0), output_type="np")
         return time_calls(call, device.type == "cuda", 1, 1)[0][0]
 
@@ -265,28 +261,18 @@ def diffusers_images(args, device: torch.device, pipeline_dir: Path, transformer
 def served_part(args, device: torch.device, workdir: Path) -> None:
     from safetensors.torch import save_file
 
-    from mdtriton.client.pipeline import generate
     from mdtriton.build_tools.adapters import add_adapter
-    from mdtriton.server import TritonServer
-    from pipeline_flux import PROMPT, flux_dev_components, save_flux_pipeline_dir, tiny_components
+    from mdtriton.client.pipeline import generate
 
-    components, config = (tiny_components() if args.tiny
-                          else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
-    del components
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # this process's share of the GPU, so that the server's shows
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype, data_type = precision(device)
+    pipeline_dir, config = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
     repository = workdir / "repository-served"
-    version = build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(),
-                                  "FP32" if args.tiny else "BF16", "gpu" if device.type == "cuda" else "cpu",
-                                  weights_path=pipeline_dir, progress=False, limits=EngineLimits(max_tokens=1 << 20),
-                                  random_transformer=True, random_device=device.type)
+    version = build_pipeline(repository, "flux", "flux-pipeline", pipeline_dir, data_type, device)
     rows, images = [], {}  # images by their adapter (None: none)
-    with TritonServer(repository, log_file=workdir / "server-lora.log") as server:
+    with started_server(repository, workdir / "server-lora.log") as (server, _):
         def image(loras):
-            call = partial(generate, server.grpc_address, "flux", PROMPT, args.size, args.size, args.steps, 3.5, 0,
-                           loras=loras)
+            call = partial(generate, server.grpc_address, "flux", FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
+                           0, loras=loras)
             times, pictures = time_calls(call, False, 0, 1)  # a client call: wall time
             return times[0], pictures[0]
 
@@ -302,11 +288,10 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
             elapsed, picture = image(loras)
             images.setdefault(loras and next(iter(loras)), []).append(picture)
             rows.append((f"image, adapters: {label}", elapsed, free_gib(device)))
-    rows += diffusers_images(args, device, pipeline_dir, version / ENGINE_DIR / "transformer", workdir, PROMPT)
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    rows += diffusers_images(args, device, pipeline_dir, version / ENGINE_DIR / "transformer", workdir)
     print(f"\nFLUX.1-dev pipeline size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank "
-          f"(BF16), unary gRPC, {args.size}x{args.size}, {args.steps} steps, {where}; adapters of rank {args.rank} on "
-          "every linear layer of the blocks\n")
+          f"({data_type}), unary gRPC, {args.width}x{args.height}, {args.steps} steps, {device_name(device)}; adapters "
+          f"of rank {args.rank} on every linear layer of the blocks\n")
     print(markdown_table(["what", "time", "GPU memory free after it"],
                          [[label, f"{elapsed:,.0f} ms", free] for label, elapsed, free in rows]))
     for name, pictures in images.items():
@@ -318,20 +303,13 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", required=True, choices=("forward", "served"))
-    parser.add_argument("--tiny", action="store_true", help="FLUX's test config on the CPU (checks the script)")
+    add_pipeline_arguments(parser, tiny_steps=4, disk_gb=40)
     parser.add_argument("--rank", type=int, default=RANK, help=f"the adapters' rank (default {RANK})")
     parser.add_argument("--iterations", type=int, default=20, help="forwards timed (default 20)")
     parser.add_argument("--switches", type=int, default=5, help="switch cycles timed (default 5)")
-    parser.add_argument("--size", type=int, help="served: image side in pixels (default 1024; --tiny: 64)")
-    parser.add_argument("--steps", type=int, help="served: denoising steps (default 28; --tiny: 4)")
-    parser.add_argument("--workdir", type=Path, help="repositories and adapters (default: a temporary directory; "
-                                                     "FLUX.1-dev size needs 40 GB of disk)")
     args = parser.parse_args()
-    args.size = args.size or (64 if args.tiny else 1024)
-    args.steps = args.steps or (4 if args.tiny else 28)
-    device = torch.device("cpu" if args.tiny else "cuda:0")
-    with tempfile.TemporaryDirectory(prefix="lora-") as scratch:
-        workdir = args.workdir or Path(scratch)
+    device = pipeline_device(args, tiny_steps=4)
+    with work_directory(args) as workdir:
         (forward_part if args.part == "forward" else served_part)(args, device, workdir)
     return 0
 

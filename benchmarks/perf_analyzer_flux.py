@@ -24,7 +24,7 @@ from pathlib import Path
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG
-from mdtriton.server import TritonServer
+from mdtriton.harness import started_server
 
 
 def shapes(config: dict, image_tokens: int, text_tokens: int) -> list[str]:
@@ -64,7 +64,7 @@ def main() -> int:
         build_model_version(repository, "flux", "flux", config, plan, data_type, args.device, seed=0)
         print(f"# flux, widths of {'tiny' if args.tiny else 'FLUX.1-dev'}, {args.layers}+{args.single_layers} blocks, "
               f"{plan}, {data_type}, {args.image_tokens} image + {args.text_tokens} text tokens", flush=True)
-        with TritonServer(repository, log_file=Path(tmp) / "server.log") as server:
+        with started_server(repository, Path(tmp) / "server.log") as (server, _):
             for transport in transports:
                 # Output: [1, image_tokens, in_channels] in the engine's data type.
                 output_bytes = args.image_tokens * config["in_channels"] * (2 if data_type == "BF16" else 4)

@@ -1,21 +1,21 @@
 """Prompt to image on one GPU: our FLUX pipeline engine against diffusers' FluxPipeline, same components.
 
 Every component has random weights and FLUX.1-dev's configs (T5-XXL, CLIP-L, the 16-channel VAE, the 11.9 B
-transformer), created on the GPU; the tokenizers are small local ones (token ids do not change the work: T5
-always gets max_sequence_length tokens, CLIP 77). The transformer's random bf16 weights are built into our
-engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
-components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name into
-diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
+transformer), created on the GPU (benchmarks/random_pipelines.py). The transformer's random bf16 weights are built
+into our engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
+components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name
+into diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
 
-- mdtriton served, unary and streamed: the pipeline built into a model repository (`build_model_version`, the
-  transformer's random weights generated on the device: a unary model, the default), and the same version served as
-  a second model built as `--stream` makes it (decoupled: a progress response per step over a gRPC stream), each
-  served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate` (unary gRPC infer, or the
-  stream); its memory is the GPU memory in use after its images, as seen from outside the server (not a peak);
+- mdtriton served, unary and streamed: the pipeline built into a model repository (the harness's `build_pipeline`:
+  `build_model_version`, the transformer's random weights generated on the device: a unary model, the default), and
+  the same version served as a second model built as `--stream` makes it (decoupled: a progress response per step
+  over a gRPC stream), each served alone by Triton on one rank and called with `mdtriton.client.pipeline.generate`
+  (unary gRPC infer, or the stream); its memory is the GPU memory in use after its images, as seen from outside the
+  server (not a peak);
 - mdtriton in-process: the same model version loaded in this process as a served rank loads it (`load_engine`: the
   components from the engine directory, then the transformer engine), and its `forward` (what the served rank runs
   per request: prompt decoding, FluxPipeline with our transformer engine, the UINT8 image);
-- diffusers eager: FluxPipeline with diffusers' FluxTransformer2DModel;
+- diffusers eager: FluxPipeline loaded from the same pipeline directory, with diffusers' FluxTransformer2DModel;
 - diffusers compiled: the same with `torch.compile` of its transformer (first call, compile included, reported
   apart).
 
@@ -35,69 +35,25 @@ Needs diffusers, transformers and tokenizers (`pip install ".[pipeline]"`) and, 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
+                              work_directory)
 from safetensors.torch import load_file
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mdtriton.build_tools.build import build_model_version  # noqa: E402
-from mdtriton.build_tools.model_config import read_model_config, write_model_config  # noqa: E402
-from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
-from mdtriton.client.pipeline import generate  # noqa: E402
-from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.serving import load_engine  # noqa: E402
-from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
-from mdtriton.harness import markdown_table, save_pipeline_dir, time_calls  # noqa: E402
-from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
-from mdtriton.server import TritonServer  # noqa: E402
-from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
-
-PROMPT = "a photo of a cat holding a sign that says hello world"
-# FLUX.1-dev's components (their config.json files), T5 = google/t5-v1_1-xxl's encoder, CLIP = ViT-L/14's text model.
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-              max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, bos_token_id=0, eos_token_id=2)
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-              layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
-                use_quant_conv=False, use_post_quant_conv=False)
-FLUX_DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                          max_image_seq_len=4096)
-
-
-def flux_dev_components(device: torch.device, dtype: torch.dtype) -> dict:
-    """FLUX.1-dev's components but the transformer, random weights made on device (local tokenizers)."""
-    with torch.device(device):
-        text_encoder = CLIPTextModel(CLIPTextConfig(**CLIP_L)).to(dtype)
-        text_encoder_2 = T5EncoderModel(T5Config(**T5_XXL)).to(dtype)
-        vae = AutoencoderKL(**FLUX_VAE).to(dtype)
-    return {"text_encoder": text_encoder.eval(), "text_encoder_2": text_encoder_2.eval(), "vae": vae.eval(),
-            "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer()}
-
-
-def tiny_components() -> tuple[dict, dict]:
-    """The tests' tiny pipeline's components but the transformer, and the transformer's config."""
-    pipeline = tiny_flux_pipeline()
-    components = {name: getattr(pipeline, name) for name in ("text_encoder", "text_encoder_2", "vae", "tokenizer",
-                                                             "tokenizer_2")}
-    return components, {key: pipeline.transformer.config[key] for key in FLUX_DEV_CONFIG}
-
-
-def scheduler(schedule: dict) -> FlowMatchEulerDiscreteScheduler:
-    return FlowMatchEulerDiscreteScheduler(**schedule)
+from mdtriton.build_tools.model_config import read_model_config, write_model_config
+from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.client.pipeline import generate
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import Manifest
+from mdtriton.harness import build_pipeline, device_name, markdown_table, precision, started_server, time_calls
+from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import load_engine
 
 
 def timed(call, device: torch.device, repeats: int, on_this_gpu: bool = True) -> tuple[list[float], float, float]:
@@ -116,7 +72,7 @@ def timed(call, device: torch.device, repeats: int, on_this_gpu: bool = True) ->
 def parts_of_our_image(pipeline: FluxPipeline, args, device: torch.device) -> dict[str, float]:
     """Median seconds of the parts of one image, each timed alone: text encoding, one transformer step, VAE decode."""
     def encode():
-        return pipeline.encode_prompt(PROMPT, None, device=device, max_sequence_length=args.max_sequence_length)
+        return pipeline.encode_prompt(FLUX_PROMPT, None, device=device, max_sequence_length=args.max_sequence_length)
 
     prompt_embeds, pooled, text_ids = encode()
     latents, image_ids = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, args.height,
@@ -138,14 +94,6 @@ def parts_of_our_image(pipeline: FluxPipeline, args, device: torch.device) -> di
                 for name, call in (("encode", encode), ("step", step), ("decode", decode))}
 
 
-def save_flux_pipeline_dir(directory: Path, components: dict, config: dict) -> Path:
-    """A diffusers FLUX directory of the components and FLUX.1-dev's scheduler, whose transformer/ holds only its
-    config (random weights)."""
-    return save_pipeline_dir(directory, {"_class_name": "FluxPipeline",
-                                                 "transformer": ["diffusers", "FluxTransformer2DModel"]},
-                                     {"scheduler": scheduler(FLUX_DEV_SCHEDULER), **components}, config)
-
-
 def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
     """(label, repeat times, first time, GPU GiB in use after the images) of the pipeline served by Triton: the model
     as built (unary), then the same version as a streamed model, each in a server of its own."""
@@ -160,10 +108,10 @@ def served_rows(args, version_dir: Path, device: torch.device) -> list[tuple]:
     rows = []
     for model, label in (("flux", "unary gRPC infer"), (streamed.name, "gRPC stream, a response per step")):
         in_use_before = gpu_bytes_in_use(device)
-        with TritonServer(version_dir.parent.parent, model_control_mode="explicit", load_models=(model,),
-                          log_file=version_dir.parent.parent.parent / "server.log") as server:
+        with started_server(version_dir.parent.parent, version_dir.parent.parent.parent / "server.log",
+                            (model,)) as (server, _):
             def image():
-                return generate(server.grpc_address, model, PROMPT, args.height, args.width, args.steps, 3.5, 0,
+                return generate(server.grpc_address, model, FLUX_PROMPT, args.height, args.width, args.steps, 3.5, 0,
                                 max_sequence_length=args.max_sequence_length)
 
             times, first, _ = timed(image, device, args.repeats, on_this_gpu=False)
@@ -181,57 +129,34 @@ def gpu_bytes_in_use(device: torch.device) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny components on the CPU (checks the script)")
-    parser.add_argument("--height", type=int, help="pixels (default 1024; --tiny: 64)")
-    parser.add_argument("--width", type=int, help="pixels (default 1024; --tiny: 64)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default 28; --tiny: 3)")
+    add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     parser.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens (default 512)")
     parser.add_argument("--repeats", type=int, default=3, help="timed images per row, after a warm-up (default 3)")
     parser.add_argument("--no-served", action="store_true", help="leave out the row served by Triton")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile row")
-    parser.add_argument("--workdir", type=Path, help="where the pipeline directory and the model repository are "
-                                                     "written (default: a temporary directory; FLUX.1-dev size "
-                                                     "needs 45 GB of disk)")
     args = parser.parse_args()
-    device = torch.device("cpu" if args.tiny else "cuda:0")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    data_type = "FP32" if args.tiny else "BF16"
-    args.height = args.height or (64 if args.tiny else 1024)
-    args.width = args.width or (64 if args.tiny else 1024)
-    args.steps = args.steps or (3 if args.tiny else 28)
-
-    if args.tiny:
-        components, config = tiny_components()
-    else:
-        components, config = flux_dev_components(device, dtype), dict(FLUX_DEV_CONFIG)
-    with tempfile.TemporaryDirectory(prefix="pipeline-flux-") as scratch:
-        rows, parts = measure(args, components, config, device, dtype, data_type, args.workdir or Path(scratch))
-    report(args, rows, parts, device, data_type)
+    device = pipeline_device(args, tiny_steps=3)
+    with work_directory(args) as workdir:
+        rows, parts = measure(args, device, workdir)
+    report(args, rows, parts, device)
     return 0
 
 
-def measure(args, components: dict, config: dict, device: torch.device, dtype: torch.dtype, data_type: str,
-            workdir: Path) -> tuple[list, dict]:
+def measure(args, device: torch.device, workdir: Path) -> tuple[list, dict]:
     """The table's rows (label, repeat times, first time, GiB) and the parts of our image."""
+    dtype, data_type = precision(device)
     start = time.perf_counter()
-    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
-    version_dir = build_model_version(
-        workdir / "repository", "flux", "flux-pipeline", None, ParallelPlan(), data_type, "cpu" if args.tiny else "gpu",
-        weights_path=pipeline_dir, limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
-        random_device=device.type)
+    pipeline_dir, config = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
+    version_dir = build_pipeline(workdir / "repository", "flux", "flux-pipeline", pipeline_dir, data_type, device)
     print(f"built the pipeline in {time.perf_counter() - start:.1f} s ({version_dir})", flush=True)
     rows = []
-    for name in ("text_encoder", "text_encoder_2", "vae"):  # the GPU to the server and our engine while they run
-        components[name].to("cpu")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     if not args.no_served:
         rows += served_rows(args, version_dir, device)
 
     # Loaded as a served rank loads it: the components from the engine directory, then the transformer engine.
     engine_dir = version_dir / ENGINE_DIR
     in_process = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single(device))
-    request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.height]),
+    request = {"prompt": torch.from_numpy(prompt_tensor([FLUX_PROMPT])), "height": torch.tensor([args.height]),
                "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0]),
                "max_sequence_length": torch.tensor([args.max_sequence_length])}
@@ -240,23 +165,20 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     parts = parts_of_our_image(in_process.pipeline, args, device)
     transformer_dir = engine_dir / "transformer"
     weights = load_file(Manifest.read(transformer_dir).weight_file(transformer_dir, 0), device=str(device))
-    del in_process
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    for name in ("text_encoder", "text_encoder_2", "vae"):
-        components[name].to(device)
+    in_process = None
+    free_memory()
 
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**config)
     transformer.load_state_dict(weights, assign=True)
     del weights
     transformer = transformer.to(device=device, dtype=dtype).eval()
-    reference = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=transformer, **components)
+    reference = FluxPipeline.from_pretrained(pipeline_dir, transformer=transformer, torch_dtype=dtype,
+                                             local_files_only=True).to(device)
     reference.set_progress_bar_config(disable=True)
 
     def diffusers_image():
-        return reference(PROMPT, height=args.height, width=args.width, num_inference_steps=args.steps,
+        return reference(FLUX_PROMPT, height=args.height, width=args.width, num_inference_steps=args.steps,
                          guidance_scale=3.5, generator=torch.Generator().manual_seed(0),
                          max_sequence_length=args.max_sequence_length, output_type="np").images
 
@@ -269,11 +191,11 @@ def measure(args, components: dict, config: dict, device: torch.device, dtype: t
     return rows, parts
 
 
-def report(args, rows: list, parts: dict, device: torch.device, data_type: str) -> None:
+def report(args, rows: list, parts: dict, device: torch.device) -> None:
     name = "tiny" if args.tiny else "FLUX.1-dev size"
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    _, data_type = precision(device)
     print(f"\n{name}, {args.height}x{args.width}, {args.steps} steps, {args.max_sequence_length} T5 tokens, "
-          f"{data_type}, batch 1, {where}, torch {torch.__version__}; median of {args.repeats} images after a warm-up\n")
+          f"{data_type}, batch 1, {device_name(device)}; median of {args.repeats} images after a warm-up\n")
     print(markdown_table(["pipeline", "time per image", "first image", "GPU memory"],
                          [[label, f"{statistics.median(times) * 1000:,.0f} ms", f"{first * 1000:,.0f} ms",
                            f"{memory:.1f} GiB" if device.type == "cuda" else "-"]

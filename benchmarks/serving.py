@@ -58,7 +58,7 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, example_inputs
-from mdtriton.harness import init_rank, run_ranks, time_calls
+from mdtriton.harness import init_rank, markdown_table, run_ranks, started_server, time_calls
 from mdtriton.server import TritonServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
@@ -268,9 +268,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()  # the ranks need the memory the build's generator used
         progress(f"built in {rows['build_s']:.0f} s; starting the server")
-        start = time.perf_counter()
-        with TritonServer(repository, log_file=log_file) as server:
-            rows["server_start_to_ready_s"] = time.perf_counter() - start
+        with started_server(repository, log_file) as (server, ready_s):
+            rows["server_start_to_ready_s"] = ready_s
             progress(f"ready in {rows['server_start_to_ready_s']:.0f} s; sequential requests, gRPC messages")
             with Client(server.grpc_address, timeout=600, shm_threshold=None) as client:
                 plain, reference = sequential_latencies(client, inputs, args.warmup, args.requests)
@@ -327,28 +326,29 @@ def report(rows: dict) -> None:
     cuda_shm = over(rows["cuda_shm_median_ms"]) if "cuda_shm_median_ms" in rows else "not measured"
     print(f"\n{rows['model']}, {rows['plan']}, {rows['image_tokens']:,}+{rows['text_tokens']} tokens, {rows['device']}; "
           f"medians of {rows['requests']} sequential requests\n")
-    print("| engine alone ms | served, system shm ms (overhead) | served, gRPC messages ms | served, CUDA shm ms |")
-    print("|---|---|---|---|")
-    print(f"| {engine:.1f} | {over(rows['system_shm_median_ms'])} | {over(rows['grpc_messages_median_ms'])} "
-          f"| {cuda_shm} |")
+    print(markdown_table(["engine alone ms", "served, system shm ms (overhead)", "served, gRPC messages ms",
+                          "served, CUDA shm ms"],
+                         [[f"{engine:.1f}", over(rows["system_shm_median_ms"]), over(rows["grpc_messages_median_ms"]),
+                           cuda_shm]]))
     print(f"\nWhere a request's time goes (system shm, means of {rows['requests']}: {rows['served_mean_ms']:.1f} ms):\n")
-    print("| rank worker's job (forward, outputs) | of it in collectives "
-          "| in the worker before the job (input copy and check, job order) "
-          "| stub beyond those (shape check, hop both ways, response) "
-          "| Triton (queue, inputs, outputs) | client and gRPC |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {rows['worker_job_ms']:.1f} | {rows['worker_communication_ms']:.1f} | {rows['worker_wait_ms']:.2f} "
-          f"| {rows['stub_beyond_job_ms']:.2f} | {rows['triton_ms']:.2f} | {rows['client_and_grpc_ms']:.2f} |")
-    print(f"\n| {rows['concurrency']} clients: p50 / p99 ms | requests/s | build s | start to ready s | "
-          "engine load + warm-up s (compile cache) | healing: kill to answer s | healed worker: weights + warm-up s "
-          "| same answer after healing |")
-    print("|---|---|---|---|---|---|---|---|")
-    healing = (f"{rows['heal_s']:.1f} | {rows['heal_worker_weights_s']:.1f} + {rows['heal_worker_warm_up_s']:.1f} | "
-               f"{rows['heal_same_answer']}" if "heal_s" in rows else
-               "not healed within the timeout | | " if "heal_error" in rows else "not measured | | ")
-    print(f"| {rows['concurrent_p50_ms']:.0f} / {rows['concurrent_p99_ms']:.0f} | {rows['throughput_per_s']:.2f} | "
-          f"{rows['build_s']:.0f} | {rows['server_start_to_ready_s']:.0f} | {rows['cached_load_s']:.1f} + "
-          f"{rows['cached_warm_up_s']:.1f} | {healing} |")
+    print(markdown_table(["rank worker's job (forward, outputs)", "of it in collectives",
+                          "in the worker before the job (input copy and check, job order)",
+                          "stub beyond those (shape check, hop both ways, response)", "Triton (queue, inputs, outputs)",
+                          "client and gRPC"],
+                         [[f"{rows['worker_job_ms']:.1f}", f"{rows['worker_communication_ms']:.1f}",
+                           f"{rows['worker_wait_ms']:.2f}", f"{rows['stub_beyond_job_ms']:.2f}",
+                           f"{rows['triton_ms']:.2f}", f"{rows['client_and_grpc_ms']:.2f}"]]))
+    healing = ([f"{rows['heal_s']:.1f}", f"{rows['heal_worker_weights_s']:.1f} + {rows['heal_worker_warm_up_s']:.1f}",
+                rows["heal_same_answer"]] if "heal_s" in rows else
+               ["not healed within the timeout", "", ""] if "heal_error" in rows else ["not measured", "", ""])
+    print()
+    print(markdown_table([f"{rows['concurrency']} clients: p50 / p99 ms", "requests/s", "build s", "start to ready s",
+                          "engine load + warm-up s (compile cache)", "healing: kill to answer s",
+                          "healed worker: weights + warm-up s", "same answer after healing"],
+                         [[f"{rows['concurrent_p50_ms']:.0f} / {rows['concurrent_p99_ms']:.0f}",
+                           f"{rows['throughput_per_s']:.2f}", f"{rows['build_s']:.0f}",
+                           f"{rows['server_start_to_ready_s']:.0f}",
+                           f"{rows['cached_load_s']:.1f} + {rows['cached_warm_up_s']:.1f}", *healing]]))
     print(f"\nThe same answer through gRPC messages and system shared memory: {rows['same_answer_every_way']}")
 
 

@@ -22,8 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.model_config import write_model_config
 from mdtriton.client.grpc_client import Client
-from mdtriton.harness import markdown_table, time_calls, timing
-from mdtriton.server import TritonServer
+from mdtriton.harness import markdown_table, started_server, time_calls, timing
 
 IDENTITY_MODEL = '''
 import torch
@@ -77,7 +76,7 @@ def main() -> int:
     cuda = cuda_available()
     with tempfile.TemporaryDirectory() as tmp:
         write_identity_model(Path(tmp) / "repository")
-        with TritonServer(Path(tmp) / "repository", log_file=Path(tmp) / "server.log") as server, \
+        with started_server(Path(tmp) / "repository", Path(tmp) / "server.log") as (server, _), \
                 Client(server.grpc_address, shm_threshold=None) as plain, \
                 Client(server.grpc_address, shm_threshold=0) as shared:
             print(f"# {platform.node()}, {platform.processor() or platform.machine()}, "

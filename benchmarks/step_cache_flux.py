@@ -1,6 +1,6 @@
 """Step caching of the FLUX pipeline on one GPU: First Block Cache and TaylorSeer, served and against diffusers.
 
-Every component has random weights and FLUX.1-dev's configs (pipeline_flux.py makes them). Random weights make
+Every component has random weights and FLUX.1-dev's configs (random_pipelines.py makes them). Random weights make
 other skip decisions than FLUX.1-dev's, so First Block Cache is measured at a fixed count of full steps (18 of 28 by
 default: what threshold 0.08 gives on FLUX.1-dev): the threshold that gives that count on these weights is found by
 bisection over served requests (each answer says its `full_steps`). Two parts, one device call each:
@@ -9,10 +9,11 @@ bisection over served requests (each answer says its `full_steps`). Two parts, o
   for the same 1024x1024 image: uncached, with First Block Cache at the fixed count, and (BF16) TaylorSeer
   (cache_interval 5, disable_cache_before_step 3, max_order 1). Then the FP8 images against the BF16 ones (PSNR).
 - `--part in-process`: the BF16 pipeline in this process (our pipeline engine, what a served rank runs) against
-  diffusers' FluxPipeline with its transformer compiled (`torch.compile`), uncached and with diffusers' own First Block
-  Cache (`transformer.enable_cache`) at the threshold given (--threshold: the one `--part served` found); the time of
-  a full and of a skipped transformer step through the cache's parts (CUDA graphs, as served) and of the decision
-  alone (its sums and their reduction across context-parallel ranks; on one GPU the reduction sends nothing).
+  diffusers' FluxPipeline (the same components) with its transformer compiled (`torch.compile`), uncached and with
+  diffusers' own First Block Cache (`transformer.enable_cache`) at the threshold given (--threshold: the one `--part
+  served` found); the time of a full and of a skipped transformer step through the cache's parts (CUDA graphs, as
+  served) and of the decision alone (its sums and their reduction across context-parallel ranks; on one GPU the
+  reduction sends nothing).
 - `--part decision-cpu`: the decision's cost on 2 CPU ranks (gloo, ring context parallelism, whose ranks add their
   sums) against a transformer step of FLUX's test config at the same tokens.
 
@@ -30,57 +31,39 @@ import math
 import shutil
 import statistics
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
 import torch
+from random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
+                              work_directory)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from pipeline_flux import (FLUX_DEV_SCHEDULER, PROMPT, flux_dev_components, save_flux_pipeline_dir,  # noqa: E402
-                           scheduler, tiny_components)
-from pipeline_fp8 import psnr  # noqa: E402
-
-from mdtriton.build_tools.build import build_model_version  # noqa: E402
-from mdtriton.build_tools.repository import ENGINE_DIR  # noqa: E402
-from mdtriton.client.pipeline import generate  # noqa: E402
-from mdtriton.engine.comm import Communicator  # noqa: E402
-from mdtriton.engine.manifest import EngineLimits, Manifest  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.serving import load_engine  # noqa: E402
-from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide  # noqa: E402
-from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
-from mdtriton.harness import bench_engine, markdown_table, time_calls  # noqa: E402
-from mdtriton.pipeline.prompts import prompt_tensor  # noqa: E402
-from mdtriton.server import TritonServer  # noqa: E402
+from mdtriton.build_tools.repository import ENGINE_DIR
+from mdtriton.client.pipeline import generate
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.step_cache import FirstBlockCache, StepCache, decide
+from mdtriton.harness import (bench_engine, build_pipeline, device_name, markdown_table, precision, psnr,
+                              started_server, time_calls)
+from mdtriton.pipeline.prompts import prompt_tensor
+from mdtriton.serving import load_engine
 
 TAYLORSEER = {"method": "taylorseer", "cache_interval": 5, "disable_cache_before_step": 3, "max_order": 1}
 
 
-def build(args, pipeline_dir: Path, repository: Path, data_type: str, device: torch.device) -> Path:
-    return build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(), data_type,
-                               "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir, progress=False,
-                               limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
-                               random_device=device.type)
-
-
 def served_part(args, device: torch.device, workdir: Path) -> None:
-    components, config = (tiny_components() if args.tiny
-                          else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
-    del components
+    pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
     rows, images, thresholds = [], {}, {}
     for data_type in (("FP32", "BF16") if args.tiny else ("BF16", "FP8")):
         repository = workdir / f"repository-{data_type}"
-        build(args, pipeline_dir, repository, data_type, device)
-        with TritonServer(repository, log_file=workdir / f"server-{data_type}.log") as server:
+        build_pipeline(repository, "flux", "flux-pipeline", pipeline_dir, data_type, device)
+        with started_server(repository, workdir / f"server-{data_type}.log") as (server, _):
             def image(cache=None):
                 """(ms, full steps, the image) of one served image, by the wall clock (the server does the work)."""
                 counts = []
-                times, picture = time_calls(lambda: generate(server.grpc_address, "flux", PROMPT, args.size, args.size,
-                                                             args.steps, 3.5, 0, cache=cache,
+                times, picture = time_calls(lambda: generate(server.grpc_address, "flux", FLUX_PROMPT, args.height,
+                                                             args.width, args.steps, 3.5, 0, cache=cache,
                                                              on_full_steps=counts.append)[0], False, 0, 1)
                 return times[0], counts[0], picture
 
@@ -99,10 +82,9 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
                 images[data_type, "taylorseer"] = timed("TaylorSeer (5, 3, None, 1)", TAYLORSEER)
         shutil.rmtree(repository)
 
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank, unary "
-          f"gRPC, {args.size}x{args.size}, {args.steps} steps, {where}, torch {torch.__version__}; median of "
-          f"{args.repeats} images after one\n")
+          f"gRPC, {args.width}x{args.height}, {args.steps} steps, {device_name(device)}; median of {args.repeats} "
+          "images after one\n")
     base = statistics.median(next(row[2] for row in rows if row[1] == "uncached"))
     print(markdown_table(["transformer", "cache", "full steps", "time per image", "against the first row (uncached)"],
                          [[data_type, label, f"{full} of {args.steps}", f"{statistics.median(times):,.0f} ms",
@@ -136,15 +118,14 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     from diffusers.hooks.first_block_cache import FBCHeadBlockHook
     from safetensors.torch import load_file
 
-    components, config = (tiny_components() if args.tiny
-                          else (flux_dev_components(device, torch.bfloat16), dict(FLUX_DEV_CONFIG)))
-    pipeline_dir = save_flux_pipeline_dir(workdir / "pipeline", components, config)
-    version_dir = build(args, pipeline_dir, workdir / "repository", "FP32" if args.tiny else "BF16", device)
+    dtype, data_type = precision(device)
+    pipeline_dir, config = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
+    version_dir = build_pipeline(workdir / "repository", "flux", "flux-pipeline", pipeline_dir, data_type, device)
     engine_dir = version_dir / ENGINE_DIR
     comm = Communicator.single(device)
     ours = load_engine(engine_dir, Manifest.read(engine_dir), comm)
-    request = {"prompt": torch.from_numpy(prompt_tensor([PROMPT])), "height": torch.tensor([args.size]),
-               "width": torch.tensor([args.size]), "num_inference_steps": torch.tensor([args.steps]),
+    request = {"prompt": torch.from_numpy(prompt_tensor([FLUX_PROMPT])), "height": torch.tensor([args.height]),
+               "width": torch.tensor([args.width]), "num_inference_steps": torch.tensor([args.steps]),
                "guidance_scale": torch.tensor([3.5]), "seed": torch.tensor([0])}
     cache = json.dumps({"method": "first_block", "threshold": args.threshold})
     rows = []
@@ -155,16 +136,15 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
         rows.append(("mdtriton pipeline engine (in-process)", label, times, int(full["full_steps"][0])))
     steps = step_parts(ours.transformers[0].engine, ours.pipeline, args, device)
     transformer_file = Manifest.read(engine_dir / "transformer").weight_file(engine_dir / "transformer", 0)
-    del ours
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    ours = None
+    free_memory()
 
     with torch.device("meta"):
         transformer = FluxTransformer2DModel(**config)
     transformer.load_state_dict(load_file(transformer_file, device=str(device)), assign=True)
-    dtype = torch.float32 if args.tiny else torch.bfloat16
     transformer = transformer.to(device=device, dtype=dtype).eval()
-    reference = FluxPipeline(scheduler=scheduler(FLUX_DEV_SCHEDULER), transformer=transformer, **components)
+    reference = FluxPipeline.from_pretrained(pipeline_dir, transformer=transformer, torch_dtype=dtype,
+                                             local_files_only=True).to(device)
     reference.set_progress_bar_config(disable=True)
     # Its decisions, counted where diffusers takes them, outside the compiled graph (a forward hook inside it would
     # make torch.compile recompile).
@@ -178,7 +158,7 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
 
     def diffusers_image():
         decisions.clear()
-        return reference(PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps,
+        return reference(FLUX_PROMPT, height=args.height, width=args.width, num_inference_steps=args.steps,
                          guidance_scale=3.5, generator=torch.Generator().manual_seed(0), output_type="np")
 
     compiled = "torch.compile(transformer)" if not args.tiny else "eager (--tiny)"
@@ -193,9 +173,9 @@ def in_process_part(args, device: torch.device, workdir: Path) -> None:
     rows.append((f"diffusers FluxPipeline, {compiled}", f"its First Block Cache {args.threshold:.5f}", times,
                  sum(decisions)))
 
-    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, {args.size}x{args.size}, "
-          f"{args.steps} steps, {where}, torch {torch.__version__}; median of {args.repeats} images after one\n")
+    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, in-process, "
+          f"{args.width}x{args.height}, {args.steps} steps, {device_name(device)}; median of {args.repeats} images "
+          "after one\n")
     print(markdown_table(["pipeline", "cache", "full steps", "time per image"],
                          [[pipeline, label, f"{count} of {args.steps}", f"{statistics.median(times):,.0f} ms"]
                           for pipeline, label, times, count in rows]))
@@ -208,9 +188,9 @@ def step_parts(engine, pipeline, args, device: torch.device) -> dict[str, float]
     """Median ms of one transformer step at the image's size: the uncached forward, a full and a skipped step through
     First Block Cache's parts (threshold -1: always full; a huge one: skipped after the first), the decision alone."""
     with torch.no_grad():
-        prompt_embeds, pooled, text_ids = pipeline.encode_prompt(PROMPT, None, device=device)
-        latents, image_ids = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, args.size,
-                                                      args.size, prompt_embeds.dtype, device,
+        prompt_embeds, pooled, text_ids = pipeline.encode_prompt(FLUX_PROMPT, None, device=device)
+        latents, image_ids = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, args.height,
+                                                      args.width, prompt_embeds.dtype, device,
                                                       torch.Generator().manual_seed(0))
     inputs = {"hidden_states": latents, "encoder_hidden_states": prompt_embeds, "pooled_projections": pooled,
               "timestep": torch.full([1], 0.5, device=device, dtype=latents.dtype), "img_ids": image_ids.float(),
@@ -265,27 +245,20 @@ def decision_on_rank(rank: int, world_size: int, text: int, image: int, repeats:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", required=True, choices=("served", "in-process", "decision-cpu"))
-    parser.add_argument("--tiny", action="store_true", help="tiny components on the CPU (checks the script)")
-    parser.add_argument("--size", type=int, help="image side in pixels (default 1024; --tiny: 64)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default 28; --tiny: 6)")
+    add_pipeline_arguments(parser, tiny_steps=6, disk_gb=45)
     parser.add_argument("--full-steps", type=int, help="First Block Cache's full steps (default 18; --tiny: 4)")
     parser.add_argument("--threshold", type=float, help="in-process: the First Block Cache threshold (served found it)")
     parser.add_argument("--repeats", type=int, default=2, help="images timed after the first of each kind (default 2)")
     parser.add_argument("--step-repeats", type=int, default=10, help="transformer steps timed (default 10)")
-    parser.add_argument("--workdir", type=Path, help="pipeline directory and repositories (default: a temporary "
-                                                     "directory; FLUX.1-dev size needs 45 GB of disk)")
     args = parser.parse_args()
-    args.size = args.size or (64 if args.tiny else 1024)
-    args.steps = args.steps or (6 if args.tiny else 28)
+    device = pipeline_device(args, tiny_steps=6)
     args.full_steps = args.full_steps or (4 if args.tiny else 18)
     if args.part == "decision-cpu":
         decision_cpu_part(args)
         return 0
     if args.part == "in-process" and args.threshold is None:
         parser.error("--part in-process needs --threshold (the one --part served printed)")
-    device = torch.device("cpu" if args.tiny else "cuda:0")
-    with tempfile.TemporaryDirectory(prefix="step-cache-") as scratch:
-        workdir = args.workdir or Path(scratch)
+    with work_directory(args) as workdir:
         (served_part if args.part == "served" else in_process_part)(args, device, workdir)
     return 0
 

@@ -26,16 +26,14 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
 from safetensors.torch import load_file, save_file
 
+from random_pipelines import FLUX_VAE
+
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.harness import init_rank, markdown_table, run_ranks, time_calls, timing
+from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks, time_calls, timing
 from mdtriton.pipeline.split_vae import split_decode
 
-# FLUX.1-dev's vae/config.json (the architecture's keys); Wan 2.1's VAE is AutoencoderKLWan's default config.
-FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
-WAN_VAE = {}
+WAN_VAE = {}  # Wan 2.1's VAE is AutoencoderKLWan's default config
 # The tests' tiny VAEs (tests/pipeline/tiny_*_pipeline.py), for --tiny.
 TINY_FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=2, block_out_channels=(4, 8, 8, 8),
                      down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -118,8 +116,9 @@ def main() -> None:
             row["max_level_difference"] = int((image.int() - whole.int()).abs().max())
             row["unclipped"] = float(((whole > 0) & (whole < 255)).float().mean())
     single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
-    where = "CPU ranks (gloo)" if args.tiny else torch.cuda.get_device_name(0)
-    print(f"\nVAE decode, batch 1, {args.dtype}, {where}, torch {torch.__version__}; median of {args.iterations} "
+    device = torch.device("cpu" if args.tiny else "cuda:0")
+    ranks = "gloo" if args.tiny else "NCCL"
+    print(f"\nVAE decode, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of {args.iterations} "
           "decodes after one warm-up\n")
     print(markdown_table(
         ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",

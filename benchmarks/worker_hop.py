@@ -7,9 +7,9 @@ header names their place in the file, which the worker maps. This script times t
 second process that echoes what it receives, for the tiny model of the tests and for FLUX.1-dev at 4,096 + 512
 tokens (bf16), copied and lent, and prints a table.
 
-    PYTHONPATH=. python benchmarks/worker_hop.py [--repeats 200] [--served]     (from the checkout)
+    python benchmarks/worker_hop.py [--repeats 200]
 
---served adds whole requests to the tiny model through a real tritonserver, one client, for scale.
+Whole requests through a real tritonserver, this hop included: benchmarks/serving.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink, layout
 from mdtriton.engine.dtypes import TRITON_TYPES
+from mdtriton.harness import markdown_table
 
 # A stand-in worker: takes the inputs (as the worker does, in place) and answers with outputs of the asked sizes.
 ECHO = """
@@ -62,34 +63,6 @@ def cases() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
         "tiny transformer, 2 x 9 x 64 float32": ({"hidden_states": torch.randn(2, 9, 64)}, {"output": torch.randn(2, 9, 64)}),
         "FLUX.1-dev, 4,096 + 512 tokens, bf16": (flux_inputs, {"sample": torch.randn(1, 4096, 64, dtype=bf16)}),
     }
-
-
-def served_latency(repeats: int) -> None:
-    """One client's sequential requests to the tiny model (tp 2 on 2 CPU ranks) through a real tritonserver."""
-    import tempfile
-
-    import tritonclient.grpc as grpcclient
-
-    from mdtriton.build_tools.build import build_model_version
-    from mdtriton.engine.plan import ParallelPlan
-    from mdtriton.server import TritonServer
-
-    config = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}
-    with tempfile.TemporaryDirectory() as repository:
-        build_model_version(Path(repository), "tiny", "tiny_transformer", config, ParallelPlan(tp_size=2), "FP32",
-                            "cpu", seed=1, progress=False)
-        with TritonServer(Path(repository), log_file=Path(repository) / "server.log") as server:
-            client = grpcclient.InferenceServerClient(server.grpc_address)
-            tensor = grpcclient.InferInput("hidden_states", [2, 9, 64], "FP32")
-            tensor.set_data_from_numpy(torch.randn(2, 9, 64).numpy())
-            seconds = []
-            for _ in range(repeats + 20):
-                started = time.perf_counter()
-                client.infer("tiny", [tensor])
-                seconds.append(time.perf_counter() - started)
-            seconds = sorted(seconds[20:])
-    print(f"| served tiny transformer, 1 client, 2 x 9 x 64 float32 | | {statistics.median(seconds) * 1e3:.2f} ms | "
-          f"{seconds[int(0.9 * len(seconds))] * 1e3:.2f} ms |")
 
 
 def start_echo(lends_shared_files: bool) -> tuple[subprocess.Popen, TensorLink]:
@@ -129,11 +102,9 @@ def round_trips(link: TensorLink, inputs: dict, outputs: dict, repeats: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--served", action="store_true", help="also time whole requests through a real tritonserver")
-    arguments = parser.parse_args()
-    repeats = arguments.repeats
+    repeats = parser.parse_args().repeats
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, {repeats} round trips each")
-    print("| request | inputs + outputs | round trip, median | p90 |\n|---|---|---|---|")
+    table = []
     flux = "FLUX.1-dev, 4,096 + 512 tokens, bf16"
     shared_file = Path(f"/dev/shm/mdtriton-worker-hop-{os.getpid()}")
     rows = [(name, inputs, outputs, False) for name, (inputs, outputs) in cases().items()]
@@ -149,12 +120,11 @@ def main() -> None:
                 link.close()
                 echo.wait(10)
             size = sum(t.numel() * t.element_size() for t in (*inputs.values(), *outputs.values()))
-            print(f"| {name} | {size / 2**20:.2f} MiB | {statistics.median(seconds) * 1e3:.3f} ms | "
-                  f"{seconds[int(0.9 * len(seconds))] * 1e3:.3f} ms |")
+            table.append([name, f"{size / 2**20:.2f} MiB", f"{statistics.median(seconds) * 1e3:.3f} ms",
+                          f"{seconds[int(0.9 * len(seconds))] * 1e3:.3f} ms"])
     finally:
         shared_file.unlink(missing_ok=True)
-    if arguments.served:
-        served_latency(repeats)
+    print(markdown_table(["request", "inputs + outputs", "round trip, median", "p90"], table))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,6 @@ For each GPU count (one process per GPU, NCCL) and each sequence parallel config
   each length and configuration: the "first call ms" column shows that stall), and our engine as the server
   runs it (projections fused, blocks compiled and warmed up at load, short requests replayed as CUDA graphs);
   `--mode eager` runs both uncompiled;
-    * yunchang+diffusers: diffusers' FluxTransformer2DModel with yunchang's LongContextAttention as
-      its attention processor, input split and output gathered like xDiT. Run when asked
-      (`--impls`), and in xdit's place when xdit cannot be imported or run (the reason is recorded).
 - attention: one block's attention alone on the same q/k/v (24 heads x 128, bf16), each rank holding
   its contiguous slice of the joint sequence, communication included: our methods, yunchang's
   LongContextAttention (Ulysses = u N r 1, Ring = u 1 r N, USP = both) and xDiT's USP function, with
@@ -83,11 +80,10 @@ from mdtriton.families.flux import FLUX  # noqa: E402
 from mdtriton.harness import (attention_flops, bench_engine, flux_inputs, init_rank, markdown_table,  # noqa: E402
                               plans_for, relative_error, run_ranks, time_calls, timing, write_results)
 
-IMPLS = ("xdit", "mdtriton", "yunchang+diffusers")
+IMPLS = ("xdit", "mdtriton")
 # What each implementation needs importable, and the wheel that carries it (diffusers imports requests).
 NEEDS = {
     "xdit": ("diffusers", "requests", "yunchang", "xfuser", "distvae"),
-    "yunchang+diffusers": ("diffusers", "requests", "yunchang"),
     "yunchang": ("yunchang",),
 }
 
@@ -221,16 +217,6 @@ def split_sequence(tensor: torch.Tensor, dim: int, rank: int, world_size: int) -
     return tensor.chunk(world_size, dim=dim)[rank].contiguous()
 
 
-def gather_sequence(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Concatenate every rank's slice along dim, in rank order."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return tensor
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((dist.get_world_size() * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    dist.all_gather_into_tensor(out, moved)
-    return out.movedim(0, dim)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Attention alone
 
@@ -337,8 +323,7 @@ def forward_row(ctx, impl: str, config: str, kernel: str, inputs: dict, image_to
     ctx.rec.row(part="forward", impl=impl, gpus=ctx.world_size, config=config, kernel=kernel, mode=args.mode,
                 image_tokens=image_tokens, text_tokens=args.text_tokens, first_ms=first[0], **extra, **stats)
     if image_tokens in args.check_tokens:
-        suffix = f"-{kernel}" if impl == "yunchang+diffusers" else ""
-        ctx.rec.sample(f"{impl}-{ctx.world_size}-{config}{suffix}-{image_tokens}", out)
+        ctx.rec.sample(f"{impl}-{ctx.world_size}-{config}-{image_tokens}", out)
 
 
 class OurModels:
@@ -381,84 +366,6 @@ def yunchang_attention(u: int, r: int, attn_type: str, rank: int, world_size: in
 
     set_seq_parallel_pg(u, r, rank, world_size)
     return LongContextAttention(ring_impl_type="basic", attn_type=AttnType.from_string(attn_type))
-
-
-def yunchang_flux_processor(attention):
-    """diffusers' FluxAttnProcessor with yunchang's attention in place of dispatch_attention_fn."""
-    from diffusers.models.embeddings import apply_rotary_emb
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
-
-    class YunchangFluxAttnProcessor(FluxAttnProcessor):
-        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                     image_rotary_emb=None):
-            query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-                attn, hidden_states, encoder_hidden_states)
-            query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-            key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-            value = value.unflatten(-1, (-1, attn.head_dim))
-            if attn.added_kv_proj_dim is not None:
-                encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-                encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-                encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-                query = torch.cat([encoder_query, query], dim=1)
-                key = torch.cat([encoder_key, key], dim=1)
-                value = torch.cat([encoder_value, value], dim=1)
-            if image_rotary_emb is not None:
-                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-            hidden_states = attention(query, key, value).flatten(2, 3).to(query.dtype)
-            if encoder_hidden_states is not None:
-                encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                    [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-                return hidden_states, encoder_hidden_states
-            return hidden_states
-
-    return YunchangFluxAttnProcessor()
-
-
-def sequence_parallel_forward(model, inputs: dict, rank: int, world_size: int) -> torch.Tensor:
-    """What xDiT's FLUX wrapper does around diffusers' forward: each rank takes its slice of the text and image
-    tokens (and their position ids), runs the model, and the image outputs are gathered in rank order."""
-    local = dict(inputs)
-    for name, dim in (("hidden_states", 1), ("encoder_hidden_states", 1), ("img_ids", 0), ("txt_ids", 0)):
-        local[name] = split_sequence(inputs[name], dim, rank, world_size)
-    sample = model(**local, return_dict=False)[0]
-    return gather_sequence(sample, 1)
-
-
-class YunchangDiffusers:
-    """diffusers' FluxTransformer2DModel, its attention replaced by yunchang's LongContextAttention."""
-
-    def __init__(self, ctx, weights: dict):
-        from diffusers import FluxTransformer2DModel
-
-        self.ctx = ctx
-        with torch.device("meta"):
-            self.model = FluxTransformer2DModel(**ctx.config)
-        self.model.load_state_dict(weights, assign=True)
-        self.model.eval()
-
-    def forward_all(self, inputs: dict, image_tokens: int, reason: str | None) -> None:
-        ctx = self.ctx
-        for u, r in ctx.configs:
-            for attn_type in yunchang_attn_types(r, ctx.args.yunchang_attn):
-                name, failure = config_name(u, r), None
-                try:
-                    processor = yunchang_flux_processor(yunchang_attention(u, r, attn_type, ctx.rank, ctx.world_size))
-                    for block in (*self.model.transformer_blocks, *self.model.single_transformer_blocks):
-                        block.attn.processor = processor
-                    forward_row(ctx, "yunchang+diffusers", name, attn_type, inputs, image_tokens,
-                                lambda: sequence_parallel_forward(self.model, inputs, ctx.rank, ctx.world_size),
-                                instead_of_xdit_because=reason)
-                except Exception as error:  # noqa: BLE001
-                    failure = short_error(error)
-                    if ctx.rank == 0:
-                        traceback.print_exc()
-                if not all_ok(failure is None, ctx.device):
-                    ctx.rec.row(part="error", impl="yunchang+diffusers", gpus=ctx.world_size, config=name,
-                                kernel=attn_type, message=failure or "failed on another rank")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -614,7 +521,6 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             # One set of weights for every implementation: mdtriton's seeded random weights, by diffusers' names.
             weights = flux_weights(config, device, ctx.dtype)
             ours = OurModels(ctx, weights) if ctx.our_plans else None
-            fallback = None
             # Length by length, every implementation at each: a run stopped by --time-limit loses the longest only.
             for image_tokens in args.image_tokens:
                 inputs = flux_inputs(config, args.text_tokens, image_tokens, device)
@@ -622,9 +528,6 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                     ours.forward_all(inputs, image_tokens)
                 if xdit is not None and reason is None:
                     reason = xdit.forward_all(inputs, image_tokens, weights)
-                if "yunchang+diffusers" in args.impls or (reason is not None and args.fallback):
-                    fallback = fallback or YunchangDiffusers(ctx, weights)
-                    fallback.forward_all(inputs, image_tokens, reason)
                 del inputs
                 if cuda:
                     torch.cuda.empty_cache()
@@ -641,8 +544,7 @@ def add_errors(rows: list[dict], work_dir: Path) -> None:
     for row in rows:
         if row.get("part") != "forward":
             continue
-        suffix = f"-{row['kernel']}" if row["impl"] == "yunchang+diffusers" else ""
-        path = work_dir / f"sample-{row['impl']}-{row['gpus']}-{row['config']}{suffix}-{row['image_tokens']}.pt"
+        path = work_dir / f"sample-{row['impl']}-{row['gpus']}-{row['config']}-{row['image_tokens']}.pt"
         reference = work_dir / f"sample-mdtriton-1-1 GPU-{row['image_tokens']}.pt"
         if path.exists() and reference.exists():
             row["error_vs_mdtriton_1gpu"] = relative_error(torch.load(path), torch.load(reference))
@@ -666,8 +568,7 @@ def forward_table(rows: list[dict]) -> str:
         ours = best_ours.get((r["gpus"], r["image_tokens"]))
         ratio = f"{ours / r['median_ms']:.2f}" if ours else ""
         error = f"{r['error_vs_mdtriton_1gpu']:.1e}" if "error_vs_mdtriton_1gpu" in r else ""
-        mode = r["mode"] if r["impl"] != "yunchang+diffusers" else "eager"
-        cells.append([f"{r['image_tokens']:,}+{r['text_tokens']}", r["gpus"], r["impl"], mode, r["config"],
+        cells.append([f"{r['image_tokens']:,}+{r['text_tokens']}", r["gpus"], r["impl"], r["mode"], r["config"],
                       r.get("kernel", ""), f"{r['median_ms']:.1f}", f"{r['first_ms']:.0f}", speedup, ratio, error])
     return markdown_table(header, cells)
 
@@ -698,10 +599,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--parts", default="attention,forward", help="attention and/or forward (default both)")
     parser.add_argument("--impls", default="xdit,mdtriton",
-                        help=f"forward implementations among {','.join(IMPLS)} (default xdit,mdtriton; "
-                             "yunchang+diffusers also runs in xdit's place when xdit fails, unless --no-fallback)")
-    parser.add_argument("--no-fallback", dest="fallback", action="store_false",
-                        help="do not run yunchang+diffusers when xdit cannot run")
+                        help=f"forward implementations among {','.join(IMPLS)} (default xdit,mdtriton)")
     parser.add_argument("--no-yunchang-attention", dest="yunchang_attention", action="store_false",
                         help="leave out the yunchang attention-only rows")
     parser.add_argument("--ours", default="allgather_kv,ring,ulysses",
@@ -717,8 +615,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "e.g. SDPA_FLASH, SDPA")
     parser.add_argument("--mode", choices=("compiled", "eager"), default="compiled",
                         help="compiled (default): our engine as served and xDiT with torch.compile as xfuser's "
-                             "--use_torch_compile sets it; eager: both uncompiled (yunchang+diffusers always runs "
-                             "eagerly)")
+                             "--use_torch_compile sets it; eager: both uncompiled")
     parser.add_argument("--preset", default="flux.1-dev", choices=sorted(FLUX.presets()))
     parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
     parser.add_argument("--warmup", type=int, default=1)
@@ -760,17 +657,14 @@ def preflight(args: argparse.Namespace) -> None:
     wanted = set(NEEDS["yunchang"]) if "attention" in args.parts and args.yunchang_attention else set()
     for impl in args.impls:
         wanted |= set(NEEDS.get(impl, ()))
-    if args.fallback and "xdit" in args.impls:
-        wanted |= set(NEEDS["yunchang+diffusers"])
     missing = missing_modules(sorted(wanted))
     hard = [m for m in missing if m in ("diffusers", "yunchang")]
     if hard:
         raise SystemExit(f"not importable: {', '.join(hard)}. Install the wheels first, e.g. "
                          "python3 -m pip install --no-index --no-deps --target /tmp/xdit .whl-xdit/*.whl and put "
                          "/tmp/xdit on PYTHONPATH")
-    if missing:  # xfuser or distvae: xdit cannot run; the fallback can
-        print(f"warning: not importable: {', '.join(missing)}: xdit will be recorded as failed"
-              + (" and yunchang+diffusers run in its place" if args.fallback else ""), flush=True)
+    if missing:  # xfuser or distvae: xdit cannot run; our rows still can
+        print(f"warning: not importable: {', '.join(missing)}: xdit will be recorded as failed", flush=True)
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         if args.device == "cuda" and name in os.environ:
             print(f"{name}={os.environ[name]}", flush=True)

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,39 +39,11 @@ from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import Family, families, family
 from mdtriton.families.family import AttentionShape
-from mdtriton.harness import (METHODS, attention_flops, bench_engine, bench_weights, init_rank, markdown_table,
-                              plans_for, relative_error, run_ranks, time_calls, timing, write_results)
+from mdtriton.harness import (METHODS, add_model_arguments, attention_flops, bench_engine, bench_weights, init_rank,
+                              markdown_table, model_config, model_sizes, plans_for, precision, relative_error,
+                              run_ranks, time_calls, timing, write_results)
 
 VARIANTS = ("compiled", "eager", "fp8")
-
-
-@dataclass(frozen=True)
-class Size:
-    """An image (1 frame) or a clip, in pixels."""
-
-    frames: int
-    height: int
-    width: int
-
-    def __str__(self) -> str:
-        return f"{self.width}x{self.height}" + (f" x {self.frames}" if self.frames > 1 else "")
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """What a run of an architecture measures unless told otherwise: the real model's size, at the sizes users ask
-    for (FLUX: 1024x1024 and up; Wan: 480p and 720p clips of 81 frames, 5 s at 16 fps; Cosmos 3: 480p and 720p clips
-    of 189 frames, its pipeline's default)."""
-
-    preset: str
-    frames: int
-    heights: str
-    widths: str
-
-
-DEFAULTS = {"flux": Defaults("flux.1-dev", 1, "1024,2048,4096", "1024,2048,4096"),
-            "wan": Defaults("wan2.1-t2v-14b", 81, "480,720", "832,1280"),
-            "cosmos3": Defaults("cosmos3-15b", 189, "480,720", "832,1280")}
 
 
 def benchmarked_architectures() -> list[str]:
@@ -152,10 +123,6 @@ def add_errors(rows: list[dict], first_size: str, work_dir: str) -> None:
                 row[key] = relative_error(sample, load_sample(reference_path))
 
 
-def bench_config(args: argparse.Namespace) -> dict:
-    return {**family(args.architecture).presets()[args.preset], **json.loads(args.config)}
-
-
 def bench_plans(args: argparse.Namespace, world_size: int, config: dict) -> dict[str, ParallelPlan]:
     """The plans of --methods on world_size GPUs that the family can split (those it cannot are said and skipped)."""
     plans = {}
@@ -173,8 +140,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     cuda = args.device == "cuda"
     device = init_rank(rank, world_size, port, cuda)
     model_family = family(args.architecture)
-    config = bench_config(args)
-    dtype, data_type = (torch.bfloat16, "BF16") if cuda else (torch.float32, "FP32")
+    config = model_config(args)
+    dtype, data_type = precision(device)
     requests = {str(size): {name: tensor.to(device) for name, tensor in
                             model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
                 for size in args.sizes}
@@ -294,23 +261,12 @@ def add_parser(subparsers) -> None:
     architectures = benchmarked_architectures()
     parser = subparsers.add_parser("bench", help="measure a transformer engine on 1..N GPUs per parallel method",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--architecture", default="flux", choices=architectures,
-                        help=f"the model family ({', '.join(architectures)}; default flux)")
-    parser.add_argument("--preset", help="its size (default: " + "; ".join(
-        f"{name} {defaults.preset}" for name, defaults in DEFAULTS.items()) + "; the presets are those of "
-        "mdtriton build --preset)")
-    parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
+    add_model_arguments(parser, architectures)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"compiled (as served), eager, fp8 (FP8 weights, compiled; GPUs of compute capability "
                              f"8.9+) (default {','.join(VARIANTS)})")
-    parser.add_argument("--height", help="image or clip heights in pixels, one per size (default: " + "; ".join(
-        f"{name} {defaults.heights}" for name, defaults in DEFAULTS.items()) + ")")
-    parser.add_argument("--width", help="widths, one per height (default: " + "; ".join(
-        f"{name} {defaults.widths}" for name, defaults in DEFAULTS.items()) + ")")
-    parser.add_argument("--frames", type=int, help="frames of every size (default: " + "; ".join(
-        f"{name} {defaults.frames}" for name, defaults in DEFAULTS.items()) + ")")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--no-check", dest="check", action="store_false",
@@ -318,29 +274,7 @@ def add_parser(subparsers) -> None:
                              "forward (whose model must fit one GPU in float32: 48 GB for FLUX.1-dev, 57 GB for "
                              "Wan 14B)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda (default when there is a GPU) or cpu: gloo ranks, float32, for checking the tool")
     parser.set_defaults(run=run)
-
-
-def bench_sizes(args: argparse.Namespace) -> list[Size]:
-    """The sizes of --height, --width and --frames, or the architecture's defaults."""
-    defaults = DEFAULTS.get(args.architecture)
-    if defaults is None and None in (args.height, args.width, args.frames):
-        raise ValueError(f"--architecture {args.architecture} has no default sizes; give --height, --width and "
-                         "--frames")
-    if (args.height is None) != (args.width is None):
-        raise ValueError("give --height and --width together (one width per height)")
-    heights = [int(n) for n in (args.height or defaults.heights).split(",")]
-    widths = [int(n) for n in (args.width or defaults.widths).split(",")]
-    if len(heights) != len(widths):
-        raise ValueError(f"{len(heights)} heights and {len(widths)} widths; give one width per height")
-    frames = defaults.frames if args.frames is None else args.frames
-    sizes = [Size(frames, height, width) for height, width in zip(heights, widths)]
-    for size in sizes:
-        family(args.architecture).media_request(bench_config(args), size.frames, size.height, size.width,
-                                                torch.float32)  # refuses sizes the pipeline refuses, before any rank
-    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -349,12 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
                          "for a functional run on CPU ranks)")
     model_family = family(args.architecture)
-    if args.preset is None:
-        args.preset = DEFAULTS[args.architecture].preset if args.architecture in DEFAULTS else next(
-            iter(model_family.presets()))
-    if args.preset not in model_family.presets():
-        raise ValueError(f"{args.architecture} has no preset {args.preset!r}; choose from "
-                         f"{', '.join(model_family.presets())}")
+    config = model_config(args)
     args.methods = args.methods.split(",")
     plans_for(2, args.methods)  # refuses unknown methods before any rank starts
     args.variants = args.variants.split(",")
@@ -367,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
         if not model_family.supports_fp8:
             raise ValueError(f"{args.architecture} has no FP8 weights; leave fp8 out of --variants")
         check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
-    args.sizes = bench_sizes(args)
-    config = bench_config(args)
+    args.sizes = model_sizes(args, config)
     rows, attention_rows = [], []
     with tempfile.TemporaryDirectory() as work_dir:
         for world_size in sorted(set(counts) | {1}):

@@ -1,46 +1,57 @@
-"""The one benchmark harness: how `mdtriton bench` and the scripts in benchmarks/ load, time, run and report.
+"""The one benchmark harness: how `mdtriton bench` and the scripts in benchmarks/ take their arguments, load, serve,
+time, run and report; each of them keeps only what it measures.
 
+- **One set of model arguments**: `add_model_arguments` (--architecture, --preset, --config, --height, --width,
+  --frames, --device), read by `model_config` and `model_sizes` (images or clips in pixels, `Size`, the
+  architecture's `DEFAULTS` where not given); bf16 on GPUs, float32 on CPU (`precision`).
 - **Load as the server loads**: `bench_engine` makes our engine from weights made in memory through
   TorchEngine.from_weights, what a rank's worker does once it has read its rank file (the module, projections fused,
   then on GPUs the compile and warm-up, and CUDA graphs for short requests), with the manifest the build writes. A
   benchmark times `engine.forward`, the call the job runner makes, so it follows the load path when that changes.
+- **Serve as users serve**: `build_pipeline` builds a diffusers pipeline directory with random transformer weights as
+  `mdtriton build` does, and `started_server` starts the embedded Triton server on a repository and says how long it
+  took to be ready.
 - **One timer**: `time_calls` (CUDA events on GPUs, ranks lined up by a barrier first; wall time on CPU), in
   milliseconds, and `timing` for the median and minimum of its times.
 - **One way to start ranks**: `run_ranks` starts one process per rank on this host and `init_rank` begins each
   (its device, its process group: NCCL on GPUs, gloo on CPU).
-- **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), written with the rows'
-  JSON by `write_results`.
+- **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), titled with
+  `device_name`, written with the rows' JSON by `write_results`.
 - What every benchmark measures with: random weights (`bench_weights`; FLUX's with trained-like modulation scales),
-  the plans of a GPU count (`plans_for`, of the methods in `METHODS`), a FLUX request's inputs (`flux_inputs`), and
-  the relative error of an output (`relative_error`); and what the pipeline benchmarks build from: a diffusers
-  pipeline directory whose transformer has random weights (`save_pipeline_dir`).
+  the plans of a GPU count (`plans_for`, of the methods in `METHODS`), a FLUX request's inputs (`flux_inputs`), the
+  relative error of an output (`relative_error`) and an image's PSNR against another (`psnr`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mdtriton.build_tools.build import MODEL_INDEX
+from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
-from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.plan import CP_METHODS, ParallelPlan
 from mdtriton.families import family
 from mdtriton.families.family import AttentionShape
 from mdtriton.families.flux.transformer import example_inputs
-from mdtriton.server import free_port
+from mdtriton.server import TritonServer, free_port
 
 # Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
 # O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
@@ -48,6 +59,97 @@ MODULATION_SCALE = 0.1
 # The parallel methods a benchmark measures on several GPUs: each context-parallel method over every GPU (ulysses_ring
 # as Ulysses pairs in a ring, 4+ GPUs), tensor parallelism over every GPU, and tp 2 x ulysses (4+ GPUs).
 METHODS = (*CP_METHODS, "tp", "tp_cp")
+
+
+@dataclass(frozen=True)
+class Size:
+    """An image (1 frame) or a clip, in pixels."""
+
+    frames: int
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}" + (f" x {self.frames}" if self.frames > 1 else "")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a run of an architecture measures unless told otherwise: the real model's size, at the sizes users ask
+    for (FLUX: 1024x1024 and up; Wan: 480p and 720p clips of 81 frames, 5 s at 16 fps; Cosmos 3: 480p and 720p clips
+    of 189 frames, its pipeline's default)."""
+
+    preset: str
+    frames: int
+    heights: str
+    widths: str
+
+
+DEFAULTS = {"flux": Defaults("flux.1-dev", 1, "1024,2048,4096", "1024,2048,4096"),
+            "wan": Defaults("wan2.1-t2v-14b", 81, "480,720", "832,1280"),
+            "cosmos3": Defaults("cosmos3-15b", 189, "480,720", "832,1280")}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, architectures: list[str]) -> None:
+    """What `mdtriton bench` and the scripts that measure a family's transformer take: --architecture (the first of
+    architectures by default), --preset, --config, the sizes in pixels (--height, --width, --frames: model_sizes) and
+    --device."""
+    def each(field: str) -> str:
+        return "; ".join(f"{name} {getattr(DEFAULTS[name], field)}" for name in architectures if name in DEFAULTS)
+
+    parser.add_argument("--architecture", default=architectures[0], choices=architectures,
+                        help=f"the model family ({', '.join(architectures)}; default {architectures[0]})")
+    parser.add_argument("--preset", help=f"its size (default: {each('preset')}; the presets are those of mdtriton "
+                                         "build --preset)")
+    parser.add_argument("--config", default="{}", help="JSON overriding the preset's config")
+    parser.add_argument("--height", help=f"image or clip heights in pixels, one per size (default: {each('heights')})")
+    parser.add_argument("--width", help=f"widths, one per height (default: {each('widths')})")
+    parser.add_argument("--frames", type=int, help=f"frames of every size (default: {each('frames')})")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (default when there is a GPU) or cpu: float32 (gloo ranks), for checking the tool "
+                             "with --preset tiny")
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    """The config of --architecture at --preset with --config's changes; a missing --preset becomes the
+    architecture's default (DEFAULTS, else its first preset)."""
+    presets = family(args.architecture).presets()
+    if args.preset is None:
+        args.preset = DEFAULTS[args.architecture].preset if args.architecture in DEFAULTS else next(iter(presets))
+    if args.preset not in presets:
+        raise ValueError(f"{args.architecture} has no preset {args.preset!r}; choose from {', '.join(presets)}")
+    return {**presets[args.preset], **json.loads(args.config)}
+
+
+def model_sizes(args: argparse.Namespace, config: dict) -> list[Size]:
+    """The sizes of --height, --width and --frames, or the architecture's defaults; a size the family's pipeline
+    refuses is refused here, before anything runs."""
+    defaults = DEFAULTS.get(args.architecture)
+    if defaults is None and None in (args.height, args.width, args.frames):
+        raise ValueError(f"--architecture {args.architecture} has no default sizes; give --height, --width and "
+                         "--frames")
+    if (args.height is None) != (args.width is None):
+        raise ValueError("give --height and --width together (one width per height)")
+    heights = [int(n) for n in (args.height or defaults.heights).split(",")]
+    widths = [int(n) for n in (args.width or defaults.widths).split(",")]
+    if len(heights) != len(widths):
+        raise ValueError(f"{len(heights)} heights and {len(widths)} widths; give one width per height")
+    frames = defaults.frames if args.frames is None else args.frames
+    sizes = [Size(frames, height, width) for height, width in zip(heights, widths)]
+    for size in sizes:
+        family(args.architecture).media_request(config, size.frames, size.height, size.width, torch.float32)
+    return sizes
+
+
+def precision(device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype and data type a benchmark runs in on the device: bf16 on GPUs (as served), float32 on CPU."""
+    return (torch.bfloat16, "BF16") if device.type == "cuda" else (torch.float32, "FP32")
+
+
+def device_name(device: torch.device) -> str:
+    """The device for a table's title: the GPU's name, or CPU; and torch's version."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"{name}, torch {torch.__version__}"
 
 
 def bench_engine(architecture: str, config: dict, comm: Communicator, weights: dict[str, torch.Tensor],
@@ -81,7 +183,7 @@ def bench_weights(architecture: str, config: dict, plan: ParallelPlan, rank: int
 def flux_inputs(config: dict, text_tokens: int, image_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One request's inputs, identical on every rank (seeded on the CPU): image ids on a square-ish grid; bf16 on
     GPUs, float32 on CPU."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype, _ = precision(device)
     return {name: t.to(device) for name, t in example_inputs(config, text_tokens, image_tokens, dtype).items()}
 
 
@@ -117,6 +219,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def psnr(image: np.ndarray, reference: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of a uint8 image against another, in dB (infinite for equal images)."""
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
 def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[float], object]:
     """Milliseconds of each timed call (CUDA events on GPU; ranks lined up by a barrier first), and the last result."""
     times = []
@@ -138,42 +246,6 @@ def time_calls(call, cuda: bool, warmup: int, iterations: int) -> tuple[list[flo
         if i >= warmup:
             times.append(elapsed)
     return times, result
-
-
-def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[dict, int]], device: torch.device,
-              iterations: int) -> list[dict]:
-    """A diffusers model as the 1-GPU peer of `mdtriton bench` (benchmarks/diffusers_wan.py, diffusers_cosmos3.py): in
-    each mode (eager: torch's SDPA choice; compile: its repeated blocks compiled, cuDNN attention), each size's call
-    (its label: diffusers' keyword arguments and the request's tokens) timed by time_calls: the first call apart (a
-    compile shows there), the median of `iterations` later ones, the peak memory allocated meanwhile. Each row is printed
-    as JSON as it is measured."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    cuda = device.type == "cuda"
-    rows = []
-    for mode in modes:
-        if mode == "compile":
-            model.compile_repeated_blocks(fullgraph=True)
-        for label, (arguments, tokens) in calls.items():
-            backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if mode == "compile" and cuda else nullcontext()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode(), backends:
-                first, _ = time_calls(lambda: model(**arguments), cuda, 0, 1)
-                times, _ = time_calls(lambda: model(**arguments), cuda, 0, iterations)
-            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens, "median_ms": timing(times)["median_ms"],
-                   "first_call_s": first[0] / 1000,
-                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
-
-
-def peer_table(rows: list[dict]) -> str:
-    """time_peer's rows as a Markdown table."""
-    return markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
-                          [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
-                            f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows])
 
 
 def timing(times: list[float]) -> dict[str, float]:
@@ -225,20 +297,27 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
-    """A diffusers pipeline directory of components (each saved by its save_pretrained), whose transformer/ holds only
-    its config: what `mdtriton build --architecture NAME-pipeline --weights DIR` builds from with random transformer
-    weights. index: model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class]
-    and any other); the components' entries are added."""
-    index = dict(index)
-    for name, component in components.items():
-        component.save_pretrained(directory / name)
-        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
-    (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
-                                                                       **transformer_config}))
-    (directory / MODEL_INDEX).write_text(json.dumps(index))
-    return directory
+def build_pipeline(repository: Path, model: str, architecture: str, pipeline_dir: Path, data_type: str,
+                   device: torch.device, plan: ParallelPlan = ParallelPlan()) -> Path:
+    """The model version `mdtriton build --architecture ARCHITECTURE --weights PIPELINE_DIR` makes of a diffusers
+    pipeline directory whose transformer/ holds only its config: the transformer's random weights made on the device
+    (seed 0, so every plan and data type computes the same model), any request size allowed. Returns the version's
+    directory."""
+    return build_model_version(repository, model, architecture, None, plan, data_type,
+                               "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir,
+                               limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
+                               random_device=device.type, progress=False)
+
+
+@contextmanager
+def started_server(repository: Path, log_file: Path,
+                   models: tuple[str, ...] = ()) -> Iterator[tuple[TritonServer, float]]:
+    """The embedded Triton server on the repository (loading only `models` where given, else every model) and the
+    seconds from its start until it was ready; stopped on leaving."""
+    began = time.perf_counter()
+    with TritonServer(repository, model_control_mode="explicit" if models else "none", load_models=models,
+                      log_file=log_file) as server:
+        yield server, time.perf_counter() - began
 
 
 def write_results(output_dir: Path, text: str, data: dict) -> None:

@@ -1,0 +1,135 @@
+"""The 1-GPU peer of `mdtriton bench`: diffusers' own transformer of the family (FluxTransformer2DModel,
+WanTransformer3DModel, Cosmos3OmniTransformer) at the preset's size (random weights, batch 1, made in bf16 on the GPU;
+Cosmos 3's time embedder in float32, as diffusers keeps it), at the bench's requests (Family.media_request at the sizes
+in pixels; Cosmos 3's packed as Cosmos3OmniPipeline packs them), eager (torch's SDPA choice) and regionally compiled
+(its repeated blocks, `compile_repeated_blocks(fullgraph=True)`, cuDNN attention). It takes the bench's model
+arguments (mdtriton/harness.py: --architecture, --preset, --config, --height, --width, --frames, --device). Run it in
+the same device call as `mdtriton bench --architecture NAME --gpus 1`, so both are timed on one machine, by the same
+timer. The first call per size is printed apart from the median of the timed calls (a compile or a recompile shows
+there); the peak memory allocated is each size's.
+
+    python benchmarks/diffusers_peer.py --architecture flux --height 1024,2048 --width 1024,2048
+    python benchmarks/diffusers_peer.py --architecture wan          # 480p and 720p x 81 frames
+    python benchmarks/diffusers_peer.py --architecture cosmos3      # 480p and 720p x 189 frames
+    python benchmarks/diffusers_peer.py --architecture wan --device cpu --preset tiny --height 32 --width 48 --frames 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import nullcontext
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mdtriton.families import family
+from mdtriton.harness import (add_model_arguments, markdown_table, model_config, model_sizes, precision, time_calls,
+                              timing)
+
+
+def flux_model(config: dict) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(**{**config, "axes_dims_rope": tuple(config["axes_dims_rope"])})
+
+
+def wan_model(config: dict) -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(**{**config, "patch_size": tuple(config["patch_size"])})
+
+
+def cosmos3_model(config: dict) -> torch.nn.Module:
+    from diffusers import Cosmos3OmniTransformer
+
+    model = Cosmos3OmniTransformer(**config)
+    model.time_embedder.float()  # diffusers' _keep_in_fp32_modules
+    return model
+
+
+def keywords(config: dict, request: dict[str, torch.Tensor]) -> dict:
+    """diffusers' call of FLUX's or Wan's transformer for our request: the same names."""
+    return {**request, "return_dict": False}
+
+
+def cosmos3_keywords(config: dict, request: dict[str, torch.Tensor]) -> dict:
+    """diffusers' call of its transformer for our request, packed as Cosmos3OmniPipeline packs it: the text, then the
+    video's tokens, every frame noisy."""
+    latent = request["vision_tokens"]
+    p = config["latent_patch_size"]
+    grid = (latent.shape[2], -(-latent.shape[3] // p), -(-latent.shape[4] // p))
+    text, video = request["input_ids"].shape[0], grid[0] * grid[1] * grid[2]
+    device = latent.device
+    return {"input_ids": request["input_ids"], "text_indexes": torch.arange(text, device=device),
+            "position_ids": request["position_ids"], "und_len": text, "sequence_length": text + video,
+            "vision_tokens": [latent], "vision_token_shapes": [grid],
+            "vision_sequence_indexes": torch.arange(text, text + video, device=device),
+            "vision_mse_loss_indexes": torch.arange(text, text + video, device=device),
+            "vision_timesteps": request["timestep"].expand(video),
+            "vision_noisy_frame_indexes": [torch.arange(grid[0], device=device)], "return_dict": False}
+
+
+# architecture: (diffusers' transformer of a config, its keyword arguments for one of our requests)
+PEERS = {"flux": (flux_model, keywords), "wan": (wan_model, keywords), "cosmos3": (cosmos3_model, cosmos3_keywords)}
+
+
+def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[dict, int]], device: torch.device,
+              iterations: int) -> list[dict]:
+    """In each mode (eager: torch's SDPA choice; compile: the repeated blocks compiled, cuDNN attention), each size's
+    call (its label: diffusers' keyword arguments and the request's tokens) timed by the harness's timer: the first call
+    apart (a compile shows there), the median of `iterations` later ones, the peak memory allocated meanwhile. Each row
+    is printed as JSON as it is measured."""
+    cuda = device.type == "cuda"
+    rows = []
+    for mode in modes:
+        if mode == "compile":
+            model.compile_repeated_blocks(fullgraph=True)
+        for label, (arguments, tokens) in calls.items():
+            backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if mode == "compile" and cuda else nullcontext()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            with torch.inference_mode(), backends:
+                first, _ = time_calls(lambda: model(**arguments), cuda, 0, 1)
+                times, _ = time_calls(lambda: model(**arguments), cuda, 0, iterations)
+            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens,
+                   "median_ms": timing(times)["median_ms"], "first_call_s": first[0] / 1000,
+                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, list(PEERS))
+    parser.add_argument("--modes", default="eager,compile", help="eager and/or compile (default both)")
+    parser.add_argument("--iterations", type=int, default=2, help="timed forwards after the first (default 2)")
+    args = parser.parse_args()
+    config = model_config(args)
+    sizes = model_sizes(args, config)
+    model_family = family(args.architecture)
+    make_model, call_keywords = PEERS[args.architecture]
+    device = torch.device(args.device)
+    dtype, _ = precision(device)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its type: a float32 copy of 12-15 B parameters beside it does not fit
+    try:
+        with device:
+            model = make_model(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    calls = {}
+    for size in sizes:
+        request = {name: tensor.to(device) for name, tensor in
+                   model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
+        calls[str(size)] = (call_keywords(config, request), model_family.check_request(config, request).tokens)
+    rows = time_peer(model, args.modes.split(","), calls, device, args.iterations)
+    print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
+                         [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
+                           f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows]))
+
+
+if __name__ == "__main__":
+    main()

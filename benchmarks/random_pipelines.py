@@ -1,0 +1,147 @@
+"""The pipelines the pipeline benchmarks build and serve, and the arguments they share.
+
+A pipeline here is a diffusers directory whose transformer/ holds only its config, what `mdtriton build --architecture
+NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.harness.build_pipeline): FLUX.1-dev's
+components (T5-XXL, CLIP-L, the 16-channel VAE) or Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) with random weights made
+on the GPU, or the tests' tiny pipelines (--tiny, on the CPU). The tokenizers are small local ones: token ids do not
+change the work (T5 always gets max_sequence_length tokens, CLIP 77).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny pipelines and local tokenizers
+
+from mdtriton.build_tools.build import MODEL_INDEX  # noqa: E402
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
+from mdtriton.families.wan import WAN  # noqa: E402
+from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
+from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
+
+FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
+WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
+# FLUX.1-dev's components (their config.json files), T5 = google/t5-v1_1-xxl's encoder, CLIP = ViT-L/14's text model.
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, bos_token_id=0, eos_token_id=2)
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+              layer_norm_epsilon=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
+                use_quant_conv=False, use_post_quant_conv=False)
+FLUX_DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                          max_image_seq_len=4096)
+FLUX_INDEX = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
+# Wan 2.1's text encoder: google/umt5-xxl's encoder (its config.json).
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+# model_index.json of a Wan 2.1 text-to-video pipeline (one transformer); the components' entries are added.
+WAN_INDEX = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+             "transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, disk_gb: int) -> None:
+    """--tiny, --height, --width, --steps and --workdir, as every FLUX pipeline benchmark takes them (pipeline_device
+    fills in their defaults). disk_gb: what --workdir needs at FLUX.1-dev size."""
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, float32 (checks the script)")
+    parser.add_argument("--height", type=int, help="pixels (default 1024; --tiny: 64)")
+    parser.add_argument("--width", type=int, help="pixels (default 1024; --tiny: 64)")
+    parser.add_argument("--steps", type=int, help=f"denoising steps (default 28; --tiny: {tiny_steps})")
+    parser.add_argument("--workdir", type=Path, help="the pipeline directory and model repositories (default: a "
+                                                     "temporary directory; FLUX.1-dev size needs "
+                                                     f"{disk_gb} GB of disk)")
+
+
+def pipeline_device(args: argparse.Namespace, tiny_steps: int) -> torch.device:
+    """The device a FLUX pipeline benchmark runs on (GPU 0, or the CPU with --tiny), its size and steps filled in."""
+    args.height = args.height or (64 if args.tiny else 1024)
+    args.width = args.width or (64 if args.tiny else 1024)
+    args.steps = args.steps or (tiny_steps if args.tiny else 28)
+    return torch.device("cpu" if args.tiny else "cuda:0")
+
+
+@contextmanager
+def work_directory(args: argparse.Namespace) -> Iterator[Path]:
+    """--workdir, or a temporary directory removed on leaving."""
+    with tempfile.TemporaryDirectory(prefix="mdtriton-bench-") as scratch:
+        yield args.workdir or Path(scratch)
+
+
+def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
+    """A diffusers pipeline directory of components (each saved by its save_pretrained), whose transformer/ holds only
+    its config. index: model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class]
+    and any other); the components' entries are added."""
+    index = dict(index)
+    for name, component in components.items():
+        component.save_pretrained(directory / name)
+        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+    (directory / "transformer").mkdir(parents=True, exist_ok=True)
+    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
+                                                                       **transformer_config}))
+    (directory / MODEL_INDEX).write_text(json.dumps(index))
+    return directory
+
+
+def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A FLUX pipeline directory (FLUX.1-dev's components, made on device in bf16; or the tests' tiny ones) and its
+    transformer's config."""
+    if tiny:
+        pipeline = tiny_flux_pipeline()
+        components = {name: getattr(pipeline, name) for name in ("text_encoder", "text_encoder_2", "vae", "tokenizer",
+                                                                 "tokenizer_2")}
+        config = {key: pipeline.transformer.config[key] for key in FLUX_DEV_CONFIG}
+    else:
+        with torch.device(device):
+            components = {"text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)).to(torch.bfloat16),
+                          "text_encoder_2": T5EncoderModel(T5Config(**T5_XXL)).to(torch.bfloat16),
+                          "vae": AutoencoderKL(**FLUX_VAE).to(torch.bfloat16)}
+        components.update(tokenizer=clip_tokenizer(), tokenizer_2=t5_tokenizer())
+        config = dict(FLUX_DEV_CONFIG)
+    components["scheduler"] = FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER)
+    save_pipeline_dir(directory, FLUX_INDEX, components, config)
+    del components
+    free_memory()
+    return directory, config
+
+
+def wan_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A Wan 2.1 text-to-video pipeline directory (Wan 2.1 T2V 14B's components: random UMT5-XXL made on device in
+    bf16 and the Wan VAE in float32, as WanPipeline keeps it, the 480p scheduler; or the tests' tiny ones) and its
+    transformer's config."""
+    if tiny:
+        pipeline = tiny_wan_pipeline()
+        components = {name: getattr(pipeline, name) for name in ("text_encoder", "vae", "tokenizer", "scheduler")}
+        config = {**dict(pipeline.transformer.config), "patch_size": list(pipeline.transformer.config.patch_size)}
+        config = {key: config[key] for key in WAN.default_config()}
+    else:
+        with torch.device(device):
+            components = {"text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)).to(torch.bfloat16),
+                          "vae": AutoencoderKLWan()}  # diffusers' default config: Wan 2.1's
+        components.update(tokenizer=t5_tokenizer(), scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0))
+        config = WAN.presets()["wan2.1-t2v-14b"]
+    save_pipeline_dir(directory, WAN_INDEX, components, config)
+    del components
+    free_memory()
+    return directory, config
+
+
+def free_memory() -> None:
+    """Give the GPU back what dropped models held, before the server's workers need it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
