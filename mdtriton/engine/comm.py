@@ -169,7 +169,7 @@ class Communicator:
 
         timeout bounds their collectives (a group does not inherit the world's timeout; None: torch's default).
         """
-        plan, rank = self.plan, self.rank
+        plan = self.plan
         if plan.world_size == 1:
             return
         if not dist.is_initialized() or dist.get_world_size() != plan.world_size:

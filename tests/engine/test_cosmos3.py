@@ -24,6 +24,7 @@ from mdtriton.families.cosmos3.transformer import TINY_CONFIG
 from mdtriton.harness import relative_error
 from tests.conftest import start_server
 from tests.distributed import run_ranks
+from tests.engine.plans import PLANS
 from tests.engine.cosmos3_cases import (NEMOTRON, Case, diffusers_inputs, diffusers_model, engine_inputs,
                                         expected_sample, module_weights)
 from tests.engine.flux_cases import max_relative_error, rank_engine, write_engine
@@ -31,14 +32,8 @@ from tests.engine.flux_cases import max_relative_error, rank_engine, write_engin
 # 7 text + 18 video tokens (odd latent width, a conditioning frame) divide by neither 2 nor 4; 20 text + 3 video
 # tokens (an image) leave ranks of 4 with text only; 5 + 12 at 12 fps.
 CASES = [Case(7, 3, 4, 5, conditioning=1, fps=30.0), Case(20, 1, 2, 6), Case(5, 2, 6, 4, fps=12.0)]
-CP_METHODS = ("allgather_kv", "ring", "ulysses")
-PLANS = {
-    2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
-    # tp 4 keeps one key/value head for two ranks; ulysses on 4 ranks (and on 2 with tp 2) copies key/value heads.
-    4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
-       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS]
-       + [ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)],
-}
+# Of the plans (tests/engine/plans.py): tp 4 keeps one key/value head for two ranks; ulysses on 4 ranks (and on 2 with
+# tp 2) copies key/value heads.
 
 
 def three_ways(rank: int, world_size: int, engine_dirs: dict[str, str], cases: list[dict]) -> dict[str, list]:

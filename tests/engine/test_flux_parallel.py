@@ -12,18 +12,12 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import Flux, JointSlice
 from tests.distributed import run_ranks
+from tests.engine.plans import PLANS
 from tests.engine.flux_cases import fan_in_scaled_weights, flux_inputs, max_relative_error, run_engines, write_engine
 
 # (text, image) token counts: 15 divides by neither 2 nor 4; 16 splits text across ranks; with 5 tokens on
 # 4 ranks the last rank holds only padding and the one before it a real token and padding.
 SEQUENCES = [(5, 10), (4, 12), (2, 3)]
-CP_METHODS = ("allgather_kv", "ring", "ulysses")
-PLANS = {
-    2: [ParallelPlan(cp_size=2, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=2)],
-    4: [ParallelPlan(cp_size=4, cp_method=m) for m in CP_METHODS] + [ParallelPlan(tp_size=4)]
-       + [ParallelPlan(tp_size=2, cp_size=2, cp_method=m) for m in CP_METHODS]
-       + [ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)],
-}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
