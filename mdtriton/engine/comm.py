@@ -48,6 +48,11 @@ def is_backend_failure(error: Exception) -> bool:
     return isinstance(error, dist.DistError) or "/gloo/transport/" in str(error) or not dist.is_initialized()
 
 
+def group_with(rank: int, partition: list[list[int]]) -> list[int]:
+    """The group of a partition of the world's ranks that holds rank."""
+    return next(ranks for ranks in partition if rank in ranks)
+
+
 def first_sentence(error: Exception) -> str:
     """The gist of a backend error: its first sentence, without gloo's "[source.cc:123] " prefix."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
@@ -71,11 +76,11 @@ class Communicator:
         self._ring_group = None
         # The ranks of this rank's Ulysses group and ring, in order: ulysses_ring's subgroups of the context-parallel
         # group; for ulysses and ring, the context-parallel group is the one that exchanges heads or passes blocks.
-        cp_ranks = [ranks for ranks in plan.cp_group_ranks() if rank in ranks][0]
+        cp_ranks = group_with(rank, plan.cp_group_ranks())
         match plan.cp_method:
             case "ulysses_ring":
-                self._ulysses_ranks = [ranks for ranks in plan.ulysses_group_ranks() if rank in ranks][0]
-                self._ring_ranks = [ranks for ranks in plan.ring_group_ranks() if rank in ranks][0]
+                self._ulysses_ranks = group_with(rank, plan.ulysses_group_ranks())
+                self._ring_ranks = group_with(rank, plan.ring_group_ranks())
             case "ulysses":
                 self._ulysses_ranks, self._ring_ranks = cp_ranks, [rank]
             case "ring":
@@ -311,7 +316,7 @@ class Communicator:
         if self._rehearsing:
             return Pending(self, "ring shift", [])
         self.check_device("ring shift", send, receive)
-        position = self._ring_ranks.index(self.rank)
+        position = self.ring_rank
         send_to = self._ring_ranks[(position + 1) % self.ring_size]
         receive_from = self._ring_ranks[(position - 1) % self.ring_size]
         ops = [dist.P2POp(dist.isend, send, send_to, group=self._ring_group),
