@@ -7,8 +7,9 @@ Each GPU count runs in its own processes (one per GPU, NCCL: the harness's run_r
 (CUDA events, ranks lined up by a barrier) around whole `vae.decode` calls, the gather of the rows on every rank
 included; the median of --iterations after one warm-up decode. Peak memory: the most any rank allocated during them.
 The max uint8 difference compares each decode's image, rounded as diffusers' image processor rounds it, with the
-one-GPU decode's; the share of that image's levels strictly between 0 and 255 says how much of it random weights
-left unclipped (what the comparison can see).
+one-GPU decode's, and with a float32 decode on one GPU (TF32 off: the dtype's own rounding, which a split decode
+cannot be held to better than); the share of that image's levels strictly between 0 and 255 says how much of it random
+weights left unclipped (what the comparison can see).
 
     python benchmarks/vae_decode.py                               # FLUX and Wan, 1, 2 and 4 GPUs, bf16
     python benchmarks/vae_decode.py --models wan --dtype float32  # Wan's VAE as the served pipeline runs it
@@ -54,6 +55,12 @@ def levels(image: torch.Tensor) -> torch.Tensor:
     return ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+def float32_levels(vae: torch.nn.Module, latent: torch.Tensor) -> torch.Tensor:
+    """The whole decode in float32 with TF32 off, as uint8 levels on the CPU (vae is left in float32)."""
+    with torch.inference_mode(), torch.backends.cudnn.flags(allow_tf32=False):
+        return levels(vae.float().decode(latent.float()).sample).cpu().contiguous()
+
+
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
     cuda = not args.tiny
     device = init_rank(rank, world_size, port, cuda)
@@ -78,6 +85,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             rows.append({"model": name, "size": size, "gpus": world_size, "split": split, **timing(times),
                          "peak_gib": float(peak)})
             print(json.dumps(rows[-1]), flush=True)
+        if world_size == 1:
+            image = None
+            save_file({"levels": float32_levels(vae, latent)}, Path(work_dir) / f"{name}-float32.safetensors")
         vae = image = None
         if cuda:
             torch.cuda.empty_cache()
@@ -114,6 +124,8 @@ def main() -> None:
             image = load_file(Path(work_dir) / f"{row['model']}-{row['gpus']}.safetensors")["levels"]
             whole = load_file(Path(work_dir) / f"{row['model']}-1.safetensors")["levels"]
             row["max_level_difference"] = int((image.int() - whole.int()).abs().max())
+            reference = load_file(Path(work_dir) / f"{row['model']}-float32.safetensors")["levels"]
+            row["max_level_difference_float32"] = int((image.int() - reference.int()).abs().max())
             row["unclipped"] = float(((whole > 0) & (whole < 255)).float().mean())
     single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
     device = torch.device("cpu" if args.tiny else "cuda:0")
@@ -122,9 +134,10 @@ def main() -> None:
           "decodes after one warm-up\n")
     print(markdown_table(
         ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",
-         "max uint8 difference vs 1 GPU", "unclipped levels"],
+         "max uint8 difference vs 1 GPU", "vs float32 on 1 GPU", "unclipped levels"],
         [[row["model"], row["size"], row["gpus"], "split" if row["split"] else "whole", f"{row['median_ms']:,.1f}",
           f"{single[row['model']] / row['median_ms']:.2f}x", f"{row['peak_gib']:.2f}", row["max_level_difference"],
+          row["max_level_difference_float32"],
           f"{100 * row['unclipped']:.0f}%"]
          for row in sorted(rows, key=lambda row: (row["model"], row["gpus"]))]))
 

@@ -93,7 +93,7 @@ class ParallelLinear(nn.Module):
 
         Unquantized, an accumulation is the GEMM's own (C in C + A B), and on a GPU a GELU after a bias is applied
         in the GEMM's cuBLASLt epilogue, to the float32 sums: no pass over the output. torch.compile keeps both
-        calls as they are. An accumulating GEMM takes no bias (forward_segments adds it with the first one).
+        calls as they are. An accumulating GEMM takes no bias (segment_product adds it with the first one).
 
         FP8: x comes quantized per row (Fp8Rows, from the kernel that made it) or is quantized here in one pass.
         The GELU's output is handed on quantized (its only reader is the next FP8 GEMM): GELU and quantization
@@ -180,7 +180,7 @@ class RowParallelLinear(ParallelLinear):
         return self.comm.tp_all_reduce(self.local_linear(x, bias))
 
     def split_segments(self) -> None:
-        """Hold this rank's weight as one matrix per input segment (forward_segments then takes the segments'
+        """Hold this rank's weight as one matrix per input segment (segment_product then takes the segments'
         inputs apart, with no concatenation); call once the weights are loaded. bf16 layers only: an FP8 layer's
         input is quantized per row into one tensor (mdtriton.engine.fused_activations) and runs one GEMM."""
         if self.fp8:
@@ -190,16 +190,16 @@ class RowParallelLinear(ParallelLinear):
             nn.Parameter(part.contiguous()) for part in self.weight.split(sizes, dim=1))
         del self.weight
 
-    def forward_segments(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """forward(torch.cat(parts, dim=-1)) without the concatenation: one GEMM per segment, the later ones adding
-        into the first's output in their epilogue, then one AllReduce.
+    def segment_product(self, index: int, x: torch.Tensor, accumulate: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of forward(torch.cat(inputs, dim=-1)) that input segment `index` (its input x) gives: x
+        times the segment's weight (split_segments), added into `accumulate` (the product of another segment) in the
+        GEMM's epilogue if given; the first product of a sum (no accumulate) adds the bias, on tp rank 0. Summed
+        over the segments and all-reduced over the tensor-parallel group, the products are forward's output.
 
         Written out, the concatenation was the slowest kernel of FLUX's single blocks (docs/benchmarks.md)."""
-        bias = self.bias if self.comm.tp_rank == 0 else None
-        out = self.linear(parts[0], self.segment_weights[0], bias)
-        for part, weight in zip(parts[1:], self.segment_weights[1:]):
-            out = self.linear(part, weight, None, accumulate=out)
-        return self.comm.tp_all_reduce(out)
+        if accumulate is not None:
+            return self.linear(x, self.segment_weights[index], None, accumulate=accumulate)
+        return self.linear(x, self.segment_weights[index], self.bias if self.comm.tp_rank == 0 else None)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (1, self.in_segments)}

@@ -5,10 +5,10 @@ diffusers loads every component but the transformer from the engine directory, a
 runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
 replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
-the ranks in step. On CPU ranks the VAE decode is split across the ranks by bands of rows
-(mdtriton.pipeline.split_vae); GPU ranks decode whole until that has run on NCCL. The ranks agree before the first transformer call that none failed before it, and after each step
-whether to stop (mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at
-once and leaves them serving.
+the ranks in step. The VAE decode is split across the ranks by bands of rows (mdtriton.pipeline.split_vae). The
+ranks agree before the first transformer call that none failed before it, and after each step whether to stop
+(mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at once and leaves
+them serving.
 """
 
 from __future__ import annotations
@@ -75,10 +75,7 @@ class PipelineEngine(Engine):
             raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
-        if comm.device.type == "cpu":
-            # Not on GPUs until it has run served on NCCL ranks (its halo exchanges and gathers never have): there
-            # every rank still decodes the whole image or clip (docs/architecture.md, "The VAE decode").
-            split_decode(pipeline.vae, comm)
+        split_decode(pipeline.vae, comm)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
                    for folder in transformer_engine_folders(engine_dir, part)}

@@ -52,9 +52,18 @@ def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
         comm = Communicator(plan, rank, torch.device("cpu"))
         comm.join_groups()
         mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
-        results[name] = [CP_ATTENTION[name](q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, valid_len).numpy()
-                         for q, k, v, valid_len in cases]
+        results[name] = [with_beside(CP_ATTENTION[name], q[:, :, mine], k[:, :, mine], v[:, :, mine], comm,
+                                     valid_len).numpy() for q, k, v, valid_len in cases]
     return results
+
+
+def with_beside(method, q, k, v, comm: Communicator, valid_len: int) -> torch.Tensor:
+    """method's output, checked to be the same when given work beside it, whose result it returns with it."""
+    out = method(q, k, v, comm, valid_len)
+    out_beside, result = method(q, k, v, comm, valid_len, beside=lambda: ("beside", comm.rank))
+    assert result == ("beside", comm.rank)
+    assert torch.equal(out_beside, out)
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -79,7 +88,7 @@ def test_methods_match_plain_attention(world_size):
 @pytest.mark.parametrize("name", sorted(CP_ATTENTION))
 def test_methods_on_one_rank_are_plain_attention(name):
     q, k, v = qkv_with_loud_padding(1, 3, seed=7)
-    got = CP_ATTENTION[name](q, k, v, Communicator.single(), 3)
+    got = with_beside(CP_ATTENTION[name], q, k, v, Communicator.single(), 3)
     assert max_relative_error(got[:, :, :3], expected_output(q, k, v, 3)) < 1e-5
     assert attention_for(ParallelPlan(cp_method=name)) is local.attention
 

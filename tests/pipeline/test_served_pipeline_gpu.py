@@ -1,6 +1,6 @@
-"""Served pipelines on 2 GPUs (NCCL ranks): tiny FLUX and Wan pipelines built for GPUs, requests sent at once so that
-every rank receives some (rank 0 then broadcasts its answer to the receiving rank), each image or clip equal to the
-same pipeline's on one GPU. Before the device contract (mdtriton.engine.comm) the answers were host tensors, which
+"""Served pipelines on 2 GPUs (NCCL ranks), every plan of 2 ranks: tiny FLUX and Wan pipelines built for GPUs, 4
+requests sent at once so that every rank receives some (rank 0 then broadcasts its answer to the receiving rank), then
+20 in a row, each image or clip equal to the same pipeline's on one GPU; the VAE decode split across the ranks. Before the device contract (mdtriton.engine.comm) the answers were host tensors, which
 NCCL cannot broadcast: every request another rank than 0 received failed and hung to its deadline."""
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ from tests.pipeline.pipelines import max_level_difference, save_pipelines
 from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
 
 pytestmark = pytest.mark.gpu
-FLUX_MODELS = {"flux_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
-               "flux_ring2": ParallelPlan(cp_size=2, cp_method="ring")}
-WAN_MODELS = {"wan_cfg2": ParallelPlan(cfg_size=2)}
+FLUX_MODELS = {"flux_tp2": ParallelPlan(tp_size=2),
+               **{f"flux_{method}2": ParallelPlan(cp_size=2, cp_method=method)
+                  for method in ("ulysses", "ring", "allgather_kv")}}
+WAN_MODELS = {"wan_cfg2": ParallelPlan(cfg_size=2), "wan_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
+              "wan_tp2": ParallelPlan(tp_size=2)}
 IMAGE = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
 CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0)
 SEEDS = range(4)
+IN_A_ROW = 20
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,8 @@ def served(tmp_path_factory):
 
 
 def answers(server, model: str) -> list:
-    """The model's answer for every seed: all seeds at once (so both ranks receive requests), then one by one."""
+    """The model's answer for every seed, all seeds at once (so both ranks receive requests); then IN_A_ROW answers
+    one by one, the seeds in turn."""
     def ask(seed):
         if model.startswith("flux"):
             return generate(server.grpc_address, model, ["a red cat"], **IMAGE, seed=seed, timeout=300)
@@ -57,7 +61,7 @@ def answers(server, model: str) -> list:
 
     with ThreadPoolExecutor(len(SEEDS)) as pool:
         together = list(pool.map(ask, SEEDS))
-    return together + [ask(seed) for seed in SEEDS]
+    return together + [ask(SEEDS[i % len(SEEDS)]) for i in range(IN_A_ROW)]
 
 
 @pytest.mark.timeout(900)
@@ -67,7 +71,9 @@ def test_every_rank_receives_requests_and_every_answer_equals_one_gpu(served, fa
     assert expected[0].std() > 10  # a real picture
     for model in models:
         got = answers(served, model)
-        for seed, (image, want) in enumerate(zip(got, expected + expected)):
-            assert max_level_difference(image, want) <= 2, f"{model}, request {seed}"
+        assert len(got) == len(SEEDS) + IN_A_ROW
+        for request, image in enumerate(got):
+            want = expected[request % len(SEEDS)]
+            assert max_level_difference(image, want) <= 2, f"{model}, request {request}"
         received = received_per_rank(served.metrics_url, model)
         assert sorted(received) == ["0", "1"] and min(received.values()) >= 1, (model, received)

@@ -6,13 +6,16 @@ Every method has the call signature of `local.attention`:
 (cp_rank * local_seq onwards). Keys at global positions >= valid_len are padding and never attended.
 k and v may have fewer heads than q, a divisor of them (grouped-query attention, Cosmos 3's): query head h attends
 with key/value head h // (q heads / k heads); the methods move the fewer heads and repeat them only for the kernel.
+`beside`, if given, is work that does not depend on the attention (a FLUX single block's MLP): a function of no
+arguments that each method calls once its first transfer is in flight, so that the work runs on the GPU while the
+transfer does; the method then returns (out, beside's result). On one rank beside just runs before the attention.
 Each runs eagerly also when called from compiled code (`torch.compiler.disable`): its collectives cannot be
 traced, and its kernel choice (cuDNN first, local.KERNEL_PRIORITY) is the eager dispatcher's.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -20,7 +23,8 @@ from mdtriton.engine.attention import allgather_kv, local, ring, ulysses, ulysse
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Communicator, int], torch.Tensor]
+# attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
+Attention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
 
 CP_ATTENTION = {
     "allgather_kv": allgather_kv.attention,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.attention.local import Beside, beside_transfer, plain_attention
 from mdtriton.engine.attention.ulysses import head_groups
 from mdtriton.engine.comm import Communicator
 
 
 @torch.compiler.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
     """Local queries over the whole sequence's keys and values (padding keys cut off; k and v may have fewer heads
-    than q: they are gathered as they are)."""
+    than q: they are gathered as they are); beside runs while the first group is in flight."""
     batch, kv_heads, length, dim = k.shape
     heads, ranks = q.shape[1], comm.cp_size
     groups = head_groups(heads, kv_heads)
@@ -28,6 +29,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
         send[:, i].copy_(x.view(batch, groups, kv_width, length, dim).permute(1, 0, 3, 2, 4))
     gathered = k.new_empty(groups, ranks, 2, batch, length, kv_width, dim)
     arrivals = [comm.cp_all_gather_into(gathered[g], send[g]) for g in range(groups)]
+    beside_result = beside_transfer(beside, q.device)
     out = q.new_empty(batch, length, heads, dim)
     for g in range(groups):
         arrivals[g].wait()
@@ -35,4 +37,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
         query_heads = slice(g * q_width, (g + 1) * q_width)
         out[:, :, query_heads] = plain_attention(q[:, query_heads], kv[0].transpose(1, 2),
                                                  kv[1].transpose(1, 2)).transpose(1, 2)
-    return out.transpose(1, 2)
+    out = out.transpose(1, 2)
+    return out if beside is None else (out, beside_result)

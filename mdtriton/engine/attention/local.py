@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,13 @@ KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBa
                    SDPBackend.MATH]
 # The kernels that return the log-sum-exp the ring method needs take these dtypes on CUDA.
 LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+# Work beside the attention (the package's docstring): a function of no arguments, or None.
+Beside = Callable[[], Any] | None
+# Multiprocessors that the GEMMs beside a transfer leave to NCCL's kernels. cuBLAS's Hopper GEMMs otherwise take every
+# multiprocessor, and the transfer's kernel starts only once they end. On 2 H200s at FLUX's 4,096+512 tokens, 8 made
+# the forward 2% faster (ring and Ulysses), 24 no faster than 8 (docs/benchmarks.md).
+NCCL_SMS = 8
 
 
 def uses_fa3(q: torch.Tensor) -> bool:
@@ -40,6 +49,21 @@ def expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
+def beside_transfer(beside: Beside, device: torch.device) -> Any:
+    """beside(), called while a transfer is in flight: on a GPU its cuBLASLt GEMMs leave NCCL_SMS multiprocessors
+    free, so that the transfer runs beside them."""
+    if beside is None:
+        return None
+    if device.type != "cuda":
+        return beside()
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(NCCL_SMS)
+    try:
+        return beside()
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+
+
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention [B, H, S, D] of q over all of k and v (which may have fewer heads: expand_heads): FlashAttention-3
     where available (uses_fa3; it shares key/value heads itself), else scaled_dot_product_attention with the kernels
@@ -53,9 +77,11 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 @torch.compiler.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
     """Attention when this rank holds the whole sequence (cp_size 1); keys from valid_len on are dropped."""
-    return plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    out = plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    return out if beside is None else (out, beside())
 
 
 def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

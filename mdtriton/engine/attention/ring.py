@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import attention_with_lse
+from mdtriton.engine.attention.local import Beside, attention_with_lse, beside_transfer
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 
 
 @torch.compiler.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
-    """Local queries over every rank's keys and values, one block per ring step."""
-    return ring_attention(q, k, v, comm, valid_len)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
+    """Local queries over every rank's keys and values, one block per ring step; beside runs while the first
+    step's transfer is in flight."""
+    return ring_attention(q, k, v, comm, valid_len, beside)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-                   valid_len: int) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+                   beside: Beside = None):
     """q [B, H, Sq, D] over the keys and values of the whole ring: k and v [B, H, L, D] are block `comm.ring_rank` of
     the sequence (positions ring_rank * L onwards); keys from valid_len on are padding. Returns [B, H, Sq, D] (a view
-    of [B, Sq, H, D] memory)."""
+    of [B, Sq, H, D] memory), and with beside (run while the first transfer is in flight) (that, beside's result)."""
     ranks = comm.ring_size
     batch, heads, queries, dim = q.shape
     kv_heads, length = k.shape[1:3]
@@ -40,6 +42,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         last = step == ranks - 1
         if not last:
             transfer = comm.ring_shift(held, arriving)
+        if step == 0:
+            beside_result = beside_transfer(beside, q.device)
         # At step s this rank holds the block of the rank s places before it in the ring.
         source = (comm.ring_rank - step) % ranks
         keys = min(max(valid_len - source * length, 0), length)
@@ -52,4 +56,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
             lses[step].fill_(float("-inf"))
         if not last:
             transfer.wait()
-    return merge_blocks(outputs, lses).transpose(1, 2)
+    out = merge_blocks(outputs, lses).transpose(1, 2)
+    if beside is None:
+        return out
+    return out, beside_result

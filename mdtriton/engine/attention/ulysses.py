@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from mdtriton.engine.attention.local import expand_heads, plain_attention
+from mdtriton.engine.attention.local import Beside, beside_transfer, expand_heads, plain_attention
 from mdtriton.engine.comm import Communicator
 
 # Head groups per exchange: two lets the second group's transfer run under the first group's attention. More groups
@@ -26,9 +26,11 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @torch.compiler.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
     """Attention of this rank's sequence slice, computed head-split over the whole sequence."""
-    return exchange_heads(q, k, v, comm, lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len]))
+    return exchange_heads(q, k, v, comm, lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len]),
+                          beside)
 
 
 def head_groups(*heads_per_rank: int) -> int:
@@ -37,13 +39,13 @@ def head_groups(*heads_per_rank: int) -> int:
     return HEAD_GROUPS if all(heads % HEAD_GROUPS == 0 for heads in heads_per_rank) else 1
 
 
-def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-                   attend: Attend) -> torch.Tensor:
+def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, attend: Attend,
+                   beside: Beside = None):
     """attend(q, k, v) over the Ulysses group's sequence slices, one slice of the heads per rank: q, k, v
     [B, H, S, D] hold this rank's slice of the sequence (k and v may have fewer heads: grouped-query attention);
     attend gets [B, H / ulysses_size, ulysses_size * S, D] (the group's slices in rank order; k and v with their
     share of the key/value heads) and returns q's shape; the result is this rank's slice again, [B, H, S, D] (a view
-    of [B, S, H, D] memory)."""
+    of [B, S, H, D] memory), and with beside (run while the heads are in flight) (that, beside's result)."""
     ranks = comm.ulysses_size
     batch, heads, length, dim = q.shape
     if heads % ranks:
@@ -62,6 +64,7 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         send[..., start:start + count, :].copy_(x.view(batch, ranks, groups, count, length, dim).permute(2, 1, 0, 4, 3, 5))
     received = torch.empty_like(send)
     arrivals = [comm.ulysses_all_to_all(received[g], send[g]) for g in range(groups)]
+    beside_result = beside_transfer(beside, q.device)
     outputs = q.new_empty(groups, ranks, batch, length, q_width, dim)  # outputs[g, r]: rank r's sequence slice
     returned = torch.empty_like(outputs)
     departures = []
@@ -75,5 +78,5 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     for departure in departures:
         departure.wait()
     # returned[g, r]: heads r * (H / ranks) + g * q_width ... of this rank's slice -> [B, S, H, D]
-    mine = returned.permute(2, 3, 1, 0, 4, 5).reshape(batch, length, heads, dim)
-    return mine.transpose(1, 2)
+    mine = returned.permute(2, 3, 1, 0, 4, 5).reshape(batch, length, heads, dim).transpose(1, 2)
+    return mine if beside is None else (mine, beside_result)

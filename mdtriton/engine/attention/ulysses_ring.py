@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from mdtriton.engine.attention.local import Beside
 from mdtriton.engine.attention.ring import ring_attention
 from mdtriton.engine.attention.ulysses import exchange_heads
 from mdtriton.engine.comm import Communicator
 
 
 @torch.compiler.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
     """Attention of this rank's sequence slice: heads exchanged in its Ulysses group, blocks passed around its ring."""
-    return exchange_heads(q, k, v, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len))
+    return exchange_heads(q, k, v, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len), beside)

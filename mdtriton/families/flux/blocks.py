@@ -151,6 +151,14 @@ class FluxSingleTransformerBlock(nn.Module):
         if not self.fp8:
             self.proj_out.split_segments()
 
+    def mlp(self, norm_x: torch.Tensor) -> torch.Tensor:
+        """The block's MLP, which does not depend on its attention: in bf16 the MLP's first layer (GELU in its
+        epilogue) and the output projection's MLP part, bias included (the attention part is added into it); in FP8
+        the first layer alone (its GELU is applied as it is quantized together with the attention output)."""
+        if self.fp8:
+            return self.proj_mlp(norm_x)
+        return self.proj_out.segment_product(1, self.proj_mlp.forward_gelu(norm_x))
+
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
                 attention: torch.Tensor | None = None, keep_attention: bool = False):
         """x [B, S_local, dim] -> updated x. TaylorSeer: `attention`, the attention's output (before the output
@@ -159,13 +167,15 @@ class FluxSingleTransformerBlock(nn.Module):
         norm_x, gate = self.norm(x, temb)
         if attention is None:
             q, k, v = self.attn.joint_qkv(norm_x, None, rope)
-            attn = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+            # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight.
+            attn, mlp = self.attention(q, k, v, self.comm, valid_len, beside=lambda: self.mlp(norm_x))
+            attn = tokens_first(attn)
         else:
-            attn = attention
+            attn, mlp = attention, self.mlp(norm_x)
         if self.fp8:
-            out = self.proj_out(attention_and_gelu_to_fp8(attn, self.proj_mlp(norm_x)))
+            out = self.proj_out(attention_and_gelu_to_fp8(attn, mlp))
         else:
-            out = self.proj_out.forward_segments([attn, self.proj_mlp.forward_gelu(norm_x)])
+            out = self.comm.tp_all_reduce(self.proj_out.segment_product(0, attn, accumulate=mlp))
         x = x + gate[:, None] * out
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)

@@ -1,0 +1,463 @@
+"""Every rank runs every job, in one order: the data plane of a rank's worker process (backend/rank_worker.py).
+
+A JobRunner serves one *generation* of the ranks: its thread joins the rendezvous, forms the process group
+(NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and runs the jobs the hub orders: the rank that
+received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
+receiving rank's waiting request. A world of one rank has no hub: its jobs run in the order they come
+(job_hub.SingleRankLink), with the same checks, timeouts and endings.
+
+Before the rank that received a request submits its job to the hub, the runner thread copies the inputs to its
+device and checks there that they are finite (mdtriton.engine.request_check.check_finite): a request with NaN or
+infinity fails with RequestError before any other rank hears of it, and the generation goes on. The runner thread
+is the only one that uses the device while serving (while it captures a CUDA graph, another thread's device work
+could break the capture).
+
+A job ends early on every rank at once, and the generation goes on, in three ways:
+- its request no longer waits (cancelled by its client, or past its deadline; the stub says so, `cancel`): before it
+  starts, the receiving rank tells the others as the job's turn comes (one broadcast) and every rank skips it; once
+  started, a pipeline's ranks stop after the next step (mdtriton.engine.job_control);
+- a pipeline's job fails on a rank before any collective of it (an adapter that cannot be read, a check of
+  diffusers'): every rank ends it there (JobFailed), and the request is answered with the failure.
+
+The generation ends when anything else goes wrong in it: a rank's process exits (the hub sees its socket close; on
+NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
+that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank
+stopped or stuck), the hub orders nothing for the timeout while a job of this rank waits (the hub's rank stopped or
+stuck; a busy hub orders other jobs, so a long queue is no sign of it), or a job raises on this rank anywhere else
+(its peers may be waiting in a collective that will never complete, so the job order cannot be trusted any more).
+Every job still pending then fails at once, saying why, and the runner ends: its worker exits, and the stub starts a
+new worker, which meets the other ranks' new workers in a new generation (backend/worker_keeper.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
+
+import torch
+
+from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
+from mdtriton.backend.job_timer import JobTimer
+from mdtriton.backend.messages import EndGeneration, Leave, ProtocolError, Run, Submit
+from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
+from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.engine.comm import CommunicationError, Communicator
+from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
+from mdtriton.engine.engine import Engine
+from mdtriton.engine.job_control import JobControl, JobFailed, JobStopped, controlled_by, wait_for_device
+from mdtriton.engine.request_check import RequestError, check_finite
+
+log = logging.getLogger("mdtriton.backend")
+
+
+class RanksUnavailable(Exception):
+    """The ranks are not (or no longer) together, so no job can run now."""
+
+
+# The rank whose outputs answer every request, whichever rank received it (JobRunner._answer_of_rank_0).
+ANSWERING_RANK = 0
+# How long an unloading worker waits for its generation to end before it leaves anyway: less than its stub waits
+# for it to exit (worker_keeper.STOP_TIMEOUT_S, 10 s).
+LEAVE_TIMEOUT_S = 5.0
+# How often an idle runner looks whether the job hub has gone quiet while a job of this rank waits.
+WATCH_INTERVAL_S = 0.2
+
+
+@dataclass
+class Job:
+    inputs: dict[str, torch.Tensor]
+    deadline: float  # time.monotonic() by which all ranks must have run it: the request's, set by its stub
+    id: str  # the stub's id of the request
+    result: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
+    on_device: dict[str, torch.Tensor] | None = None  # the inputs copied to this rank's device, once checked
+    stop_reason: str | None = None  # set when its request no longer waits for it (cancel)
+
+    def not_awaited(self) -> str | None:
+        """Why its request no longer waits for this job (it should not start, or go on), or None."""
+        if self.stop_reason is None and self.deadline < time.monotonic():
+            self.stop_reason = "past its deadline"
+        return self.stop_reason
+
+
+@dataclass(frozen=True)
+class GenerationEnd:
+    """How this runner's generation ended (or why it never formed)."""
+
+    reason: str
+    given_up: bool = False  # it never formed and never will: another rank could not load, or joining timed out
+    unloading: bool = False  # the model is being unloaded
+
+
+class JobRunner:
+    def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
+                 timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
+                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None]):
+        """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
+        inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
+        (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
+        lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
+        on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
+        submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
+        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread)."""
+        self.engine = engine
+        self.comm = comm
+        self.rendezvous = rendezvous
+        self._entered = entered
+        self.join_timeout = join_timeout
+        self.timeout = timeout
+        self.timer = timer
+        self._on_serving = on_serving
+        self._on_started = on_started
+        self._on_progress = on_progress
+        self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
+        self._pending: dict[str, Job] = {}
+        self._link: HubLink | SingleRankLink | None = None
+        # The ids of the jobs this rank receives, for the runner thread to check and submit to the hub.
+        self._arrivals, self._arrivals_writer = Pipe(duplex=False)
+        self._end: GenerationEnd | None = None
+        self._ended = threading.Event()
+        self._aborted = threading.Event()  # set by the peer watcher (NCCL) before it aborts the groups
+        self._stopping = threading.Event()
+        self._generation: Generation | None = None
+        self._hub: JobHub | None = None
+        self._hub_heard = time.monotonic()  # when the job order last moved: a job ordered, or ended, on this rank
+        self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ended(self) -> GenerationEnd:
+        """Block until this runner's generation has ended (or could not form); say how."""
+        self._ended.wait()
+        return self._end
+
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float) -> Job:
+        """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
+        infinity, JobFailed or JobStopped if every rank ended it early (module doc), or RanksUnavailable if the
+        generation ends first. Raises RanksUnavailable if the generation is not serving. deadline: the request's, a
+        time.monotonic() set by its stub (backend/messages.py, Job: one clock for every process of the machine): a
+        job that has not started by then is dropped."""
+        job = Job(inputs, deadline=deadline, id=job_id)
+        with self._lock:
+            if self._link is None:
+                raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
+            self._pending[job.id] = job
+            # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below what
+            # the pipe holds (64 KiB, 36 bytes a job).
+            self._arrivals_writer.send_bytes(job.id.encode())
+        return job
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        """The request of a job of this rank no longer waits for it (reason: why): the job is dropped if it has not
+        started, and a pipeline's job stops after its next step (every rank together)."""
+        with self._lock:
+            job = self._pending.get(job_id)
+            if job is not None and job.stop_reason is None:
+                job.stop_reason = reason
+
+    def stop(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
+        """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us. If the
+        generation has not ended within timeout (its teardown stuck, e.g. an NCCL abort), leave the rendezvous area
+        from here, so that this worker exits, and the area is cleaned, before its stub would kill it."""
+        self._stopping.set()
+        with self._lock:
+            link = self._link
+        if link is not None:
+            try:
+                link.send(Leave("the model is being unloaded", True))
+            except OSError:
+                pass
+        self._thread.join(timeout)
+        # The runner thread leaves its generation when it ends; if it is still stuck (in a collective with a
+        # stopped rank), leave from here so the rendezvous area is cleaned up anyway.
+        generation = self._generation
+        if self._thread.is_alive() and generation is not None:
+            self.rendezvous.leave(generation.number)
+        self._finish(GenerationEnd("the model is being unloaded", unloading=True))
+
+    def _run(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.set_device(self.comm.device)
+        try:
+            generation = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
+        except RankFailedToLoad as error:
+            self._finish(GenerationEnd(f"{error}; this model version is not served", given_up=True))
+            return
+        except RendezvousTimeout as error:
+            self._finish(GenerationEnd(f"rank {self.comm.rank} could not join the other ranks: {error}",
+                                       given_up=not self._stopping.is_set(), unloading=self._stopping.is_set()))
+            return
+        self._generation = generation
+        reason = self._serve(generation)
+        self._finish(self._end_generation(generation, reason))
+
+    def _finish(self, end: GenerationEnd) -> None:
+        with self._lock:
+            if self._end is None:
+                self._end = end
+        self._ended.set()
+
+    def _serve(self, generation: Generation) -> str:
+        """Form the process group of this generation and run its jobs until it ends; return why it ended."""
+        rank = self.comm.rank
+        serving, watcher = threading.Event(), None
+        serving.set()
+        try:
+            self.comm.connect(generation.store_path, self.timeout)
+            link = self._connect_to_hub(generation)
+            with self._lock:
+                self._link = link
+            log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
+            self._on_serving(generation)
+            if self.comm.device.type == "cuda" and self.comm.plan.world_size > 1:
+                watcher = threading.Thread(target=self._abort_when_a_peer_exits, args=(generation, serving),
+                                           name="mdtriton-peer-watch", daemon=True)
+                watcher.start()
+            while True:
+                ready = wait([self._arrivals, link], WATCH_INTERVAL_S)
+                if not ready:
+                    if self._hub_quiet():
+                        return (f"rank 0's job hub ordered no job for {self.timeout:.0f} s while a job of rank {rank} "
+                                "waited (rank 0 stopped or stuck)")
+                    continue
+                if self._arrivals in ready:
+                    self._check_and_submit(self._arrivals.recv_bytes().decode(), link)
+                if link not in ready:
+                    continue
+                message = link.receive()
+                self._hub_heard = time.monotonic()
+                match message:
+                    case EndGeneration(reason=reason, unloading=unloading):
+                        if unloading:
+                            # Triton unloads every instance of the model: this rank's own stop follows.
+                            self._stopping.set()
+                        return reason
+                    case Run() as run:
+                        self._execute(run)
+                        self._hub_heard = time.monotonic()
+                    case _:
+                        raise ProtocolError(f"a runner takes jobs to run and the generation's end, not {message}")
+        except (EOFError, ConnectionError):
+            return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
+        except CommunicationError as error:
+            return f"rank {rank}: {error}"
+        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
+            return f"rank {rank}: {type(error).__name__}: {error}"
+        finally:
+            serving.clear()
+            if watcher is not None:
+                watcher.join()
+
+    def _connect_to_hub(self, generation: Generation) -> HubLink | SingleRankLink:
+        """This rank's link to the job order of the generation: rank 0 starts the hub first. A world of one rank
+        has no order to agree on: its jobs come straight back to it (SingleRankLink), without a hub."""
+        if self.comm.plan.world_size == 1:
+            return SingleRankLink()
+        if self.comm.rank == 0:
+            self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
+        return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
+
+    def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
+        """NCCL only: abort this generation's groups as soon as another member's process has exited.
+
+        NCCL has no error for a lost peer: a collective with a killed rank blocks until its timeout, and the hub's
+        EndGeneration waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after
+        its grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
+        rather than say why, and its stub would count a death of its own against heal_limit. Aborted, the blocked
+        collective raises within WATCH_INTERVAL_S, this worker ends its generation like a gloo rank does (gloo
+        fails such a collective at once by itself), and its requests run on the next one. A stopped peer is left
+        to the timeout, as it may be resumed.
+        """
+        while serving.is_set():
+            exited = [rank for rank, pid in generation.members.items()
+                      if rank != self.comm.rank and process_state(pid) is ProcessState.EXITED]
+            if exited:
+                log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.comm.rank,
+                          ", ".join(map(str, exited)), generation.number)
+                self._aborted.set()
+                self.comm.disconnect()
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _check_and_submit(self, job_id: str, link: HubLink | SingleRankLink) -> None:
+        """Copy the inputs of a job this rank received to its device, check that they are finite there, and submit
+        the job to the hub. A job whose inputs are not fails with RequestError: no other rank hears of it."""
+        with self._lock:
+            job = self._pending[job_id]
+        if job.not_awaited() is not None:
+            self._drop(job)
+            return
+        job.on_device = self._fresh_copy(job.inputs)
+        try:
+            check_finite(job.on_device)
+        except RequestError as error:
+            self._end_job(job, error)
+            return
+        header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
+        try:
+            link.send(Submit(job.id, self.comm.rank, header))
+        except OSError:
+            pass  # the hub has gone, so this generation is ending: the job fails with it
+
+    def _fresh_copy(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs in fresh tensors on this rank's device.
+
+        Every rank runs a job on fresh tensors, the origin's included: the request's own memory has another
+        alignment, and CPU kernels round differently on differently aligned data (~1e-6 in float32), so the origin
+        would compute other bits than its peers. On a GPU the copy reads page-locked shared memory
+        (backend/tensor_transfer.py) asynchronously; check_finite waits for it."""
+        copies = {}
+        for name, tensor in inputs.items():
+            copies[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm.device)
+            copies[name].copy_(tensor, non_blocking=True)
+        return copies
+
+    def _execute(self, run: Run) -> None:
+        """Run one job with all ranks, or skip it with all ranks if its request no longer waits.
+
+        A job that every rank ends at the same point (JobFailed, JobStopped) leaves the order as it was: its request
+        is answered with that ending. Any other exception leaves the collective order unknown, so it ends the
+        generation; the job stays in _pending until it has its outputs, so the end of the generation fails it with
+        the reason.
+        """
+        origin = run.origin
+        with self._lock:
+            job = self._pending[run.job] if origin == self.comm.rank else None
+        if self._skip(job, origin):
+            if job is not None:
+                self._drop(job)
+            return
+        if job is not None:
+            self._on_started(job.id)
+            self.timer.waited(time.monotonic() - job.submitted)
+        control = JobControl(on_progress=partial(self._on_progress, run.job), timeout=self.timeout,
+                             stop_requested=lambda: job is not None and job.not_awaited() is not None)
+        with self.timer.job():
+            inputs = {}
+            for name, data_type, shape in run.inputs:
+                # The origin broadcasts its checked copy; the others receive into fresh tensors of the same kind.
+                tensor = job.on_device[name] if job is not None else torch.empty(
+                    shape, dtype=TORCH_DTYPES[data_type], device=self.comm.device)
+                inputs[name] = self.comm.broadcast(tensor, src=origin)
+            try:
+                with controlled_by(control):
+                    outcome = self._answer_of_rank_0(origin, self.engine.forward(inputs))
+            except (JobFailed, JobStopped) as ended:  # every rank ended the job at the same point: the order holds
+                outcome = ended
+            if self.comm.device.type == "cuda" and self.comm.plan.world_size == 1:
+                torch.cuda.current_stream().synchronize()  # no collective, nothing to wait for but this GPU
+            elif self.comm.device.type == "cuda":
+                wait_for_device(self.timeout)
+                if self._aborted.is_set():
+                    # The kernels of an aborted collective end without its data: these outputs are not the answer.
+                    raise CommunicationError("the process groups were aborted during the job (a peer exited)")
+        if job is None:
+            return
+        if isinstance(outcome, JobStopped):
+            log.info("rank %d: request %s %s: %s", self.comm.rank, job.id, outcome, job.stop_reason)
+        elif isinstance(outcome, JobFailed):
+            log.warning("rank %d: request %s failed on every rank before its collectives (the ranks serve on): %s",
+                        self.comm.rank, job.id, outcome)
+        self._end_job(job, outcome)
+
+    def _skip(self, job: Job | None, origin: int) -> bool:
+        """Whether every rank skips this job: the rank that received it says so as its turn comes, if its request no
+        longer waits for it (one broadcast: no other rank knows)."""
+        skip = job is not None and job.not_awaited() is not None
+        if self.comm.plan.world_size == 1:
+            return skip
+        flag = self.comm.broadcast(torch.full((1,), int(skip), dtype=torch.int32, device=self.comm.device), origin)
+        if self.comm.device.type == "cuda":
+            wait_for_device(self.timeout)
+        return bool(flag.item())
+
+    def _drop(self, job: Job) -> None:
+        """End a job of this rank that never started: its request no longer waits for it."""
+        log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
+        self._end_job(job, JobStopped(0, 0))
+
+    def _end_job(self, job: Job, outcome) -> None:
+        """Forget a job of this rank and hand its request the outcome: its outputs, or the exception that ended it."""
+        with self._lock:
+            self._pending.pop(job.id, None)
+        if isinstance(outcome, BaseException):
+            job.result.set_exception(outcome)
+        else:
+            job.result.set_result(outcome)
+
+    def _answer_of_rank_0(self, origin: int, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's outputs, on every rank: the answer must not depend on which instance received the request.
+
+        Every rank computes the full outputs from the same inputs, in the same fresh buffers, so they should agree;
+        but nothing in the engine promises that every rank's last bits agree (a kernel may pick another algorithm
+        on another rank's data layout or device). So rank 0's outputs are the answer: when another rank received
+        the request, rank 0 broadcasts them (every rank knows the origin, so all take part or none do). The outputs must
+        be on this rank's device (mdtriton.engine.comm, the device contract), whichever rank answers: checked here for
+        every job, so an engine that breaks the contract fails every request, not only those another rank received."""
+        self.comm.check_device("the answer", *outputs.values())
+        if origin == ANSWERING_RANK:
+            return outputs
+        with torch.inference_mode():  # the engine's outputs are inference tensors; the broadcast writes into them
+            return {name: self.comm.broadcast(value.contiguous(), src=ANSWERING_RANK) for name, value in outputs.items()}
+
+    def _end_generation(self, generation: Generation, reason: str) -> GenerationEnd:
+        """Fail every pending job with the reason, tell the others (via the hub), free the communicator and leave."""
+        lost = self._lost_ranks(generation)
+        what = f"{reason}; {lost}" if lost else reason
+        with self._lock:
+            jobs, self._pending = list(self._pending.values()), {}
+            link, self._link = self._link, None
+            self._arrivals.close()  # submit() writes no more: the generation no longer serves
+            self._arrivals_writer.close()
+        if not self._stopping.is_set():
+            log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
+        for job in jobs:
+            job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request completed: "
+                                                      f"{what}"))
+        if link is not None:
+            try:
+                link.send(Leave(reason, self._stopping.is_set()))
+            except OSError:
+                pass
+            link.close()
+        if self._hub is not None:
+            self._hub.stop()
+            self._hub = None
+        # Leave first: the area's files are ours to remove whatever the groups' teardown does (an NCCL abort has been
+        # seen to take longer than an unloading stub waits).
+        self.rendezvous.leave(generation.number)
+        started = time.monotonic()
+        try:
+            self.comm.disconnect()
+        except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the worker exits next
+            log.warning("rank %d: tearing down the process group of generation %d: %s",
+                        self.comm.rank, generation.number, error)
+        log.info("rank %d: left generation %d (process groups torn down in %.2f s)", self.comm.rank,
+                 generation.number, time.monotonic() - started)
+        return GenerationEnd(what, unloading=self._stopping.is_set())
+
+    def _hub_quiet(self) -> bool:
+        """Whether a job of this rank has waited for the hub's order for the timeout, while the order did not move
+        (checked while no job runs): the hub is stopped or stuck. A job behind others is ordered when they are."""
+        now = time.monotonic()
+        with self._lock:
+            waiting = [job.submitted for job in self._pending.values() if job.on_device is not None]
+        return bool(waiting) and now - max(min(waiting), self._hub_heard) > self.timeout
+
+    def _lost_ranks(self, generation: Generation) -> str:
+        """The members that exited or stopped, as one phrase; a killed peer's socket can close a moment before
+        its process shows as exited, so look again for up to half a second before answering "none"."""
+        for _ in range(10):
+            lost = describe_ranks(generation.members, exclude=self.comm.rank)
+            if lost or self._stopping.is_set():
+                return lost
+            time.sleep(0.05)
+        return ""

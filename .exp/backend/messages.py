@@ -1,0 +1,265 @@
+"""The messages of the backend's two links, as frozen records; JSON only at the edge.
+
+- Between a rank's stub (WorkerKeeper) and its worker process (RankWorker), over a TensorLink (a message's tensors
+  travel beside its header, in shared memory): `send` and `receive`.
+- Between a worker's job runner and rank 0's job hub (or, in a world of one rank, SingleRankLink), over a
+  multiprocessing Connection: `send_over` and `receive_over`.
+
+A header of a kind not listed here is a ProtocolError, never taken for another kind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from multiprocessing.connection import Connection
+from typing import ClassVar
+
+import torch
+
+from mdtriton.backend.tensor_transfer import TensorLink
+
+
+class ProtocolError(RuntimeError):
+    """A message this end does not know: the stub and its worker run different code."""
+
+
+# --- from the stub to its worker ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Job:
+    """Run a request; `deadline`: the request's one deadline, set by the stub as it received the request, by which the
+    ranks must have answered it (a job that has not started by then is dropped).
+
+    The deadline is a time.monotonic() of the stub's process, read by the worker, another process: on Linux
+    time.monotonic() is CLOCK_MONOTONIC, one clock for the whole system, and a stub and its worker share a machine."""
+
+    kind: ClassVar[str] = "job"
+    id: str
+    deadline: float
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Drop a job, or stop it at its next step: its request no longer waits for it (why: cancelled by its client, or
+    past its deadline)."""
+
+    kind: ClassVar[str] = "cancel"
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the generation and exit (the model is unloading, or the stub is gone)."""
+
+    kind: ClassVar[str] = "stop"
+
+
+# --- from the worker to its stub ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Loaded:
+    """The engine is loaded (the ranks may not have met yet)."""
+
+    kind: ClassVar[str] = "loaded"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A generation of the ranks has formed and takes jobs: its number and members (rank -> worker pid)."""
+
+    kind: ClassVar[str] = "serving"
+    generation: int
+    members: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Started:
+    """The ranks have begun a job."""
+
+    kind: ClassVar[str] = "started"
+    id: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A job's step is done (reported for every job the rank runs: the stub judges by them whether its worker is
+    stuck)."""
+
+    kind: ClassVar[str] = "progress"
+    id: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """A job's outputs."""
+
+    kind: ClassVar[str] = "done"
+    id: str
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request that is wrong (inputs that are not finite, an adapter that cannot be used), and why: it was never
+    run, or every rank ended its job at the same point (the ranks serve on)."""
+
+    kind: ClassVar[str] = "refused"
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job that failed on a rank before any collective of it, and why: every rank ended it at the same point, so
+    the ranks serve on and the request is answered with the failure."""
+
+    kind: ClassVar[str] = "failed"
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A job its stub cancelled, ended on every rank: after `done` of its `total` steps (0 of 0: before it started)."""
+
+    kind: ClassVar[str] = "stopped"
+    id: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class JobTimed:
+    """A job's seconds in collectives, in compute, and waiting for the ranks."""
+
+    kind: ClassVar[str] = "job_timed"
+    communication: float
+    compute: float
+    waited: float
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The worker's generation ended (it exits next): why, and whether because the model is unloading. The stub
+    starts another worker unless it is."""
+
+    kind: ClassVar[str] = "ended"
+    reason: str
+    unloading: bool = False
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    """The worker cannot serve and should not be restarted (it exits next): why."""
+
+    kind: ClassVar[str] = "given_up"
+    reason: str
+    unloading: bool = False
+
+
+# --- from a job runner to the job hub ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message on a runner's connection: which rank it is."""
+
+    kind: ClassVar[str] = "hello"
+    rank: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A job this rank received, to be put in the order: its id, this rank, its inputs' [name, data type, shape]."""
+
+    kind: ClassVar[str] = "submit"
+    job: str
+    origin: int
+    inputs: list
+
+
+@dataclass(frozen=True)
+class Leave:
+    """This rank leaves the generation: why, and whether because the model is unloading."""
+
+    kind: ClassVar[str] = "leave"
+    reason: str
+    unloading: bool
+
+
+# --- from the job hub to every runner ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """Run this job now, every rank: a Submit, numbered in the order."""
+
+    kind: ClassVar[str] = "run"
+    job: str
+    origin: int
+    inputs: list
+    sequence: int
+
+
+@dataclass(frozen=True)
+class EndGeneration:
+    """The generation is over for every rank: why, and whether because the model is unloading."""
+
+    kind: ClassVar[str] = "end_generation"
+    reason: str
+    unloading: bool
+
+
+Message = (Job | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
+           | Ended | GivenUp | Hello | Submit | Leave | Run | EndGeneration)
+KINDS: dict[str, type] = {cls.kind: cls for cls in (Job, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
+                                                     Refused, Failed, Stopped, JobTimed, Ended, GivenUp, Hello, Submit,
+                                                     Leave, Run, EndGeneration)}
+
+
+def header_of(message: Message) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """The JSON header of message, and its tensors (if any), which travel beside it."""
+    header = {"type": message.kind}
+    tensors = None
+    for item in fields(message):
+        value = getattr(message, item.name)
+        if item.name == "tensors":
+            tensors = value
+        elif isinstance(message, Serving) and item.name == "members":
+            header["members"] = {str(rank): pid for rank, pid in value.items()}  # JSON keys are text
+        else:
+            header[item.name] = value
+    return header, tensors
+
+
+def message_of(header: dict) -> Message:
+    """The message of a header (with its tensors under "tensors"); ProtocolError for a kind not listed here."""
+    kind = header.pop("type", None)
+    if kind not in KINDS:
+        raise ProtocolError(f"a message of unknown kind {kind!r} (the two ends run different code?)")
+    if kind == Serving.kind:
+        header["members"] = {int(rank): pid for rank, pid in header["members"].items()}
+    return KINDS[kind](**header)
+
+
+def send(link: TensorLink, message: Message) -> None:
+    """Send message over a stub-worker link: its fields as the header, its tensors (if any) beside it."""
+    link.send(*header_of(message))
+
+
+def receive(link: TensorLink) -> Message:
+    """The next message on a stub-worker link."""
+    return message_of(link.receive())
+
+
+def send_over(connection: Connection, message: Message) -> None:
+    """Send message (without tensors) over a runner-hub connection."""
+    connection.send_bytes(json.dumps(header_of(message)[0]).encode())
+
+
+def receive_over(connection: Connection) -> Message:
+    """The next message on a runner-hub connection."""
+    return message_of(json.loads(connection.recv_bytes()))

@@ -1,0 +1,46 @@
+"""Whether another rank's process is running, stopped or gone, read from /proc (all ranks share one host).
+
+The ranks of a model are the worker processes of one Triton server's stubs, so a rank that stops answering
+can be told apart: exited (killed or crashed; a zombie not yet reaped counts as exited), stopped (SIGSTOP or a
+debugger), or running (alive but stuck, or slow).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ProcessState(Enum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+    EXITED = "exited"
+
+
+def process_state(pid: int) -> ProcessState:
+    """The state of process pid, as the kernel reports it in /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # "pid (command) state ...": the command may hold spaces and parentheses, the state follows the last ")".
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return ProcessState.EXITED
+    if state in ("Z", "X", "x"):
+        return ProcessState.EXITED
+    if state in ("T", "t"):
+        return ProcessState.STOPPED
+    return ProcessState.RUNNING
+
+
+def describe_ranks(members: dict[int, int], exclude: int | None = None) -> str:
+    """One phrase on the ranks (rank -> pid) that are not running, e.g. "rank 1 (pid 4977) has exited" ("" if
+    all run)."""
+    phrases = []
+    for rank, pid in sorted(members.items()):
+        if rank == exclude:
+            continue
+        state = process_state(pid)
+        if state is ProcessState.EXITED:
+            phrases.append(f"rank {rank} (pid {pid}) has exited (killed or crashed)")
+        elif state is ProcessState.STOPPED:
+            phrases.append(f"rank {rank} (pid {pid}) is stopped (SIGSTOP or a debugger)")
+    return "; ".join(phrases)

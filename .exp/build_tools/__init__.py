@@ -1,0 +1,1 @@
+"""Build tools: engines and their Triton model repository entries."""

@@ -1,0 +1,230 @@
+"""Build one model version: engine (or pipeline) + model.py + config.pbtxt, written into a Triton model repository."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tritonclient.grpc import model_config_pb2 as mc
+
+from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
+from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
+from mdtriton.build_tools.model_config import model_config, version_policy
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
+                                              new_version_dir)
+from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
+from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
+from mdtriton.engine.memory import check_gpus_fit
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.step_cache import read_cache
+from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
+
+MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
+
+
+class BuildInterrupted(Exception):
+    """The build was stopped; what it finished is kept for the next run of the same build."""
+
+
+def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
+                        plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
+                        seed: int = 0, weights_path: Path | None = None, version: int | None = None,
+                        request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
+                        policy: str | None = None, limits: EngineLimits | None = None,
+                        random_transformer: bool = False, stream: bool = False, cache: str | None = None) -> Path:
+    """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
+    transformer engines and pipelines alike.
+
+    architecture_name: a family's (a transformer engine) or `<family>-pipeline` (the family's whole diffusers
+    pipeline, from the diffusers directory at weights_path: its transformer becomes the engine, in
+    `engine/transformer/` (and each other transformer it lists, e.g. Wan 2.2's `transformer_2`, beside it), its
+    other components are copied unchanged, and `engine/manifest.json` describes the served pipeline).
+
+    policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
+    current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
+    hand (e.g. EXECUTION_ENV_PATH) are kept. request_timeout_s: None is the default (a pipeline's is longer:
+    a request is a whole image). limits: None is the default batch limit and the family's token limit.
+    stream (pipelines only): the model is decoupled and streams a progress response per denoising step before its
+    result; without it the model answers each request once (unary gRPC infer, HTTP/JSON, perf_analyzer's default).
+    cache (pipelines only): the step cache of requests that send none, a JSON object as the `cache` input takes
+    (mdtriton.engine.step_cache), kept in config.pbtxt's parameters; ValueError if it is not one.
+
+    data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
+    only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
+
+    Weights: a checkpoint at weights_path (a pipeline's: its transformer folders; the config.json fills the config
+    under `config`), or random from seed, generated on random_device (a pipeline's with random_transformer: seed,
+    seed + 1, ... for its transformers). The
+    version is assembled in a hidden folder named after the build's inputs (Triton ignores names that are not
+    numbers) and renamed into place at the end, so a failed build never leaves a half version, and the same build
+    run again resumes from that folder.
+    """
+    model_family = family(architecture_name)
+    part = pipeline_part(architecture_name)
+    limits = limits or EngineLimits(max_tokens=model_family.max_tokens)
+    # The transformer engines to build: (folder of the engine directory, checkpoint or None for random weights).
+    if part is None:
+        pipeline_dir, engines = None, [("", Checkpoint(weights_path) if weights_path else None)]
+        from_checkpoint = model_family.config_from_diffusers(engines[0][1].config()) if weights_path else {}
+    else:
+        if weights_path is None:
+            raise CheckpointError(f"{architecture_name} builds from a diffusers {part.diffusers_class} directory: "
+                                  "give it with --weights DIR")
+        pipeline_dir = Path(weights_path)
+        folders = transformer_folders(pipeline_dir, part)
+        engines = [(folder, None if random_transformer else Checkpoint(pipeline_dir / folder)) for folder in folders]
+        from_checkpoint = model_family.config_from_diffusers(
+            json.loads((pipeline_dir / folders[0] / "config.json").read_text()))
+    config = {**model_family.default_config(), **from_checkpoint, **(config or {})}
+    model_family.check_plan(config, plan)
+    if plan.cfg_size > 1 and (part is None or not part.guidance_branches):
+        raise ValueError(f"{architecture_name} has no classifier-free guidance branches to run on separate ranks "
+                         "(guidance parallelism splits a guiding pipeline's two transformer calls per step: "
+                         "wan-pipeline); build it with --cfg 1")
+    quantization = "fp8" if data_type == "FP8" else None
+    if quantization:
+        data_type = "BF16"
+        if not model_family.supports_fp8:
+            raise EngineError(f"architecture {architecture_name!r} has no FP8 weights; build it with --dtype BF16")
+        if device != "gpu":
+            raise Fp8Unsupported("FP8 engines run on GPUs of compute capability 8.9 or newer; build with "
+                                 "--device gpu, or with --dtype FP32 for CPU instances")
+    inputs, outputs = model_family.signature(config, data_type)
+    transformer = Manifest(model_family.name, config, plan, data_type, inputs, outputs, quantization=quantization)
+    served = transformer
+    if part is not None:
+        inputs, outputs = part.served_signature()
+        served = Manifest(architecture_name, {"transformer": config, **part.pipeline_config(pipeline_dir)}, plan,
+                          data_type, inputs, outputs, limits=limits)
+    if request_timeout_s is None:
+        request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
+    triton_config = model_config(name, served, device, gpus, request_timeout_s)
+    if part is not None:
+        serve_as_pipeline(triton_config, part, stream, cache)
+    elif stream or cache is not None:
+        raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once and caches no "
+                         "steps; --stream and --cache are for pipeline models (an architecture ending in -pipeline)")
+    model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
+    if device == "gpu":
+        gpus = list(triton_config.instance_group[0].gpus)
+        check_gpus_fit(transformer, model_family, gpus)
+        if quantization and torch.cuda.is_available():
+            for gpu in gpus:
+                if gpu < torch.cuda.device_count():
+                    check_fp8_device(torch.device("cuda", gpu))
+    shapes = full_shapes(model_family.name, config)
+    sources = {}
+    for index, (folder, checkpoint) in enumerate(engines):
+        if checkpoint:
+            checkpoint.check(shapes, model_family.unused_weights)
+        sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
+    staging = staging_dir(model_dir, {"architecture": architecture_name, "config": served.config,
+                                      "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,
+                                      "weights": [source.fingerprint() for source in sources.values()]})
+    engine_dir = staging / ENGINE_DIR
+    with resumable(staging):
+        for folder, source in sources.items():
+            build_engine(engine_dir / folder, model_family.name, config, plan, data_type, source, progress, limits,
+                         quantization)
+        if part is not None:
+            copy_components(pipeline_dir, engine_dir, part)
+            served.write(engine_dir)
+    return finish_version(Path(repository), name, version, staging, triton_config)
+
+
+def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
+    """The transformers of a diffusers directory of part's pipeline that become engines (Wan 2.2 A14B: two
+    experts), after checking that it is one, with every component its model_index.json lists; CheckpointError says
+    what to pass otherwise."""
+    index_path = pipeline_dir / MODEL_INDEX
+    if not index_path.is_file():
+        raise CheckpointError(f"{pipeline_dir}: no {MODEL_INDEX}; pass a diffusers {part.diffusers_class} directory")
+    index = json.loads(index_path.read_text())
+    if index.get("_class_name") != part.diffusers_class:
+        raise CheckpointError(f"{index_path}: a {index.get('_class_name')!r}, not a {part.diffusers_class} directory")
+    listed = [name for name, value in index.items() if not name.startswith("_") and is_component(value)]
+    missing = [folder for folder in listed if not (pipeline_dir / folder).is_dir()]
+    if missing:
+        raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; its {MODEL_INDEX} lists "
+                              f"{', '.join(listed)}")
+    folders = [folder for folder in part.transformers if folder in listed]
+    if not folders:
+        raise CheckpointError(f"{index_path} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "
+                              "directory holds its transformer")
+    return folders
+
+
+def is_component(value) -> bool:
+    """Whether a model_index.json entry is a component with a folder (not null, as an optional one may be)."""
+    return isinstance(value, list) and value[0] is not None
+
+
+def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) -> None:
+    """Copy every component but the transformers into the pipeline's engine directory, and its model_index.json
+    with the transformers' entries null: diffusers then loads every other component and leaves the transformers,
+    which our engines serve, to the pipeline engine (mdtriton.pipeline.engine)."""
+    index = json.loads((pipeline_dir / MODEL_INDEX).read_text())
+    for folder, value in index.items():
+        if not folder.startswith("_") and is_component(value) and folder not in part.transformers:
+            shutil.copytree(pipeline_dir / folder, engine_dir / folder, dirs_exist_ok=True)
+    served = {folder: [None, None] if folder in part.transformers else value for folder, value in index.items()}
+    (engine_dir / MODEL_INDEX).write_text(json.dumps(served, indent=2) + "\n")
+
+
+def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart, stream: bool, cache: str | None) -> None:
+    """A pipeline model answers each request once, or with stream is decoupled (one progress response per step,
+    then the result); it has no warm-up (the ranks meet at the first request, which waits for them up to the request
+    timeout); every input but the prompt is optional; cache, if given, is the step cache of requests without one."""
+    triton_config.model_transaction_policy.decoupled = stream
+    for model_input in triton_config.input:
+        model_input.optional = model_input.name in part.served_optional_inputs()
+    if cache is not None:
+        try:
+            read_cache(cache)
+        except ValueError as error:
+            raise ValueError(f"--cache: {error}") from None
+        triton_config.parameters["cache"].string_value = cache
+
+
+def prepare_model_dir(repository: Path, name: str, version: int | None, triton_config: mc.ModelConfig,
+                      policy: str | None) -> Path:
+    """The model's folder, after checking (before any work) that the version is new and that the model's config
+    takes the new version; triton_config gets the policy and keeps the model's own settings."""
+    new_version_dir(repository, name, version)
+    model_dir = repository / name
+    check_compatible(model_dir, triton_config)
+    if policy is not None:
+        triton_config.version_policy.CopyFrom(version_policy(policy))
+    keep_model_settings(model_dir, triton_config)
+    return model_dir
+
+
+def staging_dir(model_dir: Path, build_inputs: dict) -> Path:
+    """The hidden folder a build assembles its version in, named after the build's inputs (so a rerun resumes)."""
+    key = json.dumps(build_inputs, sort_keys=True)
+    return model_dir / f".building-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+@contextmanager
+def resumable(staging: Path) -> Iterator[None]:
+    """A stopped build (Ctrl-C) says where its finished work is kept."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise BuildInterrupted(f"build interrupted; its finished rank files are kept in {staging}: run the same "
+                               "command again to resume") from None
+
+
+def finish_version(repository: Path, name: str, version: int | None, staging: Path,
+                   triton_config: mc.ModelConfig) -> Path:
+    """Add model.py and the config to the assembled version and rename it to its version number."""
+    install_version(staging, triton_config)
+    version_dir = new_version_dir(repository, name, version)
+    staging.rename(version_dir)
+    return version_dir

@@ -1,0 +1,1 @@
+"""gRPC client for models served by mdtriton (tritonclient underneath)."""

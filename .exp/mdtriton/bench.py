@@ -1,0 +1,319 @@
+"""`mdtriton bench`: one transformer forward of a model family (FLUX, Wan, Cosmos 3) per GPU count x parallel method x
+variant x image or clip size.
+
+Built on the benchmark harness (mdtriton/harness.py), as the scripts in benchmarks/ are. Each GPU count runs in its
+own set of processes (one per GPU, NCCL). Sizes are images or clips in pixels (--height, --width, --frames), made
+into the request the family's pipeline sends its transformer (Family.media_request): FLUX at 1024x1024 is 4,096
+image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600;
+Cosmos 3 at 832x480 x 189 frames 18,720 video + 256 text tokens, 1280x720 x 189 44,160 + 256 (its text pathway
+runs at every call, as diffusers' model runs it; the pipeline runs it once per request: benchmarks/cosmos3_text_once.py).
+Weights are random, made on each GPU shard by shard from one seed (the same full model for every plan), bf16
+(FLUX's with trained-like scales: modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md,
+"Accuracy"). The engine is loaded as the server loads it (TorchEngine.from_weights) and timed through its forward.
+Variants: `compiled` (what the server runs: on GPUs fused projections, compiled blocks, warmed up at load, short
+requests replayed as CUDA graphs; on CPU, as the server there, not compiled), `eager` (the same module uncompiled,
+no graphs), `fp8` (FP8 weights, as compiled). Timing: the first call at each size after the warm-up (a recompile
+would show here), then warm-up runs, then CUDA-event times of whole forwards between barriers; the median is
+reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler to find
+the share of GPU time spent in NCCL kernels. At the first size every output is compared with the 1-GPU compiled
+output and with a float32 forward of the same weights, made first on its own (unless --no-check). A second table
+times one block's attention alone (the method's communication included) against cuDNN's attention on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from mdtriton.engine.attention import attention_for
+from mdtriton.engine.attention.local import cudnn_sdpa
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.fp8 import check_fp8_device
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families import Family, families, family
+from mdtriton.families.family import AttentionShape
+from mdtriton.harness import (METHODS, add_model_arguments, attention_flops, bench_engine, bench_weights, init_rank,
+                              markdown_table, model_config, model_sizes, plans_for, precision, relative_error,
+                              run_ranks, time_calls, timing, write_results)
+
+VARIANTS = ("compiled", "eager", "fp8")
+
+
+def benchmarked_architectures() -> list[str]:
+    """The families `mdtriton bench` can measure: those that make a request from a size (Family.media_request)."""
+    return [name for name, item in families().items() if type(item).media_request is not Family.media_request]
+
+
+def communication_share(call) -> float:
+    """Share of one call's GPU kernel time spent in NCCL kernels (which may overlap compute)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.is_initialized():
+        dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    return nccl / total if total else 0.0
+
+
+def attention_inputs(shape: AttentionShape, plan: ParallelPlan, tokens: int,
+                     device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One layer's q [1, heads per TP rank, tokens per CP rank, head_dim] for a sequence of tokens, and k and v with
+    the key/value heads per TP rank (one where they do not divide by tp_size, as Cosmos 3's engine holds them)."""
+    generator = torch.Generator(device).manual_seed(1)
+    local_len = -(-tokens // plan.cp_size)
+    kv_heads = shape.kv_heads // plan.tp_size if shape.kv_heads % plan.tp_size == 0 else 1
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return tuple(torch.randn((1, heads, local_len, shape.head_dim), generator=generator, device=device, dtype=dtype)
+                 for heads in (shape.heads // plan.tp_size, kv_heads, kv_heads))
+
+
+def sample_file(world_size: int, method: str, variant: str) -> str:
+    return f"sample-{world_size}-{method}-{variant}.safetensors"
+
+
+def save_sample(sample: torch.Tensor, path: Path) -> None:
+    save_file({"sample": sample.cpu().contiguous()}, path)
+
+
+def load_sample(path: Path) -> torch.Tensor:
+    return load_file(path)["sample"]
+
+
+def free_memory(device: torch.device) -> None:
+    """Give what dropped engines held back to the GPU before the next model is made."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def float32_sample(args: argparse.Namespace, config: dict, request: dict[str, torch.Tensor], device: torch.device,
+                   work_dir: str) -> None:
+    """The 1-GPU model with the same bf16 weights but float32 activations, at the first size: the bf16 engine's own
+    rounding error shows against it, one GPU's included. Made first, alone on the GPU (FLUX.1-dev's float32 copy is
+    48 GB, Wan 14B's 57 GB), each weight converted as the bf16 one is dropped."""
+    weights = bench_weights(args.architecture, config, ParallelPlan(), 0, device, torch.bfloat16, None)
+    weights = {name: weights.pop(name).float() for name in list(weights)}
+    engine = bench_engine(args.architecture, config, Communicator.single(device), weights, "FP32", compiled=False)
+    sample = engine.forward({name: tensor.float() if tensor.is_floating_point() else tensor  # token ids stay ids
+                             for name, tensor in request.items()})["sample"]
+    save_sample(sample, Path(work_dir) / sample_file(1, "1 GPU", "float32"))
+
+
+def add_errors(rows: list[dict], first_size: str, work_dir: str) -> None:
+    """Each row's relative error (norm) at the first size against the 1-GPU compiled output and the float32 output."""
+    for row in rows:
+        path = Path(work_dir) / sample_file(row["gpus"], row["method"], row["variant"])
+        if row["size"] != first_size or not path.exists():
+            continue
+        sample = load_sample(path)
+        for reference, key in (("compiled", "error_vs_1gpu"), ("float32", "error_vs_float32")):
+            reference_path = Path(work_dir) / sample_file(1, "1 GPU", reference)
+            if reference_path.exists():
+                row[key] = relative_error(sample, load_sample(reference_path))
+
+
+def bench_plans(args: argparse.Namespace, world_size: int, config: dict) -> dict[str, ParallelPlan]:
+    """The plans of --methods on world_size GPUs that the family can split (those it cannot are said and skipped)."""
+    plans = {}
+    for method, plan in plans_for(world_size, args.methods).items():
+        try:
+            family(args.architecture).check_plan(config, plan)
+        except ValueError as error:
+            print(f"skipped {method} on {world_size} GPUs: {error}", flush=True)
+            continue
+        plans[method] = plan
+    return plans
+
+
+def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
+    cuda = args.device == "cuda"
+    device = init_rank(rank, world_size, port, cuda)
+    model_family = family(args.architecture)
+    config = model_config(args)
+    dtype, data_type = precision(device)
+    requests = {str(size): {name: tensor.to(device) for name, tensor in
+                            model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
+                for size in args.sizes}
+    tokens = {label: model_family.check_request(config, request).tokens for label, request in requests.items()}
+    first_size = str(args.sizes[0])
+    if world_size == 1 and args.check:
+        float32_sample(args, config, requests[first_size], device, work_dir)
+        free_memory(device)
+    rows, attention_rows = [], []
+    for method, plan in bench_plans(args, world_size, config).items():
+        comm = Communicator(plan, rank, device)
+        comm.join_groups()
+        for variant in args.variants:
+            quantization = "fp8" if variant == "fp8" else None
+            weights = bench_weights(args.architecture, config, plan, rank, device, dtype, quantization)
+            engine = bench_engine(args.architecture, config, comm, weights, data_type, quantization,
+                                  compiled=False if variant == "eager" else None)
+            for label, request in requests.items():
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                first, _ = time_calls(lambda: engine.forward(request)["sample"], cuda, 0, 1)
+                times, output = time_calls(lambda: engine.forward(request)["sample"], cuda, args.warmup,
+                                           args.iterations)
+                peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+                share = communication_share(lambda: engine.forward(request)) if cuda and world_size > 1 else 0.0
+                row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
+                       "tokens": tokens[label], **timing(times), "first_ms": first[0],
+                       "warm_up_s": engine.warm_up_seconds, "communication_share": share, "peak_gib": peak}
+                if label == first_size and args.check and rank == 0:
+                    save_sample(output, Path(work_dir) / sample_file(world_size, method, variant))
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+            engine = output = None  # free this variant's weights before the next ones are made
+            free_memory(device)
+        for label in requests:
+            q, k, v = attention_inputs(model_family.attention_shape(config), plan, tokens[label], device)
+            attention = attention_for(plan)
+            with torch.inference_mode():
+                times, _ = time_calls(lambda: attention(q, k, v, comm, tokens[label]), cuda, args.warmup,
+                                      5 * args.iterations)
+            attention_rows.append({"gpus": world_size, "method": method, "size": label, "tokens": tokens[label],
+                                   "median_ms": timing(times)["median_ms"]})
+    if world_size == 1:
+        # cuDNN's attention alone over the whole sequence: the rate the engine's attention is held against.
+        for label in requests:
+            q, k, v = attention_inputs(model_family.attention_shape(config), ParallelPlan(), tokens[label], device)
+            with torch.inference_mode():
+                times, _ = time_calls(lambda: cudnn_sdpa(q, k, v), cuda, args.warmup, 5 * args.iterations)
+            attention_rows.append({"gpus": 1, "method": "cuDNN SDPA", "size": label, "tokens": tokens[label],
+                                   "median_ms": timing(times)["median_ms"]})
+    if rank == 0:
+        with open(Path(work_dir) / f"rows-{world_size}.json", "w") as handle:
+            json.dump({"forward": rows, "attention": attention_rows}, handle)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def size_cell(row: dict) -> str:
+    return f"{row['size']} ({row['tokens']:,} tokens)"
+
+
+def forward_table(rows: list[dict], shape: AttentionShape) -> str:
+    """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
+    single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
+    header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
+              "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time", "peak GiB",
+              "rel. error vs 1 GPU compiled / vs float32"]
+    cells = []
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
+        speedup = single.get(r["size"], float("nan")) / r["median_ms"]
+        tflops = attention_flops(r["tokens"], shape) * shape.layers / r["gpus"] / r["median_ms"] / 1e9
+        error = " / ".join(f"{r[key]:.1e}" if key in r else "-" for key in ("error_vs_1gpu", "error_vs_float32"))
+        cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
+                      f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
+                      f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
+                      f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
+    return markdown_table(header, cells)
+
+
+def attention_table(rows: list[dict], shape: AttentionShape) -> str:
+    cudnn = {r["size"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
+    header = ["size", "GPUs", "method", "median ms (one block)", "TFLOP/s per GPU", "% of 1-GPU cuDNN rate"]
+    cells = []
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"])):
+        tflops = attention_flops(r["tokens"], shape) / r["gpus"] / r["median_ms"] / 1e9
+        base = attention_flops(r["tokens"], shape) / cudnn[r["size"]] / 1e9
+        cells.append([size_cell(r), r["gpus"], r["method"], f"{r['median_ms']:.2f}", f"{tflops:.0f}",
+                      f"{100 * tflops / base:.0f}%"])
+    return markdown_table(header, cells)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({(r["tokens"], size_cell(r), r["size"]) for r in rows})
+    figure, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    compiled = [r for r in rows if r["variant"] == "compiled"]
+    for axis, (_, title, size) in zip(axes[0], sizes):
+        single = next((r["median_ms"] for r in compiled if r["method"] == "1 GPU" and r["size"] == size), None)
+        for method in sorted({r["method"] for r in compiled if r["gpus"] > 1}):
+            points = sorted((r["gpus"], single / r["median_ms"]) for r in compiled
+                            if r["method"] == method and r["size"] == size and single)
+            axis.plot([1] + [p[0] for p in points], [1.0] + [p[1] for p in points], marker="o", label=method)
+        gpus = sorted({r["gpus"] for r in rows})
+        axis.plot(gpus, gpus, linestyle="--", color="gray", label="ideal")
+        axis.set(title=title, xlabel="GPUs", ylabel="speedup over 1 GPU")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def add_parser(subparsers) -> None:
+    architectures = benchmarked_architectures()
+    parser = subparsers.add_parser("bench", help="measure a transformer engine on 1..N GPUs per parallel method",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, architectures)
+    parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"compiled (as served), eager, fp8 (FP8 weights, compiled; GPUs of compute capability "
+                             f"8.9+) (default {','.join(VARIANTS)})")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="do not compare the outputs at the first size with the 1-GPU output and a float32 "
+                             "forward (whose model must fit one GPU in float32: 48 GB for FLUX.1-dev, 57 GB for "
+                             "Wan 14B)")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = [int(g) for g in args.gpus.split(",")]
+    if args.device == "cuda" and max(counts) > torch.cuda.device_count():
+        raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
+                         "for a functional run on CPU ranks)")
+    model_family = family(args.architecture)
+    config = model_config(args)
+    args.methods = args.methods.split(",")
+    plans_for(2, args.methods)  # refuses unknown methods before any rank starts
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    if "compiled" not in args.variants:
+        raise ValueError("--variants needs compiled: speed-ups and errors are measured against it")
+    if "fp8" in args.variants:
+        if not model_family.supports_fp8:
+            raise ValueError(f"{args.architecture} has no FP8 weights; leave fp8 out of --variants")
+        check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
+    args.sizes = model_sizes(args, config)
+    rows, attention_rows = [], []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for world_size in sorted(set(counts) | {1}):
+            problem = run_ranks(_rank_main, world_size, (args, work_dir))
+            if problem:
+                raise RuntimeError(problem)
+            results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
+            rows += results["forward"]
+            attention_rows += results["attention"]
+        add_errors(rows, str(args.sizes[0]), work_dir)
+    title = f"{args.architecture} {args.preset}"
+    shape = model_family.attention_shape(config)
+    tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, shape)}\n\n"
+              f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
+    print(tables)
+    write_results(args.output_dir, tables, {"architecture": args.architecture, "preset": args.preset,
+                                            "forward": rows, "attention": attention_rows})
+    plot(rows, args.output_dir / "speedup.png")
+    print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
+    return 0

@@ -1,0 +1,41 @@
+"""Attention over a sequence split across the context-parallel group, one module per method.
+
+Every method has the call signature of `local.attention`:
+`attention(q, k, v, comm, valid_len) -> out`, with q, k, v and out of shape
+[batch, heads, local_seq, head_dim] holding this rank's contiguous slice of the padded sequence
+(cp_rank * local_seq onwards). Keys at global positions >= valid_len are padding and never attended.
+k and v may have fewer heads than q, a divisor of them (grouped-query attention, Cosmos 3's): query head h attends
+with key/value head h // (q heads / k heads); the methods move the fewer heads and repeat them only for the kernel.
+`beside`, if given, is work that does not depend on the attention (a FLUX single block's MLP): a function of no
+arguments that each method calls once its first transfer is in flight, so that the work runs on the GPU while the
+transfer does; the method then returns (out, beside's result). On one rank beside just runs before the attention.
+Each runs eagerly also when called from compiled code (`torch.compiler.disable`): its collectives cannot be
+traced, and its kernel choice (cuDNN first, local.KERNEL_PRIORITY) is the eager dispatcher's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from mdtriton.engine.attention import allgather_kv, local, ring, ulysses, ulysses_ring
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.plan import ParallelPlan
+
+# attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
+Attention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
+
+CP_ATTENTION = {
+    "allgather_kv": allgather_kv.attention,
+    "ring": ring.attention,
+    "ulysses": ulysses.attention,
+    "ulysses_ring": ulysses_ring.attention,
+}
+
+
+def attention_for(plan: ParallelPlan) -> Attention:
+    """The attention function for plan: its context-parallel method, or plain attention on one CP rank."""
+    if plan.cp_size == 1:
+        return local.attention
+    return CP_ATTENTION[plan.cp_method]

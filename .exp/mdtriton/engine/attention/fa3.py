@@ -1,0 +1,58 @@
+"""FlashAttention-3 (Hopper) for the engine's attention, in bf16 and in FP8, from the `fa3-fwd` wheel (the
+forward kernels of FlashAttention-3, built for CUDA 13 against torch's stable ABI: `pip install mdtriton[hopper]`).
+
+On an H200 it runs FLUX's attention faster than torch's cuDNN SDPA (docs/benchmarks.md), takes q, k and v in
+the [batch, tokens, heads, head_dim] layout the q/k/v kernel writes (no transposes), and returns the
+log-sum-exp that ring attention needs. Where the wheel is missing or the GPU is not a Hopper, `available` says
+no and the engine keeps cuDNN's SDPA.
+
+FP8: q, k and v in e4m3 with one float32 descale per sample and head; the output is bf16. The engine does not use
+it (its error, docs/architecture.md); benchmarks/attention_kernels.py measures it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from fa3_fwd_interface import _flash_attn_forward
+    IMPORT_ERROR = None
+except (ImportError, OSError) as error:  # not installed, or its library does not load with this torch
+    _flash_attn_forward = None
+    IMPORT_ERROR = error
+
+# FlashAttention-3's kernels are Hopper's (wgmma, TMA).
+CAPABILITY = (9, 0)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why FlashAttention-3 cannot run on device, or None if it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA GPUs, not on {device.type}"
+    if _flash_attn_forward is None:
+        return f"the fa3-fwd wheel is not importable ({IMPORT_ERROR}); pip install 'mdtriton[hopper]'"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != CAPABILITY:
+        return f"its kernels are for compute capability 9.0 (Hopper); this GPU is {capability[0]}.{capability[1]}"
+    return None
+
+
+def available(device: torch.device) -> bool:
+    return unavailable_reason(device) is None
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, Sq, H, D] (bf16) of q [B, Sq, H, D] over k, v [B, Sk, H, D], and the log-sum-exp of
+    each query's scaled scores [B, H, Sq] (float32). FP8 inputs need descales (q's, k's, v's: [B, H] each)."""
+    q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
+    out, lse, *_ = _flash_attn_forward(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                       softmax_scale=q.shape[-1] ** -0.5)
+    return out, lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention output [B, Sq, H, D] (see attention_with_lse)."""
+    return attention_with_lse(q, k, v, descales)[0]

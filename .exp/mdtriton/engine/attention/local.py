@@ -1,0 +1,98 @@
+"""Attention over keys held on this rank: the plain case and the building blocks of the CP methods."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mdtriton.engine.attention import fa3
+from mdtriton.engine.comm import Communicator
+
+# Where FlashAttention-3 is available (Hopper, the fa3-fwd wheel) it runs bf16 attention instead of SDPA: faster on
+# an H200 at every FLUX length (docs/benchmarks.md). Otherwise SDPA's kernels, fastest first: on Hopper, cuDNN's
+# attention runs FLUX's shapes (128-wide heads, bf16) at about twice the rate of torch's flash attention; the others
+# are fallbacks for what cuDNN does not take.
+KERNEL_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+# The kernels that return the log-sum-exp the ring method needs take these dtypes on CUDA.
+LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+# Work beside the attention (the package's docstring): a function of no arguments, or None.
+Beside = Callable[[], Any] | None
+
+
+def uses_fa3(q: torch.Tensor) -> bool:
+    """Whether attention of q (and keys and values like it) runs FlashAttention-3."""
+    return q.dtype == torch.bfloat16 and q.is_cuda and fa3_available(q.device.index)
+
+
+@functools.cache
+def fa3_available(device_index: int) -> bool:
+    return fa3.available(torch.device("cuda", device_index))
+
+
+def expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with as many heads as q: each key/value head repeated for the query heads that share it
+    (grouped-query attention: query head h uses key/value head h // (q heads / key/value heads))."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention [B, H, S, D] of q over all of k and v (which may have fewer heads: expand_heads): FlashAttention-3
+    where available (uses_fa3; it shares key/value heads itself), else scaled_dot_product_attention with the kernels
+    tried in KERNEL_PRIORITY order, on key/value heads repeated (cuDNN's kernel takes no grouped heads, and SDPA's
+    enable_gqa would fall back to the slower flash kernel)."""
+    if uses_fa3(q):
+        return fa3.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    k, v = expand_heads(q, k, v)
+    with sdpa_kernel(KERNEL_PRIORITY, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@torch.compiler.disable
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
+    """Attention when this rank holds the whole sequence (cp_size 1); keys from valid_len on are dropped."""
+    out = plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    return out if beside is None else (out, beside())
+
+
+def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's cuDNN attention [B, H, S, D] alone (fewer key/value heads repeated for it, as plain_attention does):
+    the rate benchmarks hold the engine's attention against. On CPU, which has no cuDNN, torch's SDPA as it chooses,
+    so that the benchmarks' CPU checks run."""
+    k, v = expand_heads(q, k, v)
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32); k and v
+    may have fewer heads than q (expand_heads).
+
+    On CUDA in fp16/bf16 this is one kernel: FlashAttention-3 where available, else cuDNN's (flash attention where
+    cuDNN refuses the shape); elsewhere it is computed explicitly in float32.
+    """
+    if uses_fa3(q):
+        out, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2), lse
+    k, v = expand_heads(q, k, v)
+    if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+        except RuntimeError:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+        return out, lse.reshape(out.shape[:-1])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = scores.logsumexp(dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse

@@ -1,0 +1,63 @@
+"""Ring attention: key/value blocks travel around the ring while each rank attends its queries to the block it
+holds; nobody holds more than two blocks. Each step starts the next block's transfer (one batched send/receive into
+the second of two buffers, reused step after step) before attending the block it holds, so the transfer runs under
+that attention; the steps' outputs are combined once, at the end, by their log-sum-exps (attention.merge).
+
+With cp_method ring the ring is the whole context-parallel group; with ulysses_ring each ring passes the blocks of
+its Ulysses groups (attention.ulysses_ring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mdtriton.engine.attention.local import Beside, attention_with_lse
+from mdtriton.engine.attention.merge import merge_blocks
+from mdtriton.engine.comm import Communicator
+
+
+@torch.compiler.disable
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+              beside: Beside = None):
+    """Local queries over every rank's keys and values, one block per ring step; beside runs while the first
+    step's transfer is in flight."""
+    return ring_attention(q, k, v, comm, valid_len, beside)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
+                   beside: Beside = None):
+    """q [B, H, Sq, D] over the keys and values of the whole ring: k and v [B, H, L, D] are block `comm.ring_rank` of
+    the sequence (positions ring_rank * L onwards); keys from valid_len on are padding. Returns [B, H, Sq, D] (a view
+    of [B, Sq, H, D] memory), and with beside (run while the first transfer is in flight) (that, beside's result)."""
+    ranks = comm.ring_size
+    batch, heads, queries, dim = q.shape
+    kv_heads, length = k.shape[1:3]
+    buffers = k.new_empty(2, 2, batch, length, kv_heads, dim)  # [buffer, k or v, B, L, key/value heads, D]
+    buffers[0, 0].copy_(k.transpose(1, 2))
+    buffers[0, 1].copy_(v.transpose(1, 2))
+    outputs = q.new_empty(ranks, batch, queries, heads, dim)
+    lses = q.new_empty(ranks, batch, queries, heads, dtype=torch.float32)
+    beside_result = None
+    for step in range(ranks):
+        held, arriving = buffers[step % 2], buffers[(step + 1) % 2]
+        last = step == ranks - 1
+        if not last:
+            transfer = comm.ring_shift(held, arriving)
+        if step == 0 and beside is not None:
+            beside_result = beside()
+        # At step s this rank holds the block of the rank s places before it in the ring.
+        source = (comm.ring_rank - step) % ranks
+        keys = min(max(valid_len - source * length, 0), length)
+        if keys:
+            out, lse = attention_with_lse(q, held[0, :, :keys].transpose(1, 2), held[1, :, :keys].transpose(1, 2))
+            outputs[step].copy_(out.transpose(1, 2))
+            lses[step].copy_(lse.transpose(1, 2))
+        else:  # a block of padding only: no weight in the merge
+            outputs[step].zero_()
+            lses[step].fill_(float("-inf"))
+        if not last:
+            transfer.wait()
+    out = merge_blocks(outputs, lses).transpose(1, 2)
+    if beside is None:
+        return out
+    return out, beside_result

@@ -1,0 +1,71 @@
+"""The registry of model families: the one place that maps an architecture name to what it is.
+
+Built-in families are listed here; a user's package adds its own through the `mdtriton.families` entry point
+group (pyproject.toml: `[project.entry-points."mdtriton.families"] toy = "my_package.toy:TOY"`, the object a
+`Family` instance), so the build, the server's stubs and the rank workers all find it once it is installed.
+Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from importlib.metadata import entry_points
+
+from mdtriton.engine.manifest import EngineError
+from mdtriton.families.family import Family, PipelinePart, RequestSize
+
+__all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names"]
+
+ENTRY_POINT_GROUP = "mdtriton.families"
+BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
+            "mdtriton.families.wan:WAN", "mdtriton.families.cosmos3:COSMOS3")
+PIPELINE_SUFFIX = "-pipeline"
+
+
+def _load(reference: str, origin: str) -> Family:
+    module_name, _, attribute = reference.partition(":")
+    found = getattr(importlib.import_module(module_name), attribute)
+    if not isinstance(found, Family):
+        raise EngineError(f"{origin} {reference!r} is a {type(found).__name__}, not an mdtriton Family instance")
+    return found
+
+
+@cache
+def families() -> dict[str, Family]:
+    """Every registered family by name: the built-in ones, then those of installed packages' entry points."""
+    found: dict[str, Family] = {}
+    loaded = [(_load(reference, "built-in family"), "mdtriton") for reference in BUILT_IN]
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        loaded.append((_load(point.value, f"entry point {point.name!r} of group {ENTRY_POINT_GROUP}"),
+                       point.dist.name if point.dist else point.value))
+    for item, origin in loaded:
+        if item.name in found or item.name.endswith(PIPELINE_SUFFIX):
+            raise EngineError(f"family name {item.name!r} (from {origin}) is taken or ends in {PIPELINE_SUFFIX!r}; "
+                              "give the family another name")
+        found[item.name] = item
+    return found
+
+
+def architecture_names() -> list[str]:
+    """Every architecture a build can make: each family's, and `<name>-pipeline` for those with a pipeline."""
+    names = []
+    for name, item in families().items():
+        names += [name] + ([name + PIPELINE_SUFFIX] if item.pipeline is not None else [])
+    return names
+
+
+def family(architecture: str) -> Family:
+    """The family of an architecture name (its transformer engine's or its pipeline's)."""
+    name = architecture.removesuffix(PIPELINE_SUFFIX)
+    item = families().get(name)
+    if item is None or (name != architecture and item.pipeline is None):
+        raise EngineError(f"unknown architecture {architecture!r}; known: {', '.join(architecture_names())} "
+                          f"(a family from another package must be installed: entry point group {ENTRY_POINT_GROUP})")
+    return item
+
+
+def pipeline_part(architecture: str) -> PipelinePart | None:
+    """The pipeline an architecture name serves, or None for a transformer engine."""
+    item = family(architecture)
+    return item.pipeline if architecture.endswith(PIPELINE_SUFFIX) else None

@@ -1,0 +1,351 @@
+"""The Wan 2.x video diffusion transformer (diffusers' WanTransformer3DModel), text to video: tensor-parallel by
+heads and context-parallel by tokens of the video's patch sequence.
+
+Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint loads without conversion, and the
+modules diffusers keeps in float32 (time embedder, modulation tables, the cross-attention norm) stay in float32
+in every engine (`keep_in_float32`). The text is attended by cross-attention: every rank holds all of it, so only
+the video's tokens are split. The sequence is padded at its end to a multiple of cp_size (75,600 tokens of a 720p
+81-frame clip do not divide by 16), the padding never attended and cut from the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mdtriton.engine.attention import attention_for
+from mdtriton.engine.attention.local import attention as local_attention
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
+from mdtriton.engine.layers import (ColumnParallelLinear, ColumnParallelRMSNorm, RowParallelLinear, fuse_columns,
+                                    sums_of_squares)
+from mdtriton.engine.plan import ParallelPlan
+
+# Wan 2.1 T2V 14B's transformer, as its diffusers config.
+WAN_14B_CONFIG = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "rope_max_seq_len": 1024,
+    "pos_embed_seq_len": None,
+}
+CONFIG_KEYS = tuple(WAN_14B_CONFIG)
+WAN_1_3B_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+# Wan 2.2 TI2V 5B: 48 latent channels (its VAE compresses 16x16 pixels per token).
+WAN_5B_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
+                 "ffn_dim": 14336, "num_layers": 30}
+# A Wan of ~140 k parameters for tests: the same structure at tiny sizes (6 heads: tp 2 or 3, ulysses 2 or 3).
+TINY_CONFIG = {**WAN_14B_CONFIG, "num_attention_heads": 6, "attention_head_dim": 12, "in_channels": 4,
+               "out_channels": 4, "text_dim": 16, "freq_dim": 8, "ffn_dim": 36, "num_layers": 2,
+               "rope_max_seq_len": 32}
+
+
+def check_plan(config: dict, plan: ParallelPlan) -> None:
+    """Raise ValueError saying what to change if config is not a Wan text-to-video config or plan cannot split it."""
+    missing = [key for key in CONFIG_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"Wan config lacks {', '.join(missing)} "
+                         "(its keys are those of diffusers' WanTransformer3DModel config)")
+    if config["image_dim"] is not None or config["added_kv_proj_dim"] is not None:
+        raise ValueError("this Wan config is an image-to-video one (image_dim, added_kv_proj_dim); mdtriton serves "
+                         "Wan's text-to-video transformers")
+    if config["qk_norm"] != "rms_norm_across_heads":
+        raise ValueError(f"qk_norm {config['qk_norm']!r}: Wan's transformers use 'rms_norm_across_heads'")
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"attention_head_dim {head_dim} must be even and at least 6 (its rotary embedding splits "
+                         "it in pairs over frames, height and width)")
+    plan.check_heads(heads)
+    if config["ffn_dim"] % plan.tp_size:
+        raise ValueError(f"ffn_dim {config['ffn_dim']} does not divide by tp_size {plan.tp_size}; choose a tp_size "
+                         "that divides it")
+
+
+def rotary_angles(dim: int, length: int, device: torch.device, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary angles [length, dim / 2] of positions 0..length-1 for dim channels, in float64 as diffusers'
+    get_1d_rotary_pos_embed computes them for Wan."""
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device)[: dim // 2] / dim)
+    return torch.outer(torch.arange(length, dtype=torch.float64, device=device), freqs)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, S, H, D] by cos/sin [S, D] (pairs interleaved), as diffusers' Wan processor."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None, 0::2], sin[None, :, None, 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class ConditionEmbedder(nn.Module):
+    """The timestep's embedding and the six modulations of every block, and the text's projection (diffusers'
+    WanTimeTextImageEmbedding, text to video)."""
+
+    def __init__(self, dim: int, freq_dim: int, text_dim: int):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_embedder = MLPEmbedder(freq_dim, dim)
+        self.time_proj = nn.Linear(dim, 6 * dim)
+        self.text_embedder = MLPEmbedder(text_dim, dim, lambda x: F.gelu(x, approximate="tanh"))
+
+    def forward(self, timestep: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(temb [B, dim], the blocks' modulations [B, 6, dim], text [B, L, dim])."""
+        frequencies = timestep_embedding(timestep, self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
+        temb = self.time_embedder(frequencies).type_as(text)
+        modulation = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+        return temb, modulation, self.text_embedder(text)
+
+
+class SelfAttention(nn.Module):
+    """attn1 and its residual: x plus the gated attention of x's modulated norm. q, k, v of this rank's heads and
+    tokens, normalised across all heads, rotated, attended over the whole sequence by the plan's method, projected
+    back (AllReduce)."""
+
+    def __init__(self, dim: int, heads: int, eps: float, comm: Communicator, attention, fp8: bool):
+        super().__init__()
+        self.comm, self.attention, self.local_heads, self.eps = comm, attention, heads // comm.tp_size, eps
+        self.to_q = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.to_k = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.to_v = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.norm_q = ColumnParallelRMSNorm(dim, comm, eps)
+        self.norm_k = ColumnParallelRMSNorm(dim, comm, eps)
+        self.to_out = nn.ModuleList([RowParallelLinear(dim, dim, comm, fp8=fp8)])
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, valid_len: int) -> torch.Tensor:
+        # Three GEMMs, not one fused q|k|v GEMM as FLUX's: its output would stay alive until the rotated q and k are
+        # written beside it (0.3 GiB more peak memory at 720p on an H100, and no faster).
+        normed = modulated_norm(x, shift, scale, self.eps)
+        q, k, v = self.to_q(normed), self.to_k(normed), self.to_v(normed)
+        q_squares, k_squares = sums_of_squares(self.comm, q, k)
+        q, k = self.norm_q(q, q_squares), self.norm_k(k, k_squares)
+        q, k, v = (part.unflatten(-1, (self.local_heads, -1)) for part in (q, k, v))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.comm, valid_len)
+        out = self.to_out[0](out.transpose(1, 2).flatten(2).type_as(x))
+        return (x.float() + out * gate).type_as(x)
+
+
+class CrossAttention(nn.Module):
+    """attn2 and its residual: x plus the attention of x's norm (the block's norm2, if any) to all of the text
+    (which every rank holds), by this rank's tokens and heads."""
+
+    def __init__(self, dim: int, heads: int, eps: float, comm: Communicator, fp8: bool):
+        super().__init__()
+        self.comm, self.local_heads = comm, heads // comm.tp_size
+        self.to_q = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.to_k = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.to_v = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
+        self.to_kv: ColumnParallelLinear | None = None
+        self.norm_q = ColumnParallelRMSNorm(dim, comm, eps)
+        self.norm_k = ColumnParallelRMSNorm(dim, comm, eps)
+        self.to_out = nn.ModuleList([RowParallelLinear(dim, dim, comm, fp8=fp8)])
+
+    def fuse_projections(self) -> None:
+        self.to_kv = fuse_columns({"to_k": self.to_k, "to_v": self.to_v})
+        del self.to_k, self.to_v
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, norm: nn.LayerNorm | None) -> torch.Tensor:
+        normed = x if norm is None else F.layer_norm(x.float(), x.shape[-1:], norm.weight, norm.bias,
+                                                     norm.eps).type_as(x)
+        q = self.to_q(normed)
+        k, v = self.to_kv(text).chunk(2, dim=-1)
+        q_squares, k_squares = sums_of_squares(self.comm, q, k)
+        q, k = self.norm_q(q, q_squares), self.norm_k(k, k_squares)
+        q, k, v = (part.unflatten(-1, (self.local_heads, -1)).transpose(1, 2) for part in (q, k, v))
+        out = local_attention(q, k, v, self.comm, k.shape[2])  # every text token: this rank's queries over all keys
+        return x + self.to_out[0](out.transpose(1, 2).flatten(2).type_as(x))
+
+
+class FeedForward(nn.Module):
+    """ffn and its residual: x plus the gated feed-forward of x's modulated norm; net.0.proj (tanh GELU) by columns,
+    net.2 by rows, diffusers' names."""
+
+    def __init__(self, dim: int, ffn_dim: int, comm: Communicator, eps: float, fp8: bool):
+        super().__init__()
+        self.eps = eps
+        self.net = nn.ModuleList([nn.Module(), nn.Identity(), RowParallelLinear(ffn_dim, dim, comm, fp8=fp8)])
+        self.net[0].proj = ColumnParallelLinear(dim, ffn_dim, comm, fp8=fp8)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out = self.net[2](self.net[0].proj.forward_gelu(modulated_norm(x, shift, scale, self.eps)))
+        return (x.float() + out.float() * gate).type_as(x)
+
+
+class WanBlock(nn.Module):
+    """diffusers' WanTransformerBlock: modulated self-attention, cross-attention to the text, modulated
+    feed-forward; norms, modulations and gated residuals in float32 as diffusers computes them. Each sub-layer takes
+    x and returns the new x (its norm and residual inside); Wan.forward runs them in turn (see there why)."""
+
+    def __init__(self, config: dict, comm: Communicator, attention, fp8: bool):
+        super().__init__()
+        heads, eps = config["num_attention_heads"], config["eps"]
+        dim = heads * config["attention_head_dim"]
+        self.attn1 = SelfAttention(dim, heads, eps, comm, attention, fp8)
+        self.attn2 = CrossAttention(dim, heads, eps, comm, fp8)
+        self.norm2 = nn.LayerNorm(dim, eps) if config["cross_attn_norm"] else None
+        self.ffn = FeedForward(dim, config["ffn_dim"], comm, eps, fp8)
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 6, dim))
+
+    def fuse_projections(self) -> None:
+        self.attn2.fuse_projections()
+
+    def modulations(self, modulation: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(shift, scale, gate) of the self-attention, then of the feed-forward (float32), of modulation [B, 6, dim]."""
+        return (self.scale_shift_table + modulation.float()).chunk(6, dim=1)
+
+
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without weights, in float32 (diffusers' FP32LayerNorm)."""
+    return F.layer_norm(x.float(), x.shape[-1:], eps=eps)
+
+
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x's LayerNorm (float32) scaled by 1 + scale and shifted, in x's type."""
+    return (layer_norm(x, eps) * (1 + scale) + shift).type_as(x)
+
+
+class Wan(nn.Module):
+    """One rank's Wan transformer: inputs by diffusers' names, output {"sample"} [B, out, F, H, W] in full on every
+    rank. fp8: the blocks' linear layers hold e4m3 weights with row scales; the rest stays in the engine's type."""
+
+    keep_in_float32 = ("time_embedder", "scale_shift_table", "norm2")
+
+    def __init__(self, config: dict, comm: Communicator, fp8: bool = False):
+        super().__init__()
+        check_plan(config, comm.plan)
+        self.comm = comm
+        self.patch_size = tuple(config["patch_size"])
+        heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+        dim = heads * head_dim
+        self.eps = config["eps"]
+        self.out_channels = config["out_channels"] or config["in_channels"]
+        self.patch_embedding = nn.Conv3d(config["in_channels"], dim, self.patch_size, self.patch_size)
+        self.condition_embedder = ConditionEmbedder(dim, config["freq_dim"], config["text_dim"])
+        attention = attention_for(comm.plan)
+        self.blocks = nn.ModuleList(WanBlock(config, comm, attention, fp8) for _ in range(config["num_layers"]))
+        self.proj_out = nn.Linear(dim, self.out_channels * math.prod(self.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+        self.head_dim = head_dim
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                encoder_hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Denoiser output for the latent video hidden_states [B, C, F, H, W] at timestep [B] (float), with the text
+        encoder_hidden_states [B, L, text_dim]. Every rank gets the same full inputs and embeds only its tokens."""
+        x, temb, modulation, text, cos, sin = self.embed(hidden_states, timestep, encoder_hidden_states)
+        _, tokens, _, _ = self.layout(hidden_states)
+        # The sub-layers run in turn from this one frame, each compiled alone: attention and collectives run eagerly
+        # between compiled regions (graph breaks), and a frame holds what it had at a break until it returns, so a
+        # block compiled whole kept its input, its norms' outputs and x in float32 alive to its end (720p peak on an
+        # H100: 34.5 GiB that way, 31.1 GiB this way, at the same speed); here only the current x is held (a helper
+        # running the loop would hold the blocks' input too, as its caller's argument).
+        for block in self.blocks:
+            shift, scale, gate, c_shift, c_scale, c_gate = block.modulations(modulation)
+            x = block.attn1(x, shift, scale, gate, cos, sin, tokens)
+            x = block.attn2(x, text, block.norm2)
+            x = block.ffn(x, c_shift, c_scale, c_gate)
+        return self.finish(x, temb, hidden_states)
+
+    # First Block Cache (mdtriton.engine.step_cache) runs the forward in three parts, each taking the request's inputs
+    # by name and what the parts before it returned.
+    def first_block(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                    encoder_hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The embeddings and the first block: its output (as `x` for the blocks after it, and as `hidden`, which the
+        last block's output is compared with), and its `residual` (output minus input) on this rank's tokens, which
+        decides whether the other blocks run."""
+        x, temb, modulation, text, cos, sin = self.embed(hidden_states, timestep, encoder_hidden_states)
+        hidden = self.run_blocks(self.blocks[:1], x, modulation, text, cos, sin, hidden_states)
+        _, tokens, first, end = self.layout(hidden_states)
+        return {"hidden": hidden, "x": hidden, "residual": (hidden - x)[:, :end - first], "temb": temb,
+                "modulation": modulation, "text": text, "cos": cos, "sin": sin}
+
+    def other_blocks(self, x: torch.Tensor, temb: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, hidden_states: torch.Tensor, **_) -> dict[str, torch.Tensor]:
+        """Every block after the first, then the output: forward's outputs, and "hidden", the last block's output."""
+        hidden = self.run_blocks(self.blocks[1:], x, modulation, text, cos, sin, hidden_states)
+        return {**self.finish(hidden, temb, hidden_states), "hidden": hidden}
+
+    def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
+               **_) -> dict[str, torch.Tensor]:
+        """The output {"sample"} of the last block's output `hidden` (also a step that skips the other blocks)."""
+        batch, _, frames, height, width = hidden_states.shape
+        grid, tokens, _, _ = self.layout(hidden_states)
+        p_t, p_h, p_w = self.patch_size
+        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = modulated_norm(hidden, shift, scale, self.eps)
+        x = self.comm.cp_all_gather(self.proj_out(x), dim=1)[:, :tokens]
+        x = x.reshape(batch, *grid, p_t, p_h, p_w, self.out_channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return {"sample": x.reshape(batch, self.out_channels, frames, height, width)}
+
+    def layout(self, hidden_states: torch.Tensor) -> tuple[tuple[int, int, int], int, int, int]:
+        """The latent video's patch grid, its token count, and this rank's tokens [first, end)."""
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.patch_size
+        grid = (frames // p_t, height // p_h, width // p_w)
+        tokens = math.prod(grid)
+        local_len = -(-tokens // self.comm.cp_size)
+        first = min(self.comm.cp_rank * local_len, tokens)
+        return grid, tokens, first, min(first + local_len, tokens)
+
+    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+              encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's tokens embedded (padded to the context-parallel share), temb, the blocks' modulation, the text,
+        and the rotary cos and sin of its tokens."""
+        batch, channels = hidden_states.shape[:2]
+        p_t, p_h, p_w = self.patch_size
+        grid, tokens, first, end = self.layout(hidden_states)
+        local_len = -(-tokens // self.comm.cp_size)
+        # The patch embedding as a GEMM over this rank's patches (a Conv3d with stride = kernel is one).
+        patches = hidden_states.reshape(batch, channels, grid[0], p_t, grid[1], p_h, grid[2], p_w)
+        patches = patches.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(batch, tokens, -1)[:, first:end]
+        weight = self.patch_embedding.weight.reshape(self.patch_embedding.weight.shape[0], -1)
+        x = F.pad(F.linear(patches, weight, self.patch_embedding.bias), (0, 0, 0, local_len - (end - first)))
+        cos, sin = self.rotary(grid, first, end, local_len)
+        temb, modulation, text = self.condition_embedder(timestep, encoder_hidden_states)
+        return x, temb, modulation, text, cos, sin
+
+    def run_blocks(self, blocks, x: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """x after `blocks` (as forward runs them; First Block Cache keeps the blocks' input anyway)."""
+        _, tokens, _, _ = self.layout(hidden_states)
+        for block in blocks:
+            shift, scale, gate, c_shift, c_scale, c_gate = block.modulations(modulation)
+            x = block.attn1(x, shift, scale, gate, cos, sin, tokens)
+            x = block.attn2(x, text, block.norm2)
+            x = block.ffn(x, c_shift, c_scale, c_gate)
+        return x
+
+    def rotary(self, grid: tuple[int, int, int], first: int, end: int,
+               local_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [local_len, head_dim] (float32, each pair of channels repeated) of this rank's tokens: positions
+        first..end of the (frame, row, column) grid, then padding. The head's channels rotate by frame, row and
+        column in three parts, as diffusers' WanRotaryPosEmbed."""
+        device = self.patch_embedding.weight.device
+        positions = torch.arange(first, end, device=device)
+        frame, rest = positions // (grid[1] * grid[2]), positions % (grid[1] * grid[2])
+        height = width = 2 * (self.head_dim // 6)
+        parts = zip((self.head_dim - height - width, height, width), grid, (frame, rest // grid[2], rest % grid[2]))
+        angles = torch.cat([rotary_angles(dim, size, device)[where] for dim, size, where in parts], dim=1)
+        padding = (0, 0, 0, local_len - (end - first))
+        return tuple(F.pad(table(angles).repeat_interleave(2, dim=1).float(), padding) for table in (torch.cos, torch.sin))
+
+    def fuse_projections(self) -> None:
+        for block in self.blocks:
+            block.fuse_projections()
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """Every block's sub-layers (one compiled code serves each kind); attention and collectives run eagerly in
+        between."""
+        return [layer for block in self.blocks for layer in (block.attn1, block.attn2, block.ffn)]

@@ -1,0 +1,143 @@
+"""The pipeline engine: a family's diffusers pipeline on every rank, its transformer split across the ranks.
+
+diffusers loads every component but the transformer from the engine directory, as the pipeline's
+`model_index.json` lists them (tokenizers, text encoders, scheduler, VAE), and the pipeline runs as diffusers
+runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
+behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
+replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
+the ranks in step. The VAE decode is split across the ranks by bands of rows (mdtriton.pipeline.split_vae). The
+ranks agree before the first transformer call that none failed before it, and after each step whether to stop
+(mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at once and leaves
+them serving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
+
+from mdtriton.engine.architecture import Architecture
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.engine import Engine, TorchEngine
+from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
+from mdtriton.engine.job_control import JobAgreement
+from mdtriton.engine.request_check import RequestError
+from mdtriton.engine.step_cache import StepCache
+from mdtriton.lora.adapter_file import AdapterError
+from mdtriton.lora.directory import AdapterSettings
+from mdtriton.lora.weights import AdapterWeights
+from mdtriton.pipeline.part import PipelinePart
+from mdtriton.pipeline.request_checks import loras_of, step_cache_of
+from mdtriton.pipeline.split_vae import split_decode
+from mdtriton.pipeline.transformer import EngineAsTransformer
+
+
+class PipelineEngine(Engine):
+    """One rank's pipeline: the replicated components and its shard of the transformer."""
+
+    def __init__(self, manifest: Manifest, part: PipelinePart, pipeline: DiffusionPipeline, comm: Communicator,
+                 transformers: list[EngineAsTransformer], warm_up_seconds: float, adapters: AdapterWeights | None):
+        self.manifest = manifest
+        self.part = part
+        self.pipeline = pipeline
+        self.comm = comm
+        self.transformers = transformers
+        self.warm_up_seconds = warm_up_seconds
+        self.adapters = adapters
+
+    @classmethod
+    def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
+             part: PipelinePart, adapters: AdapterSettings | None = None) -> "PipelineEngine":
+        """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
+        manifest: engine_dir's, read by the caller (the transformer's own manifest is read here); architecture: its
+        transformer's family. Requests may name
+        the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
+        diffusers' LoRA loaders do)."""
+        # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
+        # Their loading progress bars would fill it, one line per component and rank.
+        for library_logging in (diffusers_logging, transformers_logging):
+            library_logging.set_verbosity_error()
+            library_logging.disable_progress_bar()
+        engine_dir = Path(engine_dir)
+        try:
+            dtypes = {"default": TORCH_DTYPES[manifest.data_type],
+                      **dict.fromkeys(part.float32_components, torch.float32)}
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), dtype=dtypes,
+                                                         local_files_only=True, **part.load_arguments())
+        except (OSError, ValueError, TypeError) as error:
+            raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
+        if type(pipeline).__name__ != part.diffusers_class:
+            raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
+                              f"{manifest.architecture} serves")
+        pipeline.to(comm.device)
+        split_decode(pipeline.vae, comm)
+        # The transformers last: each load checks that its shard fits the memory the other components left free.
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
+                   for folder in transformer_engine_folders(engine_dir, part)}
+        transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
+        for folder, transformer in zip(engines, transformers):
+            setattr(pipeline, folder, transformer)
+        pipeline.set_progress_bar_config(disable=True)  # the server reports progress
+        first = next(iter(engines.values()))
+        adapter_weights = None if adapters is None else AdapterWeights(
+            first.module, adapters.directory, adapters.cache_mib * 2**20, TORCH_DTYPES[first.manifest.data_type])
+        return cls(manifest, part, pipeline, comm, transformers,
+                   sum(engine.warm_up_seconds for engine in engines.values()), adapter_weights)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The request's outputs (the family's PipelinePart says which) and `full_steps`, progress reported after
+        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache);
+        the request's adapters are merged into the transformer's weights first, or the base weights put back if it
+        names none (mdtriton.lora.weights). JobFailed if a rank failed before the first transformer call (every rank
+        raises it), JobStopped if the request's rank asked to stop after a step."""
+        agreement = JobAgreement(self.comm)
+        caches = []
+        try:
+            loras = loras_of(inputs)
+            if self.adapters is not None:
+                self.adapters.activate(loras)
+            elif loras:
+                raise RequestError("this pipeline was loaded without an adapters directory: its requests name no "
+                                   "adapters")
+            caches = [StepCache(step_cache_of(inputs)) for _ in self.transformers]
+            for transformer, cache in zip(self.transformers, caches):
+                transformer.step_cache, transformer.agreement = cache, agreement
+
+            def step_done(pipeline: DiffusionPipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+                agreement.step_done(step + 1, pipeline.num_timesteps)
+                return callback_kwargs
+
+            result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
+                                   callback_on_step_end=step_done)
+        except Exception as error:  # noqa: BLE001 - before the first collective, any failure is agreed on, then raised
+            agreement.failed(*failure_message(error))
+            raise
+        finally:
+            for transformer in self.transformers:
+                transformer.step_cache, transformer.agreement = None, None
+        # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
+        full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
+                                  device=self.comm.device)
+        # Answered on this rank's device (mdtriton.engine.comm, the device contract): a moving no-op for outputs made
+        # there, and a copy back for what a component hands back on the host (Cosmos 3's safety checker's frames).
+        outputs = {name: tensor.to(self.comm.device) for name, tensor in self.part.outputs(result).items()}
+        return {**outputs, "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
+
+
+def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:
+    """The folders of a pipeline's engine directory that hold its transformer engines (the build made one for each
+    transformer the pipeline's directory listed)."""
+    return [folder for folder in part.transformers if (Path(engine_dir) / folder / MANIFEST_FILE).is_file()]
+
+
+def failure_message(error: Exception) -> tuple[str, bool]:
+    """What a request's answer says of a failure of its job on a rank, and whether the request was at fault: a
+    RequestError, or an adapter it names that cannot be used (its file went, or is damaged)."""
+    if isinstance(error, (RequestError, AdapterError)):
+        return str(error), True
+    return f"{type(error).__name__}: {error}", False
