@@ -1,19 +1,25 @@
-"""The FLUX pipeline served on 1 to N GPUs: prompt to image through Triton, one model per parallel plan and data type.
+"""The FLUX or Wan pipeline served on 1 to N GPUs: prompt to image or clip through Triton, one model per parallel plan
+and data type.
 
-Every component has random weights and FLUX.1-dev's configs (benchmarks/random_pipelines.py makes them); the
-transformer is built into each plan's engine from one seed, so every plan and data type computes the same model. For
-each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build, the time
-from start to ready, a first image, --images images one after another (the client's wall time per image: the request,
-the whole pipeline on every rank, the image back), --concurrent images sent at once (every rank receives some: rank 0
-broadcasts its answer to the others), and each image against the first row's image of the same seed (max and mean
-uint8 difference, PSNR). A failed request is a row's failure, not the script's: the table says how many. Rows are
-printed and appended to --output as each ends.
+Every component has random weights and FLUX.1-dev's or Wan 2.1 T2V 14B's configs (benchmarks/random_pipelines.py makes
+them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
+model. For each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build,
+the time from start to ready, a first image or clip, --images more one after another (the client's wall time for
+each: the request, the whole pipeline on every rank, the answer back), --concurrent sent at once (every rank receives
+some: rank 0 broadcasts its answer to the others), and each answer against the first row's of the same seed (max and
+mean uint8 difference, PSNR). With --also-steps S, --images more of S steps each: the two medians give the time of
+one denoising step and, by a straight line through them, the time outside the steps (text encoding, VAE decode,
+transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
+are printed and appended to --output as each ends.
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
+    python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \
+        --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
 
-Plan names: 1, tpN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a ring).
+Plan names: 1, or parts joined by x: tpN, cfgN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a
+ring): e.g. ulysses4, cfg2xulysses2, tp2xring2.
 """
 
 from __future__ import annotations
@@ -30,40 +36,49 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device, work_directory
+from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device,
+                              wan_pipeline_dir, work_directory)
 
-from mdtriton.client.pipeline import generate
+from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
 
 
 def plan_of(name: str) -> ParallelPlan:
-    """'1', 'tp4', 'ulysses4', 'ring4', 'allgather_kv4', 'ulysses_ring4' -> the plan."""
+    """'1', or parts joined by x ('tp4', 'ulysses4', 'ring4', 'allgather_kv4', 'ulysses_ring4', 'cfg2xulysses2',
+    'tp2xring2') -> the plan."""
     if name == "1":
         return ParallelPlan()
-    match = re.fullmatch(r"(tp|ulysses_ring|ulysses|ring|allgather_kv)(\d+)", name)
-    if not match:
-        raise SystemExit(f"unknown plan {name!r}: 1, tpN, ulyssesN, ringN, allgather_kvN or ulysses_ringN")
-    method, size = match.group(1), int(match.group(2))
-    if method == "tp":
-        return ParallelPlan(tp_size=size)
-    return ParallelPlan(cp_size=size, cp_method=method, ulysses_size=2 if method == "ulysses_ring" else 1)
+    sizes = {}
+    for part in name.split("x"):
+        match = re.fullmatch(r"(tp|cfg|ulysses_ring|ulysses|ring|allgather_kv)(\d+)", part)
+        if not match or match.group(1) in sizes or ("cp" in sizes and match.group(1) not in ("tp", "cfg")):
+            raise SystemExit(f"unknown plan {name!r}: 1, or parts joined by x (tpN, cfgN and one of ulyssesN, ringN, "
+                             "allgather_kvN, ulysses_ringN), e.g. cfg2xulysses2")
+        method, size = match.group(1), int(match.group(2))
+        sizes["cp" if method not in ("tp", "cfg") else method] = (method, size)
+    method, cp_size = sizes.get("cp", ("allgather_kv", 1))
+    return ParallelPlan(tp_size=sizes.get("tp", ("tp", 1))[1], cp_size=cp_size, cp_method=method,
+                        cfg_size=sizes.get("cfg", ("cfg", 1))[1], ulysses_size=2 if method == "ulysses_ring" else 1)
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,
                workdir: Path) -> dict:
     """Build the plan's model in the data type, serve it alone, and time its images; the images by seed."""
-    model = f"flux_{name}_{data_type.lower()}"
+    model = f"{args.architecture}_{name}_{data_type.lower()}"
     started = time.perf_counter()
-    build_pipeline(workdir / "repository", model, "flux-pipeline", pipeline_dir, data_type, device, plan)
+    build_pipeline(workdir / "repository", model, f"{args.architecture}-pipeline", pipeline_dir, data_type, device, plan)
     row = {"plan": name, "data_type": data_type, "described": str(plan), "build_s": time.perf_counter() - started,
            "failed": 0, "images": {}}
     with started_server(workdir / "repository", workdir / f"server-{model}.log", (model,)) as (server, ready_s):
         row["ready_s"] = ready_s
 
-        def image(seed: int) -> np.ndarray | None:
+        def image(seed: int, steps: int = args.steps) -> np.ndarray | None:
             try:
-                return generate(server.grpc_address, model, FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
+                if args.architecture == "wan":
+                    return generate_video(server.grpc_address, model, WAN_PROMPT, args.height, args.width,
+                                          args.frames, steps, 5.0, seed, timeout=1200)[0]
+                return generate(server.grpc_address, model, FLUX_PROMPT, args.height, args.width, steps, 3.5,
                                 seed, timeout=600)[0]
             except Exception as error:  # noqa: BLE001 - a failed request is counted, the benchmark goes on
                 print(f"{name}: seed {seed} failed: {error}", flush=True)
@@ -80,10 +95,19 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
             times.append(time.perf_counter() - started)
         row["image_s"] = statistics.median(times)
         row["image_min_s"] = min(times)
+        if args.also_steps:
+            fewer = []
+            for _ in range(args.images):
+                started = time.perf_counter()
+                image(0, args.also_steps)
+                fewer.append(time.perf_counter() - started)
+            row["step_s"] = (row["image_s"] - statistics.median(fewer)) / (args.steps - args.also_steps)
+            row["outside_steps_s"] = row["image_s"] - args.steps * row["step_s"]
         seeds = list(range(1, args.concurrent + 1))
         started = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrent) as pool:
-            row["images"].update(zip(seeds, pool.map(image, seeds)))
+        if seeds:
+            with ThreadPoolExecutor(args.concurrent) as pool:
+                row["images"].update(zip(seeds, pool.map(image, seeds)))
         row["concurrent_s"] = time.perf_counter() - started
     shutil.rmtree(workdir / "repository" / model)  # the disk holds one model at a time (24 GB a rank at full size)
     return row
@@ -104,21 +128,34 @@ def compare(row: dict, baseline: dict) -> tuple[int, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--architecture", choices=("flux", "wan"), default="flux",
+                        help="FLUX.1-dev's pipeline (images) or Wan 2.1 T2V 14B's (clips; default flux)")
     parser.add_argument("--plans", default="1,ulysses4", help="plans, the first the baseline (default 1,ulysses4)")
     parser.add_argument("--data-types", help="the transformer's data types, the first the baseline: BF16, FP8 (GPUs of "
                                              "compute capability 8.9+), FP32 (default BF16; --tiny: FP32)")
     add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     parser.add_argument("--images", type=int, default=10, help="images timed one after another (default 10)")
     parser.add_argument("--concurrent", type=int, default=4, help="images sent at once after them (default 4)")
+    parser.add_argument("--frames", type=int, help="Wan's frames (default 81; --tiny: 9)")
+    parser.add_argument("--also-steps", type=int, help="also time --images requests of this many steps (fewer than "
+                                                       "--steps): the time per step and outside the steps")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     args = parser.parse_args()
+    if args.architecture == "wan":  # Wan's sizes where not given: 720p x 81 frames, 4 steps (tiny: 32x48 x 9)
+        args.height = args.height or (32 if args.tiny else 720)
+        args.width = args.width or (48 if args.tiny else 1280)
+        args.frames = args.frames or (9 if args.tiny else 81)
+        args.steps = args.steps or (3 if args.tiny else 4)
     device = pipeline_device(args, tiny_steps=3)
+    if args.also_steps and not 0 < args.also_steps < args.steps:
+        raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
 
     rows = []
     with work_directory(args) as workdir:
-        pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
+        make_pipeline_dir = wan_pipeline_dir if args.architecture == "wan" else flux_pipeline_dir
+        pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
         for data_type in data_types:
             for name, plan in plans.items():
                 row = serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir)
@@ -130,13 +167,19 @@ def main() -> int:
                     with args.output.open("a") as out:
                         out.write(json.dumps(summary) + "\n")
     baseline = rows[0]["image_s"]
-    print(f"\nFLUX pipeline ({'tiny' if args.tiny else 'FLUX.1-dev size'}), {args.width}x{args.height}, {args.steps} "
-          f"steps, served by Triton, {device_name(device)}; median of {args.images} images after a first one\n")
+    what, size = (("clip", f"{args.width}x{args.height} x {args.frames} frames") if args.architecture == "wan"
+                  else ("image", f"{args.width}x{args.height}"))
+    model_size = "tiny" if args.tiny else ("Wan 2.1 T2V 14B size" if args.architecture == "wan" else "FLUX.1-dev size")
+    print(f"\n{args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, served by Triton, "
+          f"{device_name(device)}; median of {args.images} {what}s after a first one\n")
+    split = ["per step", "outside the steps"] if args.also_steps else []
     print(markdown_table(
-        ["plan", "transformer", "time per image", "speed-up", "first image", f"{args.concurrent} at once", "failed",
-         "max / mean uint8 difference from the first row, least PSNR", "build s", "start to ready s"],
+        ["plan", "transformer", f"time per {what}", "speed-up", *split, f"first {what}", f"{args.concurrent} at once",
+         "failed", "max / mean uint8 difference from the first row, least PSNR", "build s", "start to ready s"],
         [[f"{row['plan']} ({row['described']})", row["data_type"], f"{row['image_s'] * 1000:,.0f} ms",
-          f"{baseline / row['image_s']:.2f}x", f"{row['first_s']:.1f} s", f"{row['concurrent_s']:.1f} s",
+          f"{baseline / row['image_s']:.2f}x",
+          *([f"{row['step_s'] * 1000:,.0f} ms", f"{row['outside_steps_s'] * 1000:,.0f} ms"] if args.also_steps else []),
+          f"{row['first_s']:.1f} s", f"{row['concurrent_s']:.1f} s",
           str(row["failed"]), f"{row['max_diff']} / {row['mean_diff']:.2f}, {row['psnr']:.1f} dB",
           f"{row['build_s']:.0f}", f"{row['ready_s']:.0f}"] for row in rows]))
     return 0 if all(row["failed"] == 0 for row in rows) else 1
