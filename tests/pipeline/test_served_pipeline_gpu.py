@@ -33,7 +33,7 @@ IMAGE = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
 CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0)
 SEEDS = range(4)
 # A clip long enough (over a second on a GPU) for a worker to be killed in the middle of it.
-LONG_CLIP = {**CLIP, "num_inference_steps": 300}
+LONG_CLIP = {**CLIP, "num_inference_steps": 500}
 IN_A_ROW = 20
 
 
