@@ -2,9 +2,10 @@
 
 A pipeline here is a diffusers directory whose transformer/ holds only its config, what `mdtriton build --architecture
 NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.harness.build_pipeline): FLUX.1-dev's
-components (T5-XXL, CLIP-L, the 16-channel VAE) or Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) with random weights made
-on the GPU, or the tests' tiny pipelines (--tiny, on the CPU). The tokenizers are small local ones: token ids do not
-change the work (T5 always gets max_sequence_length tokens, CLIP 77).
+components (T5-XXL, CLIP-L, the 16-channel VAE), Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) or Cosmos 3's (the Wan 2.2
+VAE; its text runs inside the transformer) with random weights made on the GPU, or the tests' tiny pipelines (--tiny,
+on the CPU). The tokenizers are small local ones: token ids do not change the work (T5 always gets max_sequence_length
+tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as its bytes).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny pipelines and local tokenizers
 
 from mdtriton.build_tools.build import MODEL_INDEX  # noqa: E402
+from mdtriton.families.cosmos3 import COSMOS3  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
+from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
 
@@ -52,6 +55,16 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
 # model_index.json of a Wan 2.1 text-to-video pipeline (one transformer); the components' entries are added.
 WAN_INDEX = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
              "transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False}
+# Cosmos 3's VAE: Wan 2.2's (Wan-AI/Wan2.2-TI2V-5B-Diffusers' vae/config.json), its latent statistics left at 0 and 1
+# (random weights: they do not change the work).
+COSMOS3_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                   temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                   patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48,
+                   latents_std=[1.0] * 48)
+# model_index.json of a Cosmos3OmniPipeline without sound or safety checker; the components' entries are added.
+COSMOS3_INDEX = {"_class_name": "Cosmos3OmniPipeline", "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+                 "default_use_system_prompt": True, "enable_safety_checker": False, "safety_checker": [None, None],
+                 "sound_tokenizer": [None, None], "use_native_flow_schedule": False}
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, disk_gb: int) -> None:
@@ -135,6 +148,25 @@ def wan_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0))
         config = WAN.presets()["wan2.1-t2v-14b"]
     save_pipeline_dir(directory, WAN_INDEX, components, config)
+    del components
+    free_memory()
+    return directory, config
+
+
+def cosmos3_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A Cosmos 3 pipeline directory (the published size's components: the Wan 2.2 VAE made on device in float32, a
+    local byte-level tokenizer, UniPC's flow scheduler; or the tests' tiny ones) and its transformer's config."""
+    if tiny:
+        pipeline = tiny_cosmos3_pipeline()
+        components = {name: getattr(pipeline, name) for name in ("text_tokenizer", "vae", "scheduler")}
+        config = COSMOS3.presets()["tiny"]
+    else:
+        with torch.device(device):
+            components = {"vae": AutoencoderKLWan(**COSMOS3_VAE)}
+        components.update(text_tokenizer=byte_tokenizer(), scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0))
+        config = COSMOS3.presets()["cosmos3-15b"]
+    save_pipeline_dir(directory, COSMOS3_INDEX, components, config)
     del components
     free_memory()
     return directory, config

@@ -1,8 +1,8 @@
-"""The FLUX or Wan pipeline served on 1 to N GPUs: prompt to image or clip through Triton, one model per parallel plan
-and data type.
+"""The FLUX, Wan or Cosmos 3 pipeline served on 1 to N GPUs: prompt to image or clip through Triton, one model per
+parallel plan and data type.
 
-Every component has random weights and FLUX.1-dev's or Wan 2.1 T2V 14B's configs (benchmarks/random_pipelines.py makes
-them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
+Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
+(benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
 model. For each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build,
 the time from start to ready, a first image or clip, --images more one after another (the client's wall time for
 each: the request, the whole pipeline on every rank, the answer back), --concurrent sent at once (every rank receives
@@ -16,6 +16,7 @@ are printed and appended to --output as each ends.
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
+    python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
 
 Plan names: 1, or parts joined by x: tpN, cfgN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a
@@ -36,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device,
-                              wan_pipeline_dir, work_directory)
+from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, flux_pipeline_dir,
+                              pipeline_device, wan_pipeline_dir, work_directory)
 
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
@@ -75,7 +76,7 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
 
         def image(seed: int, steps: int = args.steps) -> np.ndarray | None:
             try:
-                if args.architecture == "wan":
+                if args.architecture != "flux":
                     return generate_video(server.grpc_address, model, WAN_PROMPT, args.height, args.width,
                                           args.frames, steps, 5.0, seed, timeout=1200)[0]
                 return generate(server.grpc_address, model, FLUX_PROMPT, args.height, args.width, steps, 3.5,
@@ -128,23 +129,23 @@ def compare(row: dict, baseline: dict) -> tuple[int, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--architecture", choices=("flux", "wan"), default="flux",
-                        help="FLUX.1-dev's pipeline (images) or Wan 2.1 T2V 14B's (clips; default flux)")
+    parser.add_argument("--architecture", choices=("flux", "wan", "cosmos3"), default="flux",
+                        help="FLUX.1-dev's pipeline (images), Wan 2.1 T2V 14B's or Cosmos 3's (clips; default flux)")
     parser.add_argument("--plans", default="1,ulysses4", help="plans, the first the baseline (default 1,ulysses4)")
     parser.add_argument("--data-types", help="the transformer's data types, the first the baseline: BF16, FP8 (GPUs of "
                                              "compute capability 8.9+), FP32 (default BF16; --tiny: FP32)")
     add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     parser.add_argument("--images", type=int, default=10, help="images timed one after another (default 10)")
     parser.add_argument("--concurrent", type=int, default=4, help="images sent at once after them (default 4)")
-    parser.add_argument("--frames", type=int, help="Wan's frames (default 81; --tiny: 9)")
+    parser.add_argument("--frames", type=int, help="a clip's frames (default: Wan 81, Cosmos 3 189; --tiny: 9)")
     parser.add_argument("--also-steps", type=int, help="also time --images requests of this many steps (fewer than "
                                                        "--steps): the time per step and outside the steps")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     args = parser.parse_args()
-    if args.architecture == "wan":  # Wan's sizes where not given: 720p x 81 frames, 4 steps (tiny: 32x48 x 9)
+    if args.architecture != "flux":  # a clip's sizes where not given: 720p, 4 steps (tiny: 32x48 x 9, 3 steps)
         args.height = args.height or (32 if args.tiny else 720)
         args.width = args.width or (48 if args.tiny else 1280)
-        args.frames = args.frames or (9 if args.tiny else 81)
+        args.frames = args.frames or (9 if args.tiny else 81 if args.architecture == "wan" else 189)
         args.steps = args.steps or (3 if args.tiny else 4)
     device = pipeline_device(args, tiny_steps=3)
     if args.also_steps and not 0 < args.also_steps < args.steps:
@@ -154,7 +155,8 @@ def main() -> int:
 
     rows = []
     with work_directory(args) as workdir:
-        make_pipeline_dir = wan_pipeline_dir if args.architecture == "wan" else flux_pipeline_dir
+        make_pipeline_dir = {"flux": flux_pipeline_dir, "wan": wan_pipeline_dir,
+                             "cosmos3": cosmos3_pipeline_dir}[args.architecture]
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
         for data_type in data_types:
             for name, plan in plans.items():
@@ -167,9 +169,10 @@ def main() -> int:
                     with args.output.open("a") as out:
                         out.write(json.dumps(summary) + "\n")
     baseline = rows[0]["image_s"]
-    what, size = (("clip", f"{args.width}x{args.height} x {args.frames} frames") if args.architecture == "wan"
-                  else ("image", f"{args.width}x{args.height}"))
-    model_size = "tiny" if args.tiny else ("Wan 2.1 T2V 14B size" if args.architecture == "wan" else "FLUX.1-dev size")
+    what, size = (("image", f"{args.width}x{args.height}") if args.architecture == "flux"
+                  else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))
+    model_size = "tiny" if args.tiny else {"flux": "FLUX.1-dev size", "wan": "Wan 2.1 T2V 14B size",
+                                           "cosmos3": "Cosmos 3 15B size"}[args.architecture]
     print(f"\n{args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, served by Triton, "
           f"{device_name(device)}; median of {args.images} {what}s after a first one\n")
     split = ["per step", "outside the steps"] if args.also_steps else []
