@@ -59,13 +59,19 @@ def test_sigkill_of_the_server_leaves_no_worker_and_no_shared_memory(tmp_path, r
     assert still_running(processes, 30) == set(), "stubs or workers outlived the killed server"
     assert our_shm(shm_before) == []
     assert stub_processes(server.process.pid) == {}
+    # Triton 2.51 may leave its regions behind a killed server, 1 MiB each, until the machine restarts. It left none in
+    # 2 of 7 runs on one machine (2026-11-26), whose stubs had logged Triton's "Non-graceful termination detected":
+    # their own parent check (every 300 ms) ran before our stub watchdog ended them. A region left as a killed
+    # server leaves one stands in, so that the next start is checked either way.
     tritons = sorted(name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith(TRITONS_OWN_SHM))
-    assert tritons  # Triton 2.51 leaves its regions behind a killed server: 1 MiB each, until the machine restarts
+    left = Path("/dev/shm") / f"{TRITONS_OWN_SHM}left-by-this-test"
+    left.write_bytes(bytes(1 << 20))
     held = Path("/dev/shm") / f"{TRITONS_OWN_SHM}held-by-this-test"
     with open(held, "wb") as held_open:  # a region a live process holds is never removed, however old
-        os.utime(held, (time.time() - 3600, time.time() - 3600))
+        for region in (left, held):
+            os.utime(region, (time.time() - 3600, time.time() - 3600))
         time.sleep(SHARED_MEMORY_MIN_AGE_S)
         server_factory(tmp_path / "repo")
-        assert set(tritons) & set(os.listdir("/dev/shm")) == set()
+        assert set(tritons + [left.name]) & set(os.listdir("/dev/shm")) == set()
         assert held.exists() and not held_open.closed
     held.unlink()
