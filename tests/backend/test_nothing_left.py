@@ -60,7 +60,7 @@ def test_sigkill_of_the_server_leaves_no_worker_and_no_shared_memory(tmp_path, r
     assert our_shm(shm_before) == []
     assert stub_processes(server.process.pid) == {}
     # Triton 2.51 may leave its regions behind a killed server, 1 MiB each, until the machine restarts. It left none in
-    # 2 of 7 runs on one machine (2026-11-26), whose stubs had logged Triton's "Non-graceful termination detected":
+    # 2 of 6 runs on one machine (2026-11-26), whose stubs had logged Triton's "Non-graceful termination detected":
     # their own parent check (every 300 ms) ran before our stub watchdog ended them. A region left as a killed
     # server leaves one stands in, so that the next start is checked either way.
     tritons = sorted(name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith(TRITONS_OWN_SHM))
