@@ -1,1 +1,0 @@
-"""Build tools: engines and their Triton model repository entries."""

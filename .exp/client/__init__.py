@@ -1,1 +1,0 @@
-"""gRPC client for models served by mdtriton (tritonclient underneath)."""
