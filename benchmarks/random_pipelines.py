@@ -95,18 +95,26 @@ def work_directory(args: argparse.Namespace) -> Iterator[Path]:
 
 
 def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
-    """A diffusers pipeline directory of components (each saved by its save_pretrained), whose transformer/ holds only
-    its config. index: model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class]
-    and any other); the components' entries are added."""
+    """A diffusers pipeline directory of components (each saved by its save_pretrained, then dropped from
+    `components`, and the GPU memory they held given back), whose transformer/ holds only its config. index:
+    model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class] and any other); the
+    components' entries are added."""
     index = dict(index)
     for name, component in components.items():
         component.save_pretrained(directory / name)
         index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+    components.clear()
+    free_memory()
     (directory / "transformer").mkdir(parents=True, exist_ok=True)
     (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
                                                                        **transformer_config}))
     (directory / MODEL_INDEX).write_text(json.dumps(index))
     return directory
+
+
+def flow_scheduler() -> UniPCMultistepScheduler:
+    """UniPC's flow-matching scheduler, as Wan's and Cosmos 3's pipelines use it."""
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 
 
 def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
@@ -125,10 +133,7 @@ def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tupl
         components.update(tokenizer=clip_tokenizer(), tokenizer_2=t5_tokenizer())
         config = dict(FLUX_DEV_CONFIG)
     components["scheduler"] = FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER)
-    save_pipeline_dir(directory, FLUX_INDEX, components, config)
-    del components
-    free_memory()
-    return directory, config
+    return save_pipeline_dir(directory, FLUX_INDEX, components, config), config
 
 
 def wan_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
@@ -144,13 +149,9 @@ def wan_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple
         with torch.device(device):
             components = {"text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)).to(torch.bfloat16),
                           "vae": AutoencoderKLWan()}  # diffusers' default config: Wan 2.1's
-        components.update(tokenizer=t5_tokenizer(), scheduler=UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0))
+        components.update(tokenizer=t5_tokenizer(), scheduler=flow_scheduler())
         config = WAN.presets()["wan2.1-t2v-14b"]
-    save_pipeline_dir(directory, WAN_INDEX, components, config)
-    del components
-    free_memory()
-    return directory, config
+    return save_pipeline_dir(directory, WAN_INDEX, components, config), config
 
 
 def cosmos3_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
@@ -163,13 +164,9 @@ def cosmos3_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> t
     else:
         with torch.device(device):
             components = {"vae": AutoencoderKLWan(**COSMOS3_VAE)}
-        components.update(text_tokenizer=byte_tokenizer(), scheduler=UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0))
+        components.update(text_tokenizer=byte_tokenizer(), scheduler=flow_scheduler())
         config = COSMOS3.presets()["cosmos3-15b"]
-    save_pipeline_dir(directory, COSMOS3_INDEX, components, config)
-    del components
-    free_memory()
-    return directory, config
+    return save_pipeline_dir(directory, COSMOS3_INDEX, components, config), config
 
 
 def free_memory() -> None:

@@ -50,14 +50,14 @@ def plan_of(name: str) -> ParallelPlan:
     'tp2xring2') -> the plan."""
     if name == "1":
         return ParallelPlan()
-    sizes = {}
+    sizes = {}  # "tp", "cfg", "cp" -> (method, size)
     for part in name.split("x"):
         match = re.fullmatch(r"(tp|cfg|ulysses_ring|ulysses|ring|allgather_kv)(\d+)", part)
-        if not match or match.group(1) in sizes or ("cp" in sizes and match.group(1) not in ("tp", "cfg")):
+        dimension = match.group(1) if match and match.group(1) in ("tp", "cfg") else "cp"
+        if not match or dimension in sizes:
             raise SystemExit(f"unknown plan {name!r}: 1, or parts joined by x (tpN, cfgN and one of ulyssesN, ringN, "
                              "allgather_kvN, ulysses_ringN), e.g. cfg2xulysses2")
-        method, size = match.group(1), int(match.group(2))
-        sizes["cp" if method not in ("tp", "cfg") else method] = (method, size)
+        sizes[dimension] = (match.group(1), int(match.group(2)))
     method, cp_size = sizes.get("cp", ("allgather_kv", 1))
     return ParallelPlan(tp_size=sizes.get("tp", ("tp", 1))[1], cp_size=cp_size, cp_method=method,
                         cfg_size=sizes.get("cfg", ("cfg", 1))[1], ulysses_size=2 if method == "ulysses_ring" else 1)

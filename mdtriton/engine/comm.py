@@ -396,6 +396,7 @@ class Communicator:
                 dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return x
 
+
 class Pending:
     """Collectives started without waiting (async on NCCL's own stream, so compute can run meanwhile).
 
