@@ -8,10 +8,11 @@ keys and values are the same at every denoising step. Vision tokens ("generation
 attend to all text and vision tokens. So the module runs the text pathway once (`text_keys_values`, every
 context-parallel rank the whole text: a few hundred tokens) and each step runs the vision pathway only, over the
 joint sequence: rank r holds its slice of [text; vision] padded to a multiple of cp_size (FLUX's JointSlice), its
-text rows' keys and values taken from the text pathway's, their queries zeros and their outputs unused. The
-attention is the plan's method (mdtriton.engine.attention: allgather_kv, ring, ulysses), with Cosmos 3's fewer
-key/value heads. Parameter names equal diffusers' state-dict keys; the language head, the text's final norm and the
-sound and action heads are never loaded (Cosmos3Family.unused_weights).
+text rows' keys and values taken from the text pathway's, their queries zeros and their outputs unused (on one
+context-parallel rank only the vision rows ask). The attention is the plan's method (mdtriton.engine.attention:
+allgather_kv, ring, ulysses), with Cosmos 3's fewer key/value heads. Parameter names equal diffusers' state-dict
+keys; the language head, the text's final norm and the sound and action heads are never loaded
+(Cosmos3Family.unused_weights).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
-from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear
+from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.cosmos3.layers import (GatedMLP, KeyValueHeads, RMSNorm, VocabParallelEmbedding, rms_norm,
                                               rotary, rotate)
@@ -123,6 +124,25 @@ class Attention(nn.Module):
         self.norm_added_q = RMSNorm(head_dim, eps, nemotron)
         self.norm_added_k = RMSNorm(head_dim, eps, nemotron)
         self.eps, self.nemotron = eps, nemotron
+        self.add_qkv: ColumnParallelLinear | None = None
+        self.add_qkv_sizes: list[int] = []
+
+    def fuse_projections(self) -> None:
+        """The vision pathway's query, key and value projections as one GEMM, where the key/value heads are split
+        like the queries' (replicated key/value projections stay apart)."""
+        if self.kv.split:
+            parts = {"add_q_proj": self.add_q_proj, "add_k_proj": self.add_k_proj, "add_v_proj": self.add_v_proj}
+            self.add_qkv_sizes = [layer.weight.shape[0] for layer in parts.values()]
+            self.add_qkv = fuse_columns(parts)
+            del self.add_q_proj, self.add_k_proj, self.add_v_proj
+
+    def vision_qkv(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The vision pathway's queries, keys and values of normed, [1, m, heads, head_dim] (this rank's heads)."""
+        if self.add_qkv is not None:
+            q, k, v = self.add_qkv(normed).split(self.add_qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.add_q_proj(normed), self.add_k_proj(normed), self.add_v_proj(normed)
+        return self.heads(q), self.kv.mine(self.heads(k)), self.kv.mine(self.heads(v))
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))
@@ -132,13 +152,19 @@ class Attention(nn.Module):
         """x [1, m, hidden] (this rank's vision tokens, then its padding) plus their attention over the joint
         sequence, projected back (AllReduce); text_k, text_v [1, kv heads, t, head_dim]: the keys and values of this
         rank's text rows, which come first in its slice."""
-        normed = rms_norm(x, norm_weight, self.eps, self.nemotron)
-        q = self.norm_added_q(self.heads(self.add_q_proj(normed)))
-        k = self.norm_added_k(self.kv.mine(self.heads(self.add_k_proj(normed))))
-        v = self.kv.mine(self.heads(self.add_v_proj(normed)))
-        out = joint_attention(self.attention, self.comm, rotate(q, cos, sin), rotate(k, cos, sin), v, text_k, text_v,
-                              valid_len)
-        return x + self.to_add_out(out)
+        q, k, v = self.vision_qkv(rms_norm(x, norm_weight, self.eps, self.nemotron))
+        q, k = rotate(self.norm_added_q(q), cos, sin), rotate(self.norm_added_k(k), cos, sin)
+        # The rank's slice of the joint sequence, [1, tokens, heads, head_dim] as FlashAttention-3 takes it (made by
+        # the compiled code, beside the rotary embedding): its text rows' keys and values, then its vision rows'. Its
+        # text rows' queries are zeros, whose outputs are dropped, except where the rank holds the whole sequence:
+        # there the vision rows alone ask.
+        text = text_k.shape[2]
+        k, v = torch.cat((text_k.transpose(1, 2), k), dim=1), torch.cat((text_v.transpose(1, 2), v), dim=1)
+        if self.comm.cp_size > 1:
+            q = F.pad(q, (0, 0, 0, 0, text, 0))
+        out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.comm, valid_len)
+        out = out.transpose(1, 2).flatten(2)
+        return x + self.to_add_out(out[:, text:] if self.comm.cp_size > 1 else out)
 
     def text(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys_only: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -165,19 +191,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-@torch.compiler.disable
-def joint_attention(attention, comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    text_k: torch.Tensor, text_v: torch.Tensor, valid_len: int) -> torch.Tensor:
-    """The attention output [1, m, heads * head_dim] of this rank's vision rows (q, k, v [1, m, heads, head_dim]:
-    its vision tokens, then its padding) over the whole joint sequence, by the plan's method. The rank's slice is its
-    text rows (keys and values given, queries zeros: their outputs are not used), then its vision rows. Eager (a graph
-    break in the compiled region): most ranks hold no text rows at all."""
-    text = text_k.shape[2]
-    q = F.pad(q.transpose(1, 2), (0, 0, text, 0))
-    k, v = (torch.cat((held, mine.transpose(1, 2)), dim=2) for held, mine in ((text_k, k), (text_v, v)))
-    return attention(q, k, v, comm, valid_len)[:, :, text:].transpose(1, 2).flatten(2)
-
-
 class DecoderLayer(nn.Module):
     """diffusers' Cosmos3VLTextMoTDecoderLayer: both pathways' attention (self_attn), norms and MLPs (mlp for text,
     mlp_moe_gen for vision)."""
@@ -194,6 +207,7 @@ class DecoderLayer(nn.Module):
             self.add_module(name, RMSNorm(hidden, eps, nemotron))
 
     def fuse_projections(self) -> None:
+        self.self_attn.fuse_projections()
         self.mlp.fuse_projections()
         self.mlp_moe_gen.fuse_projections()
 
