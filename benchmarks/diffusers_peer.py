@@ -74,6 +74,18 @@ def cosmos3_keywords(config: dict, request: dict[str, torch.Tensor]) -> dict:
 PEERS = {"flux": (flux_model, keywords), "wan": (wan_model, keywords), "cosmos3": (cosmos3_model, cosmos3_keywords)}
 
 
+def peer_model(architecture: str, config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """diffusers' transformer of the architecture at config, made on device in dtype (a float32 copy of 12-15 B
+    parameters beside it would not fit), in eval mode."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            return PEERS[architecture][0](config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[dict, int]], device: torch.device,
               iterations: int) -> list[dict]:
     """In each mode (eager: torch's SDPA choice; compile: the repeated blocks compiled, cuDNN attention), each size's
@@ -109,17 +121,11 @@ def main() -> None:
     config = model_config(args)
     sizes = model_sizes(args, config)
     model_family = family(args.architecture)
-    make_model, call_keywords = PEERS[args.architecture]
+    call_keywords = PEERS[args.architecture][1]
     device = torch.device(args.device)
     dtype, _ = precision(device)
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in its type: a float32 copy of 12-15 B parameters beside it does not fit
-    try:
-        with device:
-            model = make_model(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = peer_model(args.architecture, config, device, dtype)
     calls = {}
     for size in sizes:
         request = {name: tensor.to(device) for name, tensor in

@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from diffusers_peer import PEERS
+from diffusers_peer import PEERS, peer_model
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
@@ -43,17 +43,10 @@ def forward_of(args: argparse.Namespace, config: dict, request: dict[str, torch.
     """The forward to profile: a function of no arguments."""
     dtype, data_type = precision(device)
     if args.impl == "diffusers":
-        make_model, call_keywords = PEERS[args.architecture]
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with device:
-                model = make_model(config).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        model = peer_model(args.architecture, config, device, dtype)
         if args.variant == "compiled":
             model.compile_repeated_blocks(fullgraph=True)
-        keywords = call_keywords(config, request)
+        keywords = PEERS[args.architecture][1](config, request)
         cudnn = args.variant == "compiled" and device.type == "cuda"
 
         def forward():
