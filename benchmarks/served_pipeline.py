@@ -40,6 +40,8 @@ import torch
 from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, flux_pipeline_dir,
                               pipeline_device, wan_pipeline_dir, work_directory)
 
+from xdit_pipeline import XDiTJob, degrees_of, run_xdit
+
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
@@ -127,6 +129,12 @@ def compare(row: dict, baseline: dict) -> tuple[int, float, float]:
     return worst, statistics.mean(means) if means else float("nan"), least
 
 
+def cell(row: dict, key: str, form: str, scale: float = 1) -> str:
+    """row[key] times scale in form, or "-" where the row has none (xDiT's rows: no build, server, requests at once or
+    steps apart; a failed xDiT row: no times)."""
+    return form.format(row[key] * scale) if key in row else "-"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", choices=("flux", "wan", "cosmos3"), default="flux",
@@ -140,6 +148,10 @@ def main() -> int:
     parser.add_argument("--frames", type=int, help="a clip's frames (default: Wan 81, Cosmos 3 189; --tiny: 9)")
     parser.add_argument("--also-steps", type=int, help="also time --images requests of this many steps (fewer than "
                                                        "--steps): the time per step and outside the steps")
+    parser.add_argument("--xdit", help="FLUX: after the plans, xDiT's pipeline in these configurations (1, ulyssesN, "
+                                       "ringN, ulyssesNxringM; benchmarks/xdit_pipeline.py), compiled as xfuser's "
+                                       "--use_torch_compile compiles it")
+    parser.add_argument("--xdit-eager", action="store_true", help="xDiT uncompiled")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     args = parser.parse_args()
     if args.architecture != "flux":  # a clip's sizes where not given: 720p, 4 steps (tiny: 32x48 x 9, 3 steps)
@@ -152,22 +164,34 @@ def main() -> int:
         raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
+    xdit_configs = args.xdit.split(",") if args.xdit else []
+    if xdit_configs and args.architecture != "flux":
+        raise SystemExit("--xdit runs xDiT's FLUX pipeline: give it with --architecture flux")
+    for name in xdit_configs:
+        degrees_of(name)
 
     rows = []
     with work_directory(args) as workdir:
         make_pipeline_dir = {"flux": flux_pipeline_dir, "wan": wan_pipeline_dir,
                              "cosmos3": cosmos3_pipeline_dir}[args.architecture]
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
+
+        def record(row: dict) -> None:
+            row["max_diff"], row["mean_diff"], row["psnr"] = compare(row, rows[0] if rows else row)
+            rows.append(row)
+            summary = {key: value for key, value in row.items() if key != "images"}
+            print(json.dumps(summary), flush=True)
+            if args.output:
+                with args.output.open("a") as out:
+                    out.write(json.dumps(summary) + "\n")
+
         for data_type in data_types:
             for name, plan in plans.items():
-                row = serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir)
-                row["max_diff"], row["mean_diff"], row["psnr"] = compare(row, rows[0] if rows else row)
-                rows.append(row)
-                summary = {key: value for key, value in row.items() if key != "images"}
-                print(json.dumps(summary), flush=True)
-                if args.output:
-                    with args.output.open("a") as out:
-                        out.write(json.dumps(summary) + "\n")
+                record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
+        xdit_job = XDiTJob(pipeline_dir, device.type, 1, 1, not args.xdit_eager, FLUX_PROMPT, args.height, args.width,
+                           args.steps, 3.5, 0, args.images, workdir / "xdit")
+        for name in xdit_configs:  # after the served plans, on the same pipeline directory
+            record(run_xdit(name, xdit_job))
     baseline = rows[0]["image_s"]
     what, size = (("image", f"{args.width}x{args.height}") if args.architecture == "flux"
                   else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))
@@ -179,12 +203,13 @@ def main() -> int:
     print(markdown_table(
         ["plan", "transformer", f"time per {what}", "speed-up", *split, f"first {what}", f"{args.concurrent} at once",
          "failed", "max / mean uint8 difference from the first row, least PSNR", "build s", "start to ready s"],
-        [[f"{row['plan']} ({row['described']})", row["data_type"], f"{row['image_s'] * 1000:,.0f} ms",
-          f"{baseline / row['image_s']:.2f}x",
-          *([f"{row['step_s'] * 1000:,.0f} ms", f"{row['outside_steps_s'] * 1000:,.0f} ms"] if args.also_steps else []),
-          f"{row['first_s']:.1f} s", f"{row['concurrent_s']:.1f} s",
+        [[f"{row['plan']} ({row['described']})", row["data_type"], cell(row, "image_s", "{:,.0f} ms", 1000),
+          f"{baseline / row['image_s']:.2f}x" if "image_s" in row else "-",
+          *([cell(row, "step_s", "{:,.0f} ms", 1000), cell(row, "outside_steps_s", "{:,.0f} ms", 1000)]
+            if args.also_steps else []),
+          cell(row, "first_s", "{:.1f} s"), cell(row, "concurrent_s", "{:.1f} s"),
           str(row["failed"]), f"{row['max_diff']} / {row['mean_diff']:.2f}, {row['psnr']:.1f} dB",
-          f"{row['build_s']:.0f}", f"{row['ready_s']:.0f}"] for row in rows]))
+          cell(row, "build_s", "{:.0f}"), cell(row, "ready_s", "{:.0f}")] for row in rows]))
     return 0 if all(row["failed"] == 0 for row in rows) else 1
 
 
