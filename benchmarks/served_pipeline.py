@@ -12,12 +12,31 @@ one denoising step and, by a straight line through them, the time outside the st
 transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
 are printed and appended to --output as each ends.
 
+With --xdit (FLUX), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX runner runs it:
+benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random weights) with the
+same prompt, size, steps, guidance and seed, one process per GPU, compiled as xfuser's --use_torch_compile compiles it
+(--xdit-eager: uncompiled). Its rows time the call to the image as a uint8 array on the host (rank 0's wall clock: a
+first image, which compiles, then --images more), against the first row's image like the others; they have no build,
+server, requests at once or steps apart ("-").
+
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
+    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --images 5 --concurrent 0 \
+        --workdir /dev/shm/sp                                   # ours against xDiT's (compiled), on 4 GPUs
+    PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \
+        --concurrent 0                                          # xDiT's rows checked on CPU ranks
+
+xDiT needs the wheels of xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure Python, 1.2 MB together: `pip download
+--no-deps` them here, `pip install --no-index --no-deps --target /tmp/site` them there); on this path it imports
+nothing else than our served pipeline does (torch, diffusers 0.42.1, transformers) but einops and triton. SITE, on
+the CPU: where those three are installed with einops and triton (benchmarks/xdit_cpu_check.py says how); on CPU ranks
+xfuser is patched by xdit_cpu_check.patch. Checked on 2 CPU cores (tiny, float32, 3 steps): xDiT's image equals our
+1-rank served image exactly uncompiled (1 rank and ulysses 2), and within 1 uint8 level compiled (Inductor's fused
+float32 arithmetic).
 
 Plan names: 1, or parts joined by x: tpN, cfgN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a
 ring): e.g. ulysses4, cfg2xulysses2, tp2xring2.
