@@ -21,13 +21,13 @@ server, requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
-    python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \
+    python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
-    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --images 5 --concurrent 0 \
+    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --images 5 --concurrent 0 \\
         --workdir /dev/shm/sp                                   # ours against xDiT's (compiled), on 4 GPUs
-    PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \
+    PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \\
         --concurrent 0                                          # xDiT's rows checked on CPU ranks
 
 xDiT needs the wheels of xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure Python, 1.2 MB together: `pip download
@@ -207,7 +207,7 @@ def main() -> int:
         for data_type in data_types:
             for name, plan in plans.items():
                 record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
-        xdit_job = XDiTJob(pipeline_dir, device.type, 1, 1, not args.xdit_eager, FLUX_PROMPT, args.height, args.width,
+        xdit_job = XDiTJob(pipeline_dir, device.type, not args.xdit_eager, FLUX_PROMPT, args.height, args.width,
                            args.steps, 3.5, 0, args.images, workdir / "xdit")
         for name in xdit_configs:  # after the served plans, on the same pipeline directory
             record(run_xdit(name, xdit_job))

@@ -1,5 +1,6 @@
-"""xDiT's whole FLUX pipeline (xfuser 0.7.0), prompt to image, on a pipeline directory of benchmarks/random_pipelines.py:
-the peer of our served image in benchmarks/served_pipeline.py (its --xdit rows), or alone here.
+"""xDiT's whole FLUX pipeline (xfuser 0.7.0), prompt to image, on a pipeline directory of
+benchmarks/random_pipelines.py: the peer of our served image in benchmarks/served_pipeline.py (its --xdit rows), or
+alone here.
 
 xfuser 0.7.0 runs FLUX.1-dev through its model runner (`xfuser/runner.py`; examples/flux_example.py, which used
 xFuserFluxPipeline, was removed as deprecated in xDiT #641, and base_pipeline.py calls that wrapper "the legacy pipeline
@@ -29,13 +30,13 @@ benchmarks/served_pipeline.py for what a GPU host must carry).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,14 +50,12 @@ from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH, to_uint8
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class XDiTJob:
-    """What every rank runs: one configuration's images on the pipeline directory."""
+    """What every rank of every configuration runs: images on the pipeline directory."""
 
     pipeline_dir: Path
     device_type: str  # cuda (one GPU a rank) or cpu
-    ulysses: int
-    ring: int
     compiled: bool
     prompt: str
     height: int
@@ -81,7 +80,7 @@ def degrees_of(name: str) -> tuple[int, int]:
     return (int(ulysses), 1) if ulysses else (1, int(ring))
 
 
-def load_pipeline(job: XDiTJob, backend: str, device: torch.device):
+def load_pipeline(job: XDiTJob, ulysses: int, ring: int, backend: str, device: torch.device):
     """The pipeline as xfuser 0.7.0's FLUX runner loads it (see the module docstring), with our random transformer
     weights; xfuser's groups and runtime state made first."""
     from diffusers import FluxPipeline
@@ -95,10 +94,10 @@ def load_pipeline(job: XDiTJob, backend: str, device: torch.device):
         raise RuntimeError("xfuser found no usable yunchang, so its sequence-parallel groups would have one rank each")
     parallel_state.init_distributed_environment(rank=dist.get_rank(), world_size=world_size,
                                                 local_rank=dist.get_rank(), backend=backend)
-    parallel_state.initialize_model_parallel(sequence_parallel_degree=job.ulysses * job.ring,
-                                             ulysses_degree=job.ulysses, ring_degree=job.ring, backend=backend)
+    parallel_state.initialize_model_parallel(sequence_parallel_degree=ulysses * ring, ulysses_degree=ulysses,
+                                             ring_degree=ring, backend=backend)
     # On GPUs xfuser picks its own attention backend; on the CPU the one xdit_cpu_check.patch gives a log-sum-exp.
-    engine_config, _ = xFuserArgs(model=str(job.pipeline_dir), ulysses_degree=job.ulysses, ring_degree=job.ring,
+    engine_config, _ = xFuserArgs(model=str(job.pipeline_dir), ulysses_degree=ulysses, ring_degree=ring,
                                   use_torch_compile=job.compiled,
                                   attention_backend=None if device.type == "cuda" else "SDPA_EFFICIENT").create_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -139,7 +138,7 @@ def timed_image(pipeline, job: XDiTJob) -> tuple[float, np.ndarray]:
     return time.perf_counter() - started, result
 
 
-def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob) -> None:
+def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int, ring: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # xfuser gives each group a gloo twin; loopback surely works
@@ -151,7 +150,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob) -> None:
     # A group even of one rank (xfuser's coordinators need one), not bound to the device (its new_group() calls fail).
     device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
     try:
-        pipeline = load_pipeline(job, "nccl" if cuda else "gloo", device)
+        pipeline = load_pipeline(job, ulysses, ring, "nccl" if cuda else "gloo", device)
         first_s, first = timed_image(pipeline, job)
         times = [timed_image(pipeline, job)[0] for _ in range(job.images)]
         if rank == 0:
@@ -165,11 +164,10 @@ def run_xdit(name: str, job: XDiTJob) -> dict:
     """One configuration's row, as served_pipeline.py's rows are (the image of seed job.seed under "images"), or its
     failure (failed 1, no times)."""
     ulysses, ring = degrees_of(name)
-    job = dataclasses.replace(job, ulysses=ulysses, ring=ring)
     job.result_dir.mkdir(parents=True, exist_ok=True)
     for stale in job.result_dir.iterdir():
         stale.unlink()
-    failure = run_ranks(_rank_main, ulysses * ring, (job,))
+    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring))
     row = {"plan": f"xDiT {name}", "data_type": "BF16" if job.device_type == "cuda" else "FP32",
            "described": f"xfuser, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
            "failed": 0, "images": {}}
@@ -186,7 +184,8 @@ def run_xdit(name: str, job: XDiTJob) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="1,ulysses4", help="xDiT configurations (default 1,ulysses4)")
-    parser.add_argument("--eager", action="store_true", help="xDiT uncompiled (default: compiled, as --use_torch_compile)")
+    parser.add_argument("--eager", action="store_true",
+                        help="xDiT uncompiled (default: compiled, as xfuser's --use_torch_compile compiles it)")
     parser.add_argument("--images", type=int, default=10, help="images timed after the first (default 10)")
     add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     args = parser.parse_args()
@@ -194,11 +193,10 @@ def main() -> int:
     names = args.configs.split(",")
     for name in names:
         degrees_of(name)
-    rows = []
     with work_directory(args) as workdir:
         pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
-        job = XDiTJob(pipeline_dir, device.type, 1, 1, not args.eager, FLUX_PROMPT, args.height, args.width, args.steps, 3.5, 0,
-                      args.images, workdir / "xdit")
+        job = XDiTJob(pipeline_dir, device.type, not args.eager, FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
+                      0, args.images, workdir / "xdit")
         rows = [run_xdit(name, job) for name in names]
     print(f"\nxDiT's FLUX pipeline ({'tiny' if args.tiny else 'FLUX.1-dev size'}), {args.width}x{args.height}, "
           f"{args.steps} steps, {device_name(device)}; median of {args.images} images after a first one\n")
