@@ -12,12 +12,31 @@ one denoising step and, by a straight line through them, the time outside the st
 transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
 are printed and appended to --output as each ends.
 
+With --xdit (FLUX), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX runner runs it:
+benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random weights) with the
+same prompt, size, steps, guidance and seed, one process per GPU, compiled as xfuser's --use_torch_compile compiles it
+(--xdit-eager: uncompiled). Its rows time the call to the image as a uint8 array on the host (rank 0's wall clock: a
+first image, which compiles, then --images more), against the first row's image like the others; they have no build,
+server, requests at once or steps apart ("-").
+
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
-    python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \
+    python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
+    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --images 5 --concurrent 0 \\
+        --workdir /dev/shm/sp                                   # ours against xDiT's (compiled), on 4 GPUs
+    PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \\
+        --concurrent 0                                          # xDiT's rows checked on CPU ranks
+
+xDiT needs the wheels of xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure Python, 1.2 MB together: `pip download
+--no-deps` them here, `pip install --no-index --no-deps --target /tmp/site` them there); on this path it imports
+nothing else than our served pipeline does (torch, diffusers 0.42.1, transformers) but einops and triton. SITE, on
+the CPU: where those three are installed with einops and triton (benchmarks/xdit_cpu_check.py says how); on CPU ranks
+xfuser is patched by xdit_cpu_check.patch. Checked on 2 CPU cores (tiny, float32, 3 steps): xDiT's image equals our
+1-rank served image exactly uncompiled (1 rank and ulysses 2), and within 1 uint8 level compiled (Inductor's fused
+float32 arithmetic).
 
 Plan names: 1, or parts joined by x: tpN, cfgN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a
 ring): e.g. ulysses4, cfg2xulysses2, tp2xring2.
@@ -39,6 +58,8 @@ import numpy as np
 import torch
 from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, flux_pipeline_dir,
                               pipeline_device, wan_pipeline_dir, work_directory)
+
+from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
@@ -127,6 +148,12 @@ def compare(row: dict, baseline: dict) -> tuple[int, float, float]:
     return worst, statistics.mean(means) if means else float("nan"), least
 
 
+def cell(row: dict, key: str, form: str, scale: float = 1) -> str:
+    """row[key] times scale in form, or "-" where the row has none (xDiT's rows: no build, server, requests at once or
+    steps apart; a failed xDiT row: no times)."""
+    return form.format(row[key] * scale) if key in row else "-"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", choices=("flux", "wan", "cosmos3"), default="flux",
@@ -140,6 +167,10 @@ def main() -> int:
     parser.add_argument("--frames", type=int, help="a clip's frames (default: Wan 81, Cosmos 3 189; --tiny: 9)")
     parser.add_argument("--also-steps", type=int, help="also time --images requests of this many steps (fewer than "
                                                        "--steps): the time per step and outside the steps")
+    parser.add_argument("--xdit", help="FLUX: after the plans, xDiT's pipeline in these configurations (1, ulyssesN, "
+                                       "ringN, ulyssesNxringM; benchmarks/xdit_pipeline.py), compiled as xfuser's "
+                                       "--use_torch_compile compiles it")
+    parser.add_argument("--xdit-eager", action="store_true", help="xDiT uncompiled")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     args = parser.parse_args()
     if args.architecture != "flux":  # a clip's sizes where not given: 720p, 4 steps (tiny: 32x48 x 9, 3 steps)
@@ -152,22 +183,34 @@ def main() -> int:
         raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
+    xdit_configs = args.xdit.split(",") if args.xdit else []
+    if xdit_configs and args.architecture != "flux":
+        raise SystemExit("--xdit runs xDiT's FLUX pipeline: give it with --architecture flux")
+    for name in xdit_configs:
+        degrees_of(name)
 
     rows = []
     with work_directory(args) as workdir:
         make_pipeline_dir = {"flux": flux_pipeline_dir, "wan": wan_pipeline_dir,
                              "cosmos3": cosmos3_pipeline_dir}[args.architecture]
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
+
+        def record(row: dict) -> None:
+            row["max_diff"], row["mean_diff"], row["psnr"] = compare(row, rows[0] if rows else row)
+            rows.append(row)
+            summary = {key: value for key, value in row.items() if key != "images"}
+            print(json.dumps(summary), flush=True)
+            if args.output:
+                with args.output.open("a") as out:
+                    out.write(json.dumps(summary) + "\n")
+
         for data_type in data_types:
             for name, plan in plans.items():
-                row = serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir)
-                row["max_diff"], row["mean_diff"], row["psnr"] = compare(row, rows[0] if rows else row)
-                rows.append(row)
-                summary = {key: value for key, value in row.items() if key != "images"}
-                print(json.dumps(summary), flush=True)
-                if args.output:
-                    with args.output.open("a") as out:
-                        out.write(json.dumps(summary) + "\n")
+                record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
+        xdit_job = XDiTJob(pipeline_dir, device.type, not args.xdit_eager, FLUX_PROMPT, args.height, args.width,
+                           args.steps, 3.5, 0, args.images, workdir / "xdit")
+        for name in xdit_configs:  # after the served plans, on the same pipeline directory
+            record(run_xdit(name, xdit_job))
     baseline = rows[0]["image_s"]
     what, size = (("image", f"{args.width}x{args.height}") if args.architecture == "flux"
                   else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))
@@ -179,12 +222,13 @@ def main() -> int:
     print(markdown_table(
         ["plan", "transformer", f"time per {what}", "speed-up", *split, f"first {what}", f"{args.concurrent} at once",
          "failed", "max / mean uint8 difference from the first row, least PSNR", "build s", "start to ready s"],
-        [[f"{row['plan']} ({row['described']})", row["data_type"], f"{row['image_s'] * 1000:,.0f} ms",
-          f"{baseline / row['image_s']:.2f}x",
-          *([f"{row['step_s'] * 1000:,.0f} ms", f"{row['outside_steps_s'] * 1000:,.0f} ms"] if args.also_steps else []),
-          f"{row['first_s']:.1f} s", f"{row['concurrent_s']:.1f} s",
+        [[f"{row['plan']} ({row['described']})", row["data_type"], cell(row, "image_s", "{:,.0f} ms", 1000),
+          f"{baseline / row['image_s']:.2f}x" if "image_s" in row else "-",
+          *([cell(row, "step_s", "{:,.0f} ms", 1000), cell(row, "outside_steps_s", "{:,.0f} ms", 1000)]
+            if args.also_steps else []),
+          cell(row, "first_s", "{:.1f} s"), cell(row, "concurrent_s", "{:.1f} s"),
           str(row["failed"]), f"{row['max_diff']} / {row['mean_diff']:.2f}, {row['psnr']:.1f} dB",
-          f"{row['build_s']:.0f}", f"{row['ready_s']:.0f}"] for row in rows]))
+          cell(row, "build_s", "{:.0f}"), cell(row, "ready_s", "{:.0f}")] for row in rows]))
     return 0 if all(row["failed"] == 0 for row in rows) else 1
 
 

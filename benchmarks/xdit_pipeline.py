@@ -1,0 +1,211 @@
+"""xDiT's whole FLUX pipeline (xfuser 0.7.0), prompt to image, on a pipeline directory of
+benchmarks/random_pipelines.py: the peer of our served image in benchmarks/served_pipeline.py (its --xdit rows), or
+alone here.
+
+xfuser 0.7.0 runs FLUX.1-dev through its model runner (`xfuser/runner.py`; examples/flux_example.py, which used
+xFuserFluxPipeline, was removed as deprecated in xDiT #641, and base_pipeline.py calls that wrapper "the legacy pipeline
+path"). For Ulysses and Ring its FLUX runner (`model_executor/models/runner_models/flux.py`) loads diffusers'
+FluxPipeline with xfuser's `xFuserFlux1Transformer2DWrapper` (the sequence split, USP attention, the gather), sets the
+runtime state from `xFuserArgs(...).create_config()`, with --use_torch_compile compiles the transformer with
+mode="reduce-overhead" after `_enable_compute_comm_overlap`, and before each call sets the runtime state's input
+parameters. `load_pipeline` and `image` do the same, with two changes for a like-for-like comparison: the transformer
+gets our seeded random weights (those `mdtriton build` gives the served transformer: seed 0, made on the same kind of
+device), and the initial noise comes from a CPU generator seeded with the seed, as our served pipeline draws it
+(xfuser's runner draws it on the GPU, which gives other noise). Text encoders and VAE are the directory's, in bf16 on
+GPUs (float32 on the CPU); the VAE decodes on every rank (xfuser's default, without --use_parallel_vae).
+
+One process per GPU (NCCL; gloo ranks on the CPU, where xfuser is first patched by benchmarks/xdit_cpu_check.py's
+`patch`). Rank 0 times each image by the wall clock from the call to the image as a uint8 array on the host (the ranks
+lined up by a barrier first): a first image (compiles), then --images more, the median reported.
+
+Configurations: 1, ulyssesN, ringN, or ulyssesNxringM (xDiT's USP), on as many GPUs as their product.
+
+    python benchmarks/xdit_pipeline.py --configs 1,ulysses4          # FLUX.1-dev size, 1024x1024, 28 steps, GPUs 0..3
+    python benchmarks/xdit_pipeline.py --tiny --configs 1,ulysses2 --eager   # tiny, on CPU ranks: checks the script
+
+Needs xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure-Python wheels, `pip install --no-deps`; see
+benchmarks/served_pipeline.py for what a GPU host must carry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from random_pipelines import FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device, work_directory
+
+from mdtriton.build_tools.engine_builder import random_shard
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH, to_uint8
+from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks
+
+
+@dataclass(frozen=True)
+class XDiTJob:
+    """What every rank of every configuration runs: images on the pipeline directory."""
+
+    pipeline_dir: Path
+    device_type: str  # cuda (one GPU a rank) or cpu
+    compiled: bool
+    prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    images: int
+    result_dir: Path
+
+
+def degrees_of(name: str) -> tuple[int, int]:
+    """'1', 'ulyssesN', 'ringN' or 'ulyssesNxringM' -> (Ulysses degree, Ring degree)."""
+    match = re.fullmatch(r"1|ulysses(\d+)|ring(\d+)|ulysses(\d+)xring(\d+)", name)
+    if not match:
+        raise SystemExit(f"unknown xDiT configuration {name!r}: 1, ulyssesN, ringN or ulyssesNxringM")
+    if name == "1":
+        return 1, 1
+    ulysses, ring, usp_ulysses, usp_ring = match.groups()
+    if usp_ulysses:
+        return int(usp_ulysses), int(usp_ring)
+    return (int(ulysses), 1) if ulysses else (1, int(ring))
+
+
+def load_pipeline(job: XDiTJob, ulysses: int, ring: int, backend: str, device: torch.device):
+    """The pipeline as xfuser 0.7.0's FLUX runner loads it (see the module docstring), with our random transformer
+    weights; xfuser's groups and runtime state made first."""
+    from diffusers import FluxPipeline
+    from xfuser import xFuserArgs
+    from xfuser.core.distributed import initialize_runtime_state, parallel_state
+    from xfuser.model_executor.models.runner_models.base_model import xFuserModel
+    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
+
+    world_size = dist.get_world_size()
+    if world_size > 1 and not parallel_state.HAS_LONG_CTX_ATTN:
+        raise RuntimeError("xfuser found no usable yunchang, so its sequence-parallel groups would have one rank each")
+    parallel_state.init_distributed_environment(rank=dist.get_rank(), world_size=world_size,
+                                                local_rank=dist.get_rank(), backend=backend)
+    parallel_state.initialize_model_parallel(sequence_parallel_degree=ulysses * ring, ulysses_degree=ulysses,
+                                             ring_degree=ring, backend=backend)
+    # On GPUs xfuser picks its own attention backend; on the CPU the one xdit_cpu_check.patch gives a log-sum-exp.
+    engine_config, _ = xFuserArgs(model=str(job.pipeline_dir), ulysses_degree=ulysses, ring_degree=ring,
+                                  use_torch_compile=job.compiled,
+                                  attention_backend=None if device.type == "cuda" else "SDPA_EFFICIENT").create_config()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = json.loads((job.pipeline_dir / "transformer" / "config.json").read_text())
+    config.pop("_class_name")
+    with torch.device("meta"):
+        transformer = xFuserFlux1Transformer2DWrapper(**config)
+    weights = random_shard("flux", config, ParallelPlan(), 0, seed=0, device=device, dtype=dtype)
+    transformer.load_state_dict({name: tensor.to(dtype) for name, tensor in weights.items()}, assign=True)
+    pipeline = FluxPipeline.from_pretrained(job.pipeline_dir, transformer=transformer, dtype=dtype,
+                                            local_files_only=True).to(device)
+    pipeline.set_progress_bar_config(disable=True)
+    initialize_runtime_state(pipeline, engine_config)
+    if job.compiled:  # as the runner's _compile_model does for FLUX.1-dev (xFuserFluxModel._get_compile_mode)
+        xFuserModel._enable_compute_comm_overlap(None)  # inductor settings only: it reads nothing of the instance
+        pipeline.transformer = torch.compile(pipeline.transformer, mode="reduce-overhead")
+    return pipeline
+
+
+def image(pipeline, job: XDiTJob) -> np.ndarray:
+    """One image as uint8 [height, width, 3] on the host, called as xfuser's FLUX runner calls the pipeline."""
+    from xfuser.core.distributed import get_runtime_state
+
+    get_runtime_state().set_input_parameters(batch_size=1, num_inference_steps=job.steps,
+                                             max_condition_sequence_length=MAX_SEQUENCE_LENGTH,
+                                             split_text_embed_in_sp=True)
+    result = pipeline(prompt=job.prompt, height=job.height, width=job.width, num_inference_steps=job.steps,
+                      guidance_scale=job.guidance, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                      generator=torch.Generator().manual_seed(job.seed), output_type="pt")
+    return to_uint8(result.images)[0].cpu().numpy()
+
+
+def timed_image(pipeline, job: XDiTJob) -> tuple[float, np.ndarray]:
+    """Seconds from the call to the uint8 image on the host, every rank starting together, and the image."""
+    dist.barrier()
+    started = time.perf_counter()
+    result = image(pipeline, job)
+    return time.perf_counter() - started, result
+
+
+def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int, ring: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # xfuser gives each group a gloo twin; loopback surely works
+    cuda = job.device_type == "cuda"
+    if not cuda:
+        from xdit_cpu_check import patch
+
+        patch()
+    # A group even of one rank (xfuser's coordinators need one), not bound to the device (its new_group() calls fail).
+    device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
+    try:
+        pipeline = load_pipeline(job, ulysses, ring, "nccl" if cuda else "gloo", device)
+        first_s, first = timed_image(pipeline, job)
+        times = [timed_image(pipeline, job)[0] for _ in range(job.images)]
+        if rank == 0:
+            np.save(job.result_dir / "image.npy", first)
+            (job.result_dir / "times.json").write_text(json.dumps({"first_s": first_s, "times": times}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_xdit(name: str, job: XDiTJob) -> dict:
+    """One configuration's row, as served_pipeline.py's rows are (the image of seed job.seed under "images"), or its
+    failure (failed 1, no times)."""
+    ulysses, ring = degrees_of(name)
+    job.result_dir.mkdir(parents=True, exist_ok=True)
+    for stale in job.result_dir.iterdir():
+        stale.unlink()
+    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring))
+    row = {"plan": f"xDiT {name}", "data_type": "BF16" if job.device_type == "cuda" else "FP32",
+           "described": f"xfuser, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
+           "failed": 0, "images": {}}
+    times_file = job.result_dir / "times.json"
+    if failure or not times_file.is_file():
+        print(f"xDiT {name}: {failure or 'no result'}", flush=True)
+        return {**row, "failed": 1}
+    measured = json.loads(times_file.read_text())
+    row["images"][job.seed] = np.load(job.result_dir / "image.npy")
+    return {**row, "first_s": measured["first_s"], "image_s": statistics.median(measured["times"]),
+            "image_min_s": min(measured["times"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="1,ulysses4", help="xDiT configurations (default 1,ulysses4)")
+    parser.add_argument("--eager", action="store_true",
+                        help="xDiT uncompiled (default: compiled, as xfuser's --use_torch_compile compiles it)")
+    parser.add_argument("--images", type=int, default=10, help="images timed after the first (default 10)")
+    add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
+    args = parser.parse_args()
+    device = pipeline_device(args, tiny_steps=3)
+    names = args.configs.split(",")
+    for name in names:
+        degrees_of(name)
+    with work_directory(args) as workdir:
+        pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
+        job = XDiTJob(pipeline_dir, device.type, not args.eager, FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
+                      0, args.images, workdir / "xdit")
+        rows = [run_xdit(name, job) for name in names]
+    print(f"\nxDiT's FLUX pipeline ({'tiny' if args.tiny else 'FLUX.1-dev size'}), {args.width}x{args.height}, "
+          f"{args.steps} steps, {device_name(device)}; median of {args.images} images after a first one\n")
+    print(markdown_table(["configuration", "time per image", "first image"],
+                         [[f"{row['plan']} ({row['described']})",
+                           f"{row['image_s'] * 1000:,.0f} ms" if not row["failed"] else "failed",
+                           f"{row['first_s']:.1f} s" if not row["failed"] else "-"] for row in rows]))
+    return 0 if all(not row["failed"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
