@@ -1,9 +1,9 @@
-"""Served pipelines on 2 and on 4 GPUs (NCCL ranks), every plan of that many ranks: tiny FLUX and Wan pipelines built
-for GPUs, two requests per rank sent at once so that every rank receives some (rank 0 then broadcasts its answer to the
-receiving rank), then 20 in a row, each image or clip equal to the same pipeline's on one GPU; the VAE decode split
-across the ranks. Before the device contract (mdtriton.engine.comm) the answers were host tensors, which NCCL cannot
-broadcast: every request another rank than 0 received failed and hung to its deadline. Each GPU count has its own
-server; a machine with fewer GPUs skips its tests (`-k "4gpus"` runs the 4-GPU ones alone)."""
+"""Served pipelines on 2 and on 4 GPUs (NCCL ranks), every plan of that many ranks: tiny FLUX, Wan and Cosmos 3
+pipelines built for GPUs, two requests per rank sent at once so that every rank receives some (rank 0 then broadcasts
+its answer to the receiving rank), then 20 in a row, each image or clip equal to the same pipeline's on one GPU; the
+VAE decode split across the ranks. Before the device contract (mdtriton.engine.comm) the answers were host tensors,
+which NCCL cannot broadcast: every request another rank than 0 received failed and hung to its deadline. Each GPU
+count has its own server; a machine with fewer GPUs skips its tests (`-k "4gpus"` runs the 4-GPU ones alone)."""
 
 from __future__ import annotations
 
@@ -23,27 +23,36 @@ from tests.backend.test_same_answer import received_per_rank
 from tests.backend.triton_processes import rank_pids
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference, save_pipelines
+from tests.pipeline.tiny_cosmos3_pipeline import save_tiny_cosmos3_pipeline
 from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
 
 pytestmark = pytest.mark.gpu
 # Plans by GPU count, then family. The tiny FLUX has 4 heads; the tiny Wan 6 (no tp 4 or ulysses 4: its cfg 2 x
-# ulysses 2 is the issue's 4-GPU plan).
+# ulysses 2 is the issue's 4-GPU plan); the tiny Cosmos 3 4 query and 2 key/value heads (tp 4 and ulysses 4 share a
+# key/value head between two ranks).
 MODELS = {
     2: {"flux": {"flux_tp2": ParallelPlan(tp_size=2),
                  **{f"flux_{method}2": ParallelPlan(cp_size=2, cp_method=method)
                     for method in ("ulysses", "ring", "allgather_kv")}},
         "wan": {"wan_cfg2": ParallelPlan(cfg_size=2), "wan_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
-                "wan_tp2": ParallelPlan(tp_size=2)}},
+                "wan_tp2": ParallelPlan(tp_size=2)},
+        "cosmos3": {"cosmos3_tp2": ParallelPlan(tp_size=2), "cosmos3_cfg2": ParallelPlan(cfg_size=2),
+                    **{f"cosmos3_{method}2": ParallelPlan(cp_size=2, cp_method=method)
+                       for method in ("ulysses", "ring", "allgather_kv")}}},
     4: {"flux": {"flux_tp4": ParallelPlan(tp_size=4),
                  **{f"flux_{method}4": ParallelPlan(cp_size=4, cp_method=method)
                     for method in ("ulysses", "ring", "allgather_kv")},
                  "flux_ulysses_ring4": ParallelPlan(cp_size=4, cp_method="ulysses_ring", ulysses_size=2)},
         "wan": {"wan_cfg2xulysses2": ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses"),
                 "wan_ring4": ParallelPlan(cp_size=4, cp_method="ring"),
-                "wan_cfg2xtp2": ParallelPlan(cfg_size=2, tp_size=2)}},
+                "wan_cfg2xtp2": ParallelPlan(cfg_size=2, tp_size=2)},
+        "cosmos3": {"cosmos3_tp4": ParallelPlan(tp_size=4),
+                    "cosmos3_ulysses4": ParallelPlan(cp_size=4, cp_method="ulysses"),
+                    "cosmos3_cfg2xulysses2": ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses")}},
 }
 IMAGE = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
 CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0)
+COSMOS3_CLIP = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=6.0)
 # A clip long enough (over a second on a GPU) for a worker to be killed in the middle of it.
 LONG_CLIP = {**CLIP, "num_inference_steps": 500}
 IN_A_ROW = 20
@@ -60,16 +69,13 @@ def served(request, tmp_path_factory):
     gpus = request.param
     needs_gpus(gpus)
     root = tmp_path_factory.mktemp(f"gpu_pipelines_{gpus}")
-    flux = save_pipelines(root)["dev"]
-    wan = save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1)
+    weights = {"flux": save_pipelines(root)["dev"], "wan": save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1),
+               "cosmos3": save_tiny_cosmos3_pipeline(root / "cosmos3")}
     repository = root / "repository"
-    models = {"flux_1gpu": (flux, ParallelPlan()), "wan_1gpu": (wan, ParallelPlan()),
-              **{name: (flux, plan) for name, plan in MODELS[gpus]["flux"].items()},
-              **{name: (wan, plan) for name, plan in MODELS[gpus]["wan"].items()}}
-    for name, (weights, plan) in models.items():
-        architecture = "flux-pipeline" if name.startswith("flux") else "wan-pipeline"
-        build_model_version(repository, name, architecture, None, plan, "FP32", "gpu", progress=False,
-                            weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+    for family, plans in MODELS[gpus].items():
+        for name, plan in {f"{family}_1gpu": ParallelPlan(), **plans}.items():
+            build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
+                                weights_path=weights[family], limits=EngineLimits(max_batch_size=1, max_tokens=600))
     server = start_server(repository, root / "server.log")
     yield server, gpus
     server.stop()
@@ -81,7 +87,8 @@ def answers(server, model: str, seeds: range) -> list:
     def ask(seed):
         if model.startswith("flux"):
             return generate(server.grpc_address, model, ["a red cat"], **IMAGE, seed=seed, timeout=300)
-        return generate_video(server.grpc_address, model, ["a red cat"], **CLIP, seed=seed, timeout=300)
+        clip = COSMOS3_CLIP if model.startswith("cosmos3") else CLIP
+        return generate_video(server.grpc_address, model, ["a red cat"], **clip, seed=seed, timeout=300)
 
     with ThreadPoolExecutor(len(seeds)) as pool:
         together = list(pool.map(ask, seeds))
@@ -89,7 +96,7 @@ def answers(server, model: str, seeds: range) -> list:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", ["flux", "wan", "cosmos3"])
 def test_every_rank_receives_requests_and_every_answer_equals_one_gpu(served, family):
     server, gpus = served
     seeds = range(2 * gpus)
