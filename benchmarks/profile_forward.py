@@ -88,11 +88,11 @@ def main() -> None:
                 torch.cuda.synchronize()
     # On CPU (checking the script) the operators' own CPU time stands in for kernels.
     kernels = [e for e in profiler.key_averages() if (e.device_type.name == "CUDA") == cuda]
-    total = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in kernels) / 1000
 
     def ms(event) -> float:
         return (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1000
 
+    total = sum(ms(event) for event in kernels)
     by_kind = defaultdict(float)
     for event in kernels:
         by_kind[kind_of(event.key)] += ms(event)
