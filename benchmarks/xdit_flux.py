@@ -33,9 +33,9 @@ stdout, results.md and results.json. Forward outputs at --check-tokens are compa
 
 Needs, besides this checkout and torch: diffusers (0.42.1 tested) with its own dependencies (`pip install
 ".[pipeline]"` brings them, requests among them, which diffusers imports) and yunchang (0.6.4); for xdit also
-xfuser (0.7.0) and distvae (0.1.0), all pure-Python wheels (`pip install --no-deps`; xfuser's other
-declared dependencies, av and beautifulsoup4, are not imported on this path); transformers, accelerate,
-peft, einops, sentencepiece and triton as a CUDA torch brings or has beside it. On a host without a package
+xfuser (0.7.0) and distvae (0.1.0) (`pip install ".[peers]"` brings all of them), all pure-Python wheels (carried:
+`pip install --no-deps`; xfuser's other declared dependencies, av and beautifulsoup4, are not imported on this
+path); transformers, accelerate, peft, einops, sentencepiece and triton as a CUDA torch brings or has beside it. On a host without a package
 index, carry the wheels of all of them (requests' too: requests, charset-normalizer, idna, urllib3, certifi).
 flash-attn is not needed: xfuser picks its CUDNN backend (torch's cuDNN attention) where cuDNN is available.
 

@@ -23,8 +23,9 @@ Configurations: 1, ulyssesN, ringN, or ulyssesNxringM (xDiT's USP), on as many G
     python benchmarks/xdit_pipeline.py --configs 1,ulysses4          # FLUX.1-dev size, 1024x1024, 28 steps, GPUs 0..3
     python benchmarks/xdit_pipeline.py --tiny --configs 1,ulysses2 --eager   # tiny, on CPU ranks: checks the script
 
-Needs xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure-Python wheels, `pip install --no-deps`; see
-benchmarks/served_pipeline.py for what a GPU host must carry).
+Needs xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0: `pip install ".[peers]"` where a package index is reachable
+(on the CPU also triton, which xfuser imports and a CPU torch does not bring); see benchmarks/served_pipeline.py for
+what a GPU host without one must carry.
 """
 
 from __future__ import annotations
