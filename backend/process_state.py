@@ -1,4 +1,5 @@
-"""Whether another rank's process is running, stopped or gone, read from /proc (all ranks share one host).
+"""Whether another rank's process is running, stopped or gone, read from /proc (all ranks share one host); and a
+process's life tied to its parent's.
 
 The ranks of a model are the worker processes of one Triton server's stubs, so a rank that stops answering
 can be told apart: exited (killed or crashed; a zombie not yet reaped counts as exited), stopped (SIGSTOP or a
@@ -7,7 +8,12 @@ debugger), or running (alive but stuck, or slow).
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 from enum import Enum
+
+PR_SET_PDEATHSIG = 1
 
 
 class ProcessState(Enum):
@@ -44,3 +50,11 @@ def describe_ranks(members: dict[int, int], exclude: int | None = None) -> str:
         elif state is ProcessState.STOPPED:
             phrases.append(f"rank {rank} (pid {pid}) is stopped (SIGSTOP or a debugger)")
     return "; ".join(phrases)
+
+
+def end_with_parent(parent_pid: int, sig: signal.Signals) -> None:
+    """Have the kernel send this process sig when its parent exits, however it exits (SIGKILL too); exit at once if
+    parent_pid has already gone (this process was handed to another parent before the request took effect)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent_pid:
+        os._exit(1)

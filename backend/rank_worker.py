@@ -13,7 +13,6 @@ Run by the stub as `python -m mdtriton.backend.rank_worker SPEC_JSON LINK_FD`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.process_state import end_with_parent
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
                                        ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
 from mdtriton.engine.comm import Communicator
@@ -43,9 +43,6 @@ from mdtriton.serving import load_engine
 from mdtriton.lora.directory import AdapterSettings
 
 log = logging.getLogger("mdtriton.backend")
-
-PR_SET_PDEATHSIG = 1
-
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -63,13 +60,6 @@ class WorkerSpec:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
-
-
-def die_with_stub(stub_pid: int) -> None:
-    """Have the kernel kill this process when its stub exits (however it exits), so that no worker outlives it."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != stub_pid:  # the stub exited before the request above took effect
-        os._exit(1)
 
 
 class RankWorker:
@@ -178,7 +168,7 @@ def main(argv: list[str]) -> None:
     spec = WorkerSpec(**json.loads(argv[1]))
     # On a GPU the regions are page-locked: the inputs' copies to the GPU, and the outputs' back, read and write them.
     link = TensorLink(Connection(int(argv[2])), pinned=spec.device.startswith("cuda"))
-    die_with_stub(int(argv[3]))
+    end_with_parent(int(argv[3]), signal.SIGKILL)  # no worker outlives its stub
     logging.basicConfig(level=logging.INFO, format=f"mdtriton rank {spec.rank} worker: %(message)s")
     try:
         RankWorker(spec, link).run()

@@ -150,10 +150,20 @@ def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int
         patch()
     # A group even of one rank (xfuser's coordinators need one), not bound to the device (its new_group() calls fail).
     device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
+    def say(what: str) -> None:  # progress, so that a run cut short by its time limit shows where it was
+        if rank == 0:
+            print(f"xDiT ulysses {ulysses} x ring {ring}: {what}", flush=True)
+
     try:
+        started = time.perf_counter()
         pipeline = load_pipeline(job, ulysses, ring, "nccl" if cuda else "gloo", device)
+        say(f"loaded in {time.perf_counter() - started:.1f} s")
         first_s, first = timed_image(pipeline, job)
-        times = [timed_image(pipeline, job)[0] for _ in range(job.images)]
+        say(f"first image (compiles) in {first_s:.1f} s")
+        times = []
+        for _ in range(job.images):
+            times.append(timed_image(pipeline, job)[0])
+            say(f"image {len(times)} of {job.images} in {times[-1]:.2f} s")
         if rank == 0:
             np.save(job.result_dir / "image.npy", first)
             (job.result_dir / "times.json").write_text(json.dumps({"first_s": first_s, "times": times}))

@@ -19,9 +19,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
+from mdtriton.backend.process_state import end_with_parent
 from mdtriton.stub_environment import stub_environment
 
 
@@ -205,9 +207,14 @@ class TritonServer:
         self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None
-        # A session of its own, so stop() can end the server and every stub process it started.
+        # A session of its own, so stop() can end the server and every stub process it started; and a SIGTERM from
+        # the kernel when this process exits without stop() (killed, or a test run's timeout), so that no server
+        # outlives it: Triton then unloads its models, and their stubs and rank workers end. (The kernel sends it when
+        # the thread that started the server exits: start servers from a thread that outlives them, as our tools
+        # do from their main thread.)
         self.process = subprocess.Popen(self.command(backend_dir), env=server_environment(), stdout=output,
-                                        stderr=subprocess.STDOUT if output else None, start_new_session=True)
+                                        stderr=subprocess.STDOUT if output else None, start_new_session=True,
+                                        preexec_fn=partial(end_with_parent, os.getpid(), signal.SIGTERM))
         if output:
             output.close()
         try:

@@ -1,11 +1,14 @@
 """Stopping the server, gently (SIGTERM) or not (SIGKILL of tritonserver alone), leaves no rank worker running and
 no shared memory of ours in /dev/shm; a gentle stop leaves no rendezvous file either. The shared memory Triton's own
-Python backend leaves after a SIGKILL is removed when our embedded server starts next."""
+Python backend leaves after a SIGKILL is removed when our embedded server starts next. A process that started an
+embedded server and is killed before it stops it takes the server, its stubs and workers with it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -75,3 +78,37 @@ def test_sigkill_of_the_server_leaves_no_worker_and_no_shared_memory(tmp_path, r
         assert set(tritons + [left.name]) & set(os.listdir("/dev/shm")) == set()
         assert held.exists() and not held_open.closed
     held.unlink()
+
+
+# A process that starts an embedded server, says its pid and gRPC address, and sleeps: killed, it never stops it.
+OWNER = """
+import sys, time
+from pathlib import Path
+from mdtriton.server import TritonServer
+server = TritonServer(Path(sys.argv[1]), log_file=Path(sys.argv[2])).start(timeout=180)
+print(server.process.pid, server.grpc_address, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_owner_of_the_embedded_server_takes_the_server_its_stubs_and_workers_with_it(tmp_path,
+                                                                                               rendezvous_root):
+    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
+                        seed=4, progress=False)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "repo"), str(tmp_path / "server.log")],
+                             stdout=subprocess.PIPE, text=True)
+    server_pid, address = owner.stdout.readline().split()
+    server_pid = int(server_pid)
+    try:
+        assert ask(grpcclient.InferenceServerClient(address), "tiny", Reference(4), 0).right
+        stubs = wait_for_stubs(server_pid, 2)
+        processes = {server_pid, *stubs.values(), *(pid for pids in rank_workers(server_pid).values() for pid in pids)}
+        assert len(processes) == 5
+        owner.kill()  # SIGKILL: the owner runs no code of its own as it goes
+        owner.wait(10)
+        assert still_running(processes, 60) == set(), "the server, a stub or a worker outlived its owner"
+    finally:
+        owner.kill()
+        if still_running({server_pid}, 0):
+            os.killpg(server_pid, signal.SIGKILL)
