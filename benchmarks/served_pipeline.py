@@ -131,7 +131,7 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
             with ThreadPoolExecutor(args.concurrent) as pool:
                 row["images"].update(zip(seeds, pool.map(image, seeds)))
         row["concurrent_s"] = time.perf_counter() - started
-    shutil.rmtree(workdir / "repository" / model)  # the disk holds one model at a time (24 GB a rank at full size)
+    shutil.rmtree(workdir / "repository" / model)  # the disk holds one model at a time (24 GB a tensor-parallel shard at full size)
     return row
 
 

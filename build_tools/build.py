@@ -217,7 +217,7 @@ def resumable(staging: Path) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        raise BuildInterrupted(f"build interrupted; its finished rank files are kept in {staging}: run the same "
+        raise BuildInterrupted(f"build interrupted; its finished weight files are kept in {staging}: run the same "
                                "command again to resume") from None
 
 

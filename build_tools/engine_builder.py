@@ -1,13 +1,15 @@
-"""Build an engine directory: one safetensors weight file per rank and the manifest that describes them.
+"""Build an engine directory: one safetensors weight file per tensor-parallel shard (shared by the ranks that hold
+it) and the manifest that describes them.
 
-Weights come from a source one weight (or one rank's slices of it) at a time: seeded random weights,
-or a checkpoint (build_tools.checkpoint). So a rank's file is the most the build holds in memory.
-A build is resumable: each finished rank file is recorded with its checksum, and a build run again
+Weights come from a source one weight (or one shard's slices of it) at a time: seeded random weights,
+or a checkpoint (build_tools.checkpoint). So a shard's file is the most the build holds in memory.
+A build is resumable: each finished shard file is recorded with its checksum, and a build run again
 into the same directory keeps the files that still match their checksums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -23,7 +25,7 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import quantize_weight
 from mdtriton.engine.layers import parallel_specs, take_shard
-from mdtriton.engine.manifest import RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256, rank_file_label
+from mdtriton.engine.manifest import RANK_FILE_KEY, EngineLimits, Manifest, WeightFile, file_sha256
 from mdtriton.engine.modules import loaded_module, meta_module, stored_dtype
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
@@ -112,7 +114,7 @@ def random_shard(architecture_name: str, config: dict, plan: ParallelPlan, rank:
 
 
 def _finished_files(engine_dir: Path) -> dict[str, WeightFile]:
-    """Rank files an earlier, interrupted build finished, if they still match their recorded checksums."""
+    """Shard files an earlier, interrupted build finished, if they still match their recorded checksums."""
     path = engine_dir / PROGRESS_FILE
     if not path.is_file():
         return {}
@@ -127,10 +129,11 @@ def _finished_files(engine_dir: Path) -> dict[str, WeightFile]:
 def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: ParallelPlan, data_type: str,
                  source, progress: bool = True, limits: EngineLimits = EngineLimits(),
                  quantization: str | None = None) -> Manifest:
-    """Write each rank's weight file from source, then the manifest (with the request limits) last.
+    """Write each tensor-parallel shard's weight file from source (rank t's weights, which every rank of tp index t
+    holds), then the manifest (with the request limits) last.
 
     The manifest is written only after every weight file, so an interrupted build never looks complete;
-    run again into the same engine_dir, it keeps the rank files already finished and verified.
+    run again into the same engine_dir, it keeps the shard files already finished and verified.
     """
     model_family = family(architecture_name)
     model_family.check_plan(config, plan)
@@ -138,29 +141,30 @@ def build_engine(engine_dir: Path, architecture_name: str, config: dict, plan: P
     engine_dir.mkdir(parents=True, exist_ok=True)
     finished = _finished_files(engine_dir)
     dtype = TORCH_DTYPES[data_type]
-    weights_per_rank = len(meta_module(model_family, config, plan, 0, quantization).state_dict())
+    weights_per_shard = len(meta_module(model_family, config, plan, 0, quantization).state_dict())
+    inputs, outputs = model_family.signature(config, data_type)
+    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, (), limits, quantization)
     files = []
-    with tqdm(total=plan.world_size * weights_per_rank, desc="building engine", unit="weight",
+    with tqdm(total=plan.tp_size * weights_per_shard, desc="building engine", unit="weight",
               disable=not progress) as bar:
-        for rank in range(plan.world_size):
-            path = engine_dir / f"rank{rank}.safetensors"
+        for shard_index in range(plan.tp_size):  # rank t: tp index t, the first of its replicas
+            path = engine_dir / f"shard{shard_index}.safetensors"
             if path.name in finished:
                 files.append(finished[path.name])
-                bar.update(weights_per_rank)
+                bar.update(weights_per_shard)
                 continue
-            bar.set_postfix_str(f"rank {rank}")
+            bar.set_postfix_str(f"shard {shard_index}")
             shard = {}
-            for name, tensor in rank_weights(architecture_name, config, plan, rank, source, dtype, quantization):
+            for name, tensor in rank_weights(architecture_name, config, plan, shard_index, source, dtype,
+                                             quantization):
                 shard[name] = tensor.contiguous().cpu()
                 bar.update(1)
             # One metadata key: safetensors writes several in a random order, which would change the checksum.
-            save_file(shard, path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
+            save_file(shard, path, metadata={RANK_FILE_KEY: manifest.file_label(shard_index)})
             del shard
             files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
             (engine_dir / PROGRESS_FILE).write_text(json.dumps([vars(f) for f in files]))
-    inputs, outputs = model_family.signature(config, data_type)
-    manifest = Manifest(architecture_name, config, plan, data_type, inputs, outputs, tuple(files), limits,
-                        quantization)
+    manifest = dataclasses.replace(manifest, weights=tuple(files))
     manifest.write(engine_dir)
     (engine_dir / PROGRESS_FILE).unlink(missing_ok=True)
     return manifest

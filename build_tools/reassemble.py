@@ -1,4 +1,4 @@
-"""An engine's whole-model weights re-assembled from its rank files, and a one-device reference that streams
+"""An engine's whole-model weights re-assembled from its weight files, and a one-device reference that streams
 them in block by block: a second path to check a multi-GPU engine against, also for models that do not fit
 one device.
 """
@@ -20,7 +20,7 @@ from mdtriton.families import family
 
 
 class EngineWeights:
-    """Full weights read from an engine's rank files (the tensor-parallel ranks of context-parallel rank 0)."""
+    """Full weights read from an engine's weight files (one per tensor-parallel shard)."""
 
     def __init__(self, engine_dir: Path):
         self.manifest = Manifest.read(engine_dir)
@@ -72,7 +72,7 @@ class StreamedUnit(nn.Module):
 def streamed_reference(engine_dir: Path, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """The engine's model on one device and one rank, holding one block's weights at a time.
 
-    Before each block runs, its weights are re-assembled from the rank files and put on the device in dtype;
+    Before each block runs, its weights are re-assembled from the weight files and put on the device in dtype;
     after, they are dropped. So the whole model never needs to fit the device or the host.
     """
     weights = EngineWeights(engine_dir)

@@ -1,6 +1,6 @@
 """`mdtriton verify`: check a built model version's weight files against their manifest, SHA-256 included.
 
-A load checks each rank file's size and safetensors header only (reading no weights); this reads every byte, so
+A load checks each weight file's size and safetensors header only (reading no weights); this reads every byte, so
 it also finds damage inside the tensors. Run it after copying a repository, or when a model answers strangely.
 """
 
@@ -15,7 +15,7 @@ from mdtriton.families import pipeline_part
 
 
 def weights_engine_dirs(version_dir: Path) -> list[Path]:
-    """The engine directories of a model version that hold rank files: a pipeline keeps them in its transformers'."""
+    """The engine directories of a model version that hold weight files: a pipeline keeps them in its transformers'."""
     engine_dir = Path(version_dir) / ENGINE_DIR
     part = pipeline_part(Manifest.read(engine_dir).architecture)
     if part is None:
@@ -24,11 +24,11 @@ def weights_engine_dirs(version_dir: Path) -> list[Path]:
 
 
 def verify_version(version_dir: Path) -> list[str]:
-    """One line per rank file of version_dir: "ok PATH", or the error that names the file and what is wrong."""
+    """One line per weight file of version_dir: "ok PATH", or the error that names the file and what is wrong."""
     lines = []
     for engine_dir in weights_engine_dirs(version_dir):
         manifest = Manifest.read(engine_dir)
-        for rank in range(manifest.plan.world_size):
+        for rank in range(len(manifest.weights)):  # rank r loads file r (the first rank of its shard)
             try:
                 lines.append(f"ok {manifest.verified_weight_file(engine_dir, rank)}")
             except EngineError as error:
@@ -39,7 +39,7 @@ def verify_version(version_dir: Path) -> list[str]:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify", help="check a model version's weight files, SHA-256 included",
-        description="Check every rank file of built model versions against their manifest: size, safetensors header, "
+        description="Check every weight file of built model versions against their manifest: size, safetensors header, "
                     "and SHA-256 (a load checks the first two only, to read no weights). Exit code 1 if any fails.")
     parser.add_argument("version_dirs", nargs="+", type=Path, metavar="VERSION_DIR",
                         help="a model version directory, REPOSITORY/NAME/VERSION")

@@ -5,7 +5,7 @@ time, run and report; each of them keeps only what it measures.
   --frames, --device), read by `model_config` and `model_sizes` (images or clips in pixels, `Size`, the
   architecture's `DEFAULTS` where not given); bf16 on GPUs, float32 on CPU (`precision`).
 - **Load as the server loads**: `bench_engine` makes our engine from weights made in memory through
-  TorchEngine.from_weights, what a rank's worker does once it has read its rank file (the module, projections fused,
+  TorchEngine.from_weights, what a rank's worker does once it has read its weight file (the module, projections fused,
   then on GPUs the compile and warm-up, and CUDA graphs for short requests), with the manifest the build writes. A
   benchmark times `engine.forward`, the call the job runner makes, so it follows the load path when that changes.
 - **Serve as users serve**: `build_pipeline` builds a diffusers pipeline directory with random transformer weights as

@@ -104,7 +104,7 @@ class TorchEngine(Engine):
     def from_weights(cls, manifest: Manifest, architecture: Architecture, comm: Communicator,
                      weights: dict[str, torch.Tensor], cache: CompileCache | None = None, compile: bool | None = None,
                      start: float | None = None) -> "TorchEngine":
-        """This rank's engine from its weights (on its device, as `load` reads them from the rank file): the module,
+        """This rank's engine from its weights (on its device, as `load` reads them from its weight file): the module,
         then on GPUs its compile and warm-up, which `cache` (if any) keeps. What `load` does once the file is read;
         benchmarks call it with weights made in memory, so they time what the server runs."""
         start = time.perf_counter() if start is None else start

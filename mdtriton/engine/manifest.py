@@ -1,10 +1,13 @@
 """The engine manifest: what an engine directory holds and how its ranks split the model.
 
-An engine directory is `manifest.json` plus one safetensors file per rank (`rank{r}.safetensors`).
-Each rank reads only its own file. The manifest carries each file's size and SHA-256: a load checks what costs no
-read of the weights (the size, and the safetensors header, which names the file's rank and plan), so a truncated,
-replaced or swapped file is caught before it can serve a request; the SHA-256, which costs a read of the whole file
-(23 GB per rank for FLUX.1-dev), is checked by `mdtriton verify` and by a build that resumes. The manifest also
+An engine directory is `manifest.json` plus one safetensors file per tensor-parallel shard (`shard{t}.safetensors`):
+a rank's weights depend on its tensor-parallel index only, so the ranks that hold the same shard (its CFG and
+context-parallel replicas) read the same file, and a plan without tensor parallelism keeps one copy of the model, not
+one per rank. (Formats 2 and 3 kept one file per rank, `rank{r}.safetensors`; they still load.) The manifest carries
+each file's size and SHA-256: a load checks what costs no read of the weights (the size, and the safetensors header,
+which names the file's shard and plan), so a truncated, replaced or swapped file is caught before it can serve a
+request; the SHA-256, which costs a read of the whole file (23 GB per shard for FLUX.1-dev), is checked by
+`mdtriton verify` and by a build that resumes. The manifest also
 records the engine's limits (largest batch, longest sequence), which the server checks before a request reaches any
 rank.
 """
@@ -20,9 +23,11 @@ from safetensors import SafetensorError, safe_open
 
 from mdtriton.engine.plan import ParallelPlan
 
-# 2: limits added. 3: quantization added (version 2 reads as unquantized).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# 2: limits added. 3: quantization added (version 2 reads as unquantized). 4: one weight file per tensor-parallel
+# shard, shared by the ranks that hold it (versions 2 and 3: one per rank).
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
+SHARED_SHARDS_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 # Defaults of the limits: FLUX at 2048x2048 pixels is 16384 image tokens plus up to 512 text tokens.
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -33,7 +38,7 @@ DATA_TYPES = ("FP32", "FP16", "BF16", "INT64", "INT32", "UINT8", "STRING")
 # How an engine's weights may be stored other than in its data type: "fp8" = the blocks' linear weights in
 # e4m3 with one float32 scale per output row, activations quantized per token (mdtriton.engine.fp8).
 QUANTIZATIONS = ("fp8",)
-# The safetensors metadata key of a rank file that names its rank and plan (rank_file_label).
+# The safetensors metadata key of a weight file that names its shard and plan (Manifest.file_label).
 RANK_FILE_KEY = "mdtriton"
 
 
@@ -153,19 +158,33 @@ class Manifest:
                 weights=tuple(WeightFile(**w) for w in data["weights"]),
                 limits=EngineLimits(**data["limits"]),
                 quantization=data.get("quantization"),
+                format_version=version,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"{path}: malformed manifest: {error!r}") from error
 
+    def file_index(self, rank: int) -> int:
+        """Which of `weights` rank loads: its tensor-parallel index (the shard its replicas share), or in formats 2 and
+        3 the rank's own file."""
+        return self.plan.tp_rank(rank) if self.format_version >= SHARED_SHARDS_VERSION else rank
+
+    def file_label(self, index: int) -> str:
+        """What weight file `index`'s header says it holds (metadata RANK_FILE_KEY), written by the build, checked at
+        load: "tp shard 1 of world 4 = ..." (formats 2 and 3: "rank 1 of world 4 = ...")."""
+        if self.format_version >= SHARED_SHARDS_VERSION:
+            return f"tp shard {index} of {self.plan}"
+        return f"rank {index} of {self.plan}"
+
     def weight_file(self, engine_dir: Path, rank: int) -> Path:
         """The path of rank's weights, after the checks that read no weights: the file exists, has the manifest's
-        size, and its safetensors header parses, fits the file's size and names this rank of this plan (a file of
-        another rank has the same size when the plan splits evenly). Damaged tensor bytes pass these checks: the
+        size, and its safetensors header parses, fits the file's size and names rank's shard of this plan (a file of
+        another shard has the same size when the plan splits evenly). Damaged tensor bytes pass these checks: the
         SHA-256 finds them (verified_weight_file, `mdtriton verify`)."""
-        if len(self.weights) != self.plan.world_size:
-            raise EngineError(f"{engine_dir}: manifest lists {len(self.weights)} weight files "
-                              f"for {self.plan.world_size} ranks")
-        entry = self.weights[rank]
+        files = self.plan.tp_size if self.format_version >= SHARED_SHARDS_VERSION else self.plan.world_size
+        if len(self.weights) != files:
+            raise EngineError(f"{engine_dir}: manifest lists {len(self.weights)} weight files, "
+                              f"{self.plan} needs {files}")
+        entry = self.weights[self.file_index(rank)]
         path = Path(engine_dir) / entry.file
         if not path.is_file():
             raise EngineError(f"{path}: weight file of rank {rank} is missing")
@@ -178,7 +197,7 @@ class Manifest:
                 label = (handle.metadata() or {}).get(RANK_FILE_KEY)
         except SafetensorError as error:
             raise EngineError(f"{path}: not a readable safetensors file: {error}") from error
-        expected = rank_file_label(rank, self.plan)
+        expected = self.file_label(self.file_index(rank))
         if label != expected:
             raise EngineError(f"{path}: weight file of rank {rank} says it holds {label!r}, not {expected!r} "
                               "(swapped, or from another engine; rebuild the engine)")
@@ -187,14 +206,9 @@ class Manifest:
     def verified_weight_file(self, engine_dir: Path, rank: int) -> Path:
         """weight_file, with the file's SHA-256 checked against the manifest's too: reads the whole file."""
         path = self.weight_file(engine_dir, rank)
-        if file_sha256(path) != self.weights[rank].sha256:
+        if file_sha256(path) != self.weights[self.file_index(rank)].sha256:
             raise EngineError(f"{path}: weight file of rank {rank} fails its checksum (corrupted; rebuild the engine)")
         return path
-
-
-def rank_file_label(rank: int, plan: ParallelPlan) -> str:
-    """What a rank file's header says it holds (metadata RANK_FILE_KEY), written by the build, checked at load."""
-    return f"rank {rank} of {plan}"
 
 
 def file_sha256(path: Path) -> str:

@@ -33,7 +33,7 @@ class RunsWhenUnpickled:
 
 def set_weight_file(engine: Path, rank: int, data: bytes) -> None:
     """Replace rank's weight file and make the manifest vouch for it (size and checksum), so only the format is wrong."""
-    path = engine / f"rank{rank}.safetensors"
+    path = engine / f"shard{rank}.safetensors"
     path.write_bytes(data)
     manifest = json.loads((engine / MANIFEST_FILE).read_text())
     manifest["weights"][rank].update(bytes=path.stat().st_size, sha256=file_sha256(path))
@@ -69,17 +69,17 @@ def header_flipped(path: Path) -> bytes:
 
 # name -> (damage(engine dir, model dir, marker file), parts of the load error)
 DAMAGES = {
-    "truncated": (lambda e, m, x: (e / "rank1.safetensors").write_bytes((e / "rank1.safetensors").read_bytes()[:-100]),
-                  ["rank1.safetensors", "truncated or replaced"]),
-    "corrupted": (lambda e, m, x: (e / "rank0.safetensors").write_bytes(header_flipped(e / "rank0.safetensors")),
-                  ["rank0.safetensors", "not a readable safetensors file"]),
-    "missing": (lambda e, m, x: (e / "rank1.safetensors").unlink(), ["rank1.safetensors", "is missing"]),
+    "truncated": (lambda e, m, x: (e / "shard1.safetensors").write_bytes((e / "shard1.safetensors").read_bytes()[:-100]),
+                  ["shard1.safetensors", "truncated or replaced"]),
+    "corrupted": (lambda e, m, x: (e / "shard0.safetensors").write_bytes(header_flipped(e / "shard0.safetensors")),
+                  ["shard0.safetensors", "not a readable safetensors file"]),
+    "missing": (lambda e, m, x: (e / "shard1.safetensors").unlink(), ["shard1.safetensors", "is missing"]),
     "newer_format": (lambda e, m, x: edit_manifest(e, format_version=99),
                      [MANIFEST_FILE, "format version 99", "upgrade mdtriton"]),
     "world_size": (lambda e, m, x: more_instances(m), ["engine has 2 ranks", "starts 3 instances"]),
     "missing_gpus": (lambda e, m, x: on_missing_gpus(m), ["invalid or unsupported gpu id"]),
     "pickled": (lambda e, m, x: set_weight_file(e, 0, pickle.dumps(RunsWhenUnpickled(x))),
-                ["rank0.safetensors", "not a readable safetensors file"]),
+                ["shard0.safetensors", "not a readable safetensors file"]),
 }
 
 

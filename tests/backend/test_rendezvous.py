@@ -71,8 +71,8 @@ def test_a_rank_that_has_loaded_waits_for_every_rank_to_load_and_sees_a_late_fai
         joined = pool.submit(fast.join, 10, threading.Event(), fast_number)
         time.sleep(0.5)
         assert not joined.done(), "joined before rank 0 had loaded"
-        slow.fail(slow_number, "rank 0 could not load: EngineError: rank0.safetensors: not a readable safetensors file")
-        with pytest.raises(RankFailedToLoad, match="rank 0 could not load: EngineError: rank0.safetensors"):
+        slow.fail(slow_number, "rank 0 could not load: EngineError: shard0.safetensors: not a readable safetensors file")
+        with pytest.raises(RankFailedToLoad, match="rank 0 could not load: EngineError: shard0.safetensors"):
             joined.result(5)
     assert not tmp_path.exists()
 
@@ -111,9 +111,9 @@ def test_a_rank_that_cannot_load_stops_the_others_waiting(tmp_path):
     waiting = Rendezvous(tmp_path, 0, 2)
     number = waiting.enter()
     failing = Rendezvous(tmp_path, 1, 2)
-    failing.fail(failing.enter(), "rank 1 could not load: EngineError: rank1.safetensors is missing")
+    failing.fail(failing.enter(), "rank 1 could not load: EngineError: shard1.safetensors is missing")
     started = time.monotonic()
-    with pytest.raises(RankFailedToLoad, match="rank 1 could not load: EngineError: rank1.safetensors is missing"):
+    with pytest.raises(RankFailedToLoad, match="rank 1 could not load: EngineError: shard1.safetensors is missing"):
         waiting.join(10, stop, number)
     assert time.monotonic() - started < 1
     assert not tmp_path.exists()

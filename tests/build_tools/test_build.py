@@ -30,8 +30,8 @@ def build(repository, **kwargs):
 def test_version_layout_and_config(tmp_path):
     version_dir = build(tmp_path)
     assert version_dir == tmp_path / "m" / "1"
-    assert sorted(p.name for p in (version_dir / "engine").iterdir()) == ["manifest.json", "rank0.safetensors",
-                                                                        "rank1.safetensors"]
+    assert sorted(p.name for p in (version_dir / "engine").iterdir()) == ["manifest.json", "shard0.safetensors",
+                                                                        "shard1.safetensors"]
     assert (version_dir / "model.py").read_text().count("class TritonPythonModel") == 1
     config = read_model_config(tmp_path / "m" / "config.pbtxt")
     assert config.backend == "python" and config.max_batch_size == 0
@@ -75,10 +75,10 @@ def test_single_rank_engine_loads_and_matches_reference(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "rank0.safetensors").write_bytes((d / "rank0.safetensors").read_bytes()[:-10]), "truncated"),
-    (lambda d: (d / "rank0.safetensors").write_bytes(b"x" * (d / "rank0.safetensors").stat().st_size),
+    (lambda d: (d / "shard0.safetensors").write_bytes((d / "shard0.safetensors").read_bytes()[:-10]), "truncated"),
+    (lambda d: (d / "shard0.safetensors").write_bytes(b"x" * (d / "shard0.safetensors").stat().st_size),
      "not a readable safetensors file"),
-    (lambda d: (d / "rank0.safetensors").unlink(), "missing"),
+    (lambda d: (d / "shard0.safetensors").unlink(), "missing"),
     (lambda d: (d / "manifest.json").write_text(
         json.dumps({**json.loads((d / "manifest.json").read_text()), "format_version": 99})),
      "format version 99 .* made by a newer mdtriton"),
@@ -185,7 +185,7 @@ def test_interrupted_build_resumes_and_keeps_verified_rank_files(tmp_path):
     interrupted = InterruptAtRank1(RandomWeights(shapes, seed=5))
     with pytest.raises(KeyboardInterrupt):
         build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32", interrupted, progress=False)
-    rank0 = tmp_path / "engine" / "rank0.safetensors"
+    rank0 = tmp_path / "engine" / "shard0.safetensors"
     written = rank0.stat().st_mtime_ns
     assert not (tmp_path / "engine" / "manifest.json").exists()  # an interrupted build never looks complete
 
@@ -204,7 +204,7 @@ def test_resume_rewrites_a_damaged_rank_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32",
                      InterruptAtRank1(RandomWeights(shapes, seed=5)), progress=False)
-    rank0 = tmp_path / "engine" / "rank0.safetensors"
+    rank0 = tmp_path / "engine" / "shard0.safetensors"
     rank0.write_bytes(rank0.read_bytes()[:-8] + b"damaged!")
     manifest = build_engine(tmp_path / "engine", "tiny_transformer", CONFIG, plan, "FP32",
                             RandomWeights(shapes, seed=5), progress=False)

@@ -38,15 +38,19 @@ def diffusers_checkpoint(tmp_path_factory):
     return directory, model
 
 
-def test_sharded_diffusers_checkpoint_builds_each_rank_its_slices(tmp_path, diffusers_checkpoint):
+def test_sharded_diffusers_checkpoint_builds_each_tp_shard_its_slices_and_every_rank_reads_its_own(tmp_path, diffusers_checkpoint):
     directory, model = diffusers_checkpoint
     plan = ParallelPlan(tp_size=2, cp_size=2, cp_method="ring")
     version_dir = build_model_version(tmp_path, "flux", "flux", None, plan, "FP32", "cpu", weights_path=directory,
                                       progress=False)
     full = model.state_dict()
+    engine_dir = version_dir / "engine"
+    manifest = Manifest.read(engine_dir)
+    # One file per tensor-parallel shard: each context-parallel replica reads the file of its tp index.
+    assert sorted(path.name for path in engine_dir.glob("*.safetensors")) == ["shard0.safetensors", "shard1.safetensors"]
     for rank in range(plan.world_size):
         expected = shard_state_dict(meta_module(FLUX, CONFIG, plan, rank), full)
-        got = load_file(version_dir / "engine" / f"rank{rank}.safetensors")
+        got = load_file(manifest.weight_file(engine_dir, rank))
         assert set(got) == set(expected)
         assert all(torch.equal(got[name], expected[name]) for name in expected), f"rank {rank}"
 

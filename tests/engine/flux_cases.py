@@ -1,9 +1,10 @@
 """FLUX test material: random inputs with diffusers' names and random weights; and what every family's engine
-tests share: engine directories written with the engine core alone (a manifest and one safetensors shard per rank),
-and their run on the ranks of a gloo world."""
+tests share: engine directories written with the engine core alone (a manifest and one safetensors file per
+tensor-parallel shard), and their run on the ranks of a gloo world."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.layers import shard_state_dict
-from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256, rank_file_label
+from mdtriton.engine.manifest import RANK_FILE_KEY, Manifest, WeightFile, file_sha256
 from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
@@ -64,16 +65,18 @@ def fan_in_scaled_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 def write_engine(engine_dir: Path, config: dict, plan: ParallelPlan, weights: dict[str, torch.Tensor],
                  architecture: str = "flux") -> Path:
-    """A float32 engine directory of architecture for plan, with each rank's shard cut from the full weights."""
+    """A float32 engine directory of architecture for plan, with each tensor-parallel shard cut from the full
+    weights."""
     engine_dir.mkdir(parents=True)
-    files = []
-    for rank in range(plan.world_size):
-        module = meta_module(family(architecture), config, plan, rank)
-        path = engine_dir / f"rank{rank}.safetensors"
-        save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: rank_file_label(rank, plan)})
-        files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
     inputs, outputs = family(architecture).signature(config, "FP32")
-    Manifest(architecture, config, plan, "FP32", inputs, outputs, tuple(files)).write(engine_dir)
+    manifest = Manifest(architecture, config, plan, "FP32", inputs, outputs)
+    files = []
+    for shard in range(plan.tp_size):
+        module = meta_module(family(architecture), config, plan, shard)
+        path = engine_dir / f"shard{shard}.safetensors"
+        save_file(shard_state_dict(module, weights), path, metadata={RANK_FILE_KEY: manifest.file_label(shard)})
+        files.append(WeightFile(path.name, path.stat().st_size, file_sha256(path)))
+    dataclasses.replace(manifest, weights=tuple(files)).write(engine_dir)
     return engine_dir
 
 

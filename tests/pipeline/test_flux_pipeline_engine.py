@@ -92,7 +92,7 @@ def test_verify_checks_the_transformer_rank_files(engines, tmp_path, capsys):
     _, pipeline_dir = engines["dev"]
     version_dir = build_pipeline(tmp_path, "v", pipeline_dir)
     assert main(["verify", str(version_dir)]) == 0
-    rank_file = version_dir / ENGINE_DIR / "transformer" / "rank0.safetensors"
+    rank_file = version_dir / ENGINE_DIR / "transformer" / "shard0.safetensors"
     assert capsys.readouterr().out.split() == ["ok", str(rank_file)]
 
 

@@ -30,7 +30,7 @@ def test_the_version_holds_the_engine_the_components_and_a_unary_config(pipeline
         "manifest.json", "model_index.json", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
         "transformer", "vae"]
     assert sorted(p.name for p in (engine_dir / "transformer").iterdir()) == [
-        "manifest.json", "rank0.safetensors", "rank1.safetensors"]
+        "manifest.json", "shard0.safetensors", "shard1.safetensors"]
     assert json.loads((engine_dir / "manifest.json").read_text())["architecture"] == "flux-pipeline"
     config = read_model_config(tmp_path / "flux" / "config.pbtxt")
     assert not config.model_transaction_policy.decoupled and not config.model_warmup
