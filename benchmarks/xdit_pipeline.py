@@ -66,6 +66,7 @@ class XDiTJob:
     seed: int
     images: int
     result_dir: Path
+    time_limit_s: float = 0  # a configuration's ranks are stopped after this long (0: never), its row failed
 
 
 def degrees_of(name: str) -> tuple[int, int]:
@@ -178,7 +179,7 @@ def run_xdit(name: str, job: XDiTJob) -> dict:
     job.result_dir.mkdir(parents=True, exist_ok=True)
     for stale in job.result_dir.iterdir():
         stale.unlink()
-    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring))
+    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring), job.time_limit_s)
     row = {"plan": f"xDiT {name}", "data_type": "BF16" if job.device_type == "cuda" else "FP32",
            "described": f"xfuser, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
            "failed": 0, "images": {}}
@@ -198,6 +199,9 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true",
                         help="xDiT uncompiled (default: compiled, as xfuser's --use_torch_compile compiles it)")
     parser.add_argument("--images", type=int, default=10, help="images timed after the first (default 10)")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="seconds a configuration may take, loading included, before its ranks are stopped and "
+                             "its row marked failed (default 0: no limit)")
     add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     args = parser.parse_args()
     device = pipeline_device(args, tiny_steps=3)
@@ -207,7 +211,7 @@ def main() -> int:
     with work_directory(args) as workdir:
         pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
         job = XDiTJob(pipeline_dir, device.type, not args.eager, FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
-                      0, args.images, workdir / "xdit")
+                      0, args.images, workdir / "xdit", args.time_limit)
         rows = [run_xdit(name, job) for name in names]
     print(f"\nxDiT's FLUX pipeline ({'tiny' if args.tiny else 'FLUX.1-dev size'}), {args.width}x{args.height}, "
           f"{args.steps} steps, {device_name(device)}; median of {args.images} images after a first one\n")
