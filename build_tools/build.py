@@ -18,7 +18,7 @@ from mdtriton.build_tools.model_config import model_config, version_policy
 from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
                                               new_version_dir)
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
-from mdtriton.engine.manifest import EngineError, EngineLimits, Manifest
+from mdtriton.engine.manifest import FORMAT_VERSION, EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.step_cache import read_cache
@@ -124,7 +124,9 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         if checkpoint:
             checkpoint.check(shapes, model_family.unused_weights)
         sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
-    staging = staging_dir(model_dir, {"architecture": architecture_name, "config": served.config,
+    # The engine format is an input too: a build an older mdtriton left unfinished (other file names) is not resumed.
+    staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": architecture_name,
+                                      "config": served.config,
                                       "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,
                                       "weights": [source.fingerprint() for source in sources.values()]})
     engine_dir = staging / ENGINE_DIR
