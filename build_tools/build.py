@@ -126,8 +126,8 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
     # The engine format is an input too: a build an older mdtriton left unfinished (other file names) is not resumed.
     staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": architecture_name,
-                                      "config": served.config,
-                                      "plan": plan.to_dict(), "data_type": data_type, "quantization": quantization,
+                                      "config": served.config, "plan": plan.to_dict(), "data_type": data_type,
+                                      "quantization": quantization,
                                       "weights": [source.fingerprint() for source in sources.values()]})
     engine_dir = staging / ENGINE_DIR
     with resumable(staging):

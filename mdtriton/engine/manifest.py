@@ -163,15 +163,20 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(f"{path}: malformed manifest: {error!r}") from error
 
+    @property
+    def shares_shard_files(self) -> bool:
+        """One weight file per tensor-parallel shard, shared by its replicas (format 4 on); else one per rank."""
+        return self.format_version >= SHARED_SHARDS_VERSION
+
     def file_index(self, rank: int) -> int:
         """Which of `weights` rank loads: its tensor-parallel index (the shard its replicas share), or in formats 2 and
         3 the rank's own file."""
-        return self.plan.tp_rank(rank) if self.format_version >= SHARED_SHARDS_VERSION else rank
+        return self.plan.tp_rank(rank) if self.shares_shard_files else rank
 
     def file_label(self, index: int) -> str:
         """What weight file `index`'s header says it holds (metadata RANK_FILE_KEY), written by the build, checked at
         load: "tp shard 1 of world 4 = ..." (formats 2 and 3: "rank 1 of world 4 = ...")."""
-        if self.format_version >= SHARED_SHARDS_VERSION:
+        if self.shares_shard_files:
             return f"tp shard {index} of {self.plan}"
         return f"rank {index} of {self.plan}"
 
@@ -180,7 +185,7 @@ class Manifest:
         size, and its safetensors header parses, fits the file's size and names rank's shard of this plan (a file of
         another shard has the same size when the plan splits evenly). Damaged tensor bytes pass these checks: the
         SHA-256 finds them (verified_weight_file, `mdtriton verify`)."""
-        files = self.plan.tp_size if self.format_version >= SHARED_SHARDS_VERSION else self.plan.world_size
+        files = self.plan.tp_size if self.shares_shard_files else self.plan.world_size
         if len(self.weights) != files:
             raise EngineError(f"{engine_dir}: manifest lists {len(self.weights)} weight files, "
                               f"{self.plan} needs {files}")
