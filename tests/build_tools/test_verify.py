@@ -108,3 +108,11 @@ def test_replicas_share_their_shard_file_and_an_engine_of_format_3_still_reads(t
         assert old.keys() == weights[rank].keys() and all(old[name].equal(weights[rank][name]) for name in old)
     assert main(["verify", str(version_dir)]) == 0
     assert capsys.readouterr().out.splitlines() == [f"ok {engine_dir / f'rank{rank}.safetensors'}" for rank in range(4)]
+
+
+def test_a_manifest_listing_too_few_weight_files_for_its_plan_fails_the_load_checks_naming_both_counts(version_dir):
+    engine_dir = version_dir / "engine"
+    manifest = Manifest.read(engine_dir)
+    dataclasses.replace(manifest, weights=manifest.weights[:1]).write(engine_dir)
+    with pytest.raises(EngineError, match=r"manifest lists 1 weight files, world 2 = tp 2 x cp 1 needs 2"):
+        Manifest.read(engine_dir).weight_file(engine_dir, 0)
