@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import WAN_PROMPT, wan_pipeline_dir, work_directory
+from random_pipelines import WAN_PROMPT, job_seconds, wan_pipeline_dir, work_directory
 
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.client.pipeline import generate_video
@@ -34,20 +34,12 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.harness import build_pipeline, device_name, markdown_table, precision, started_server, time_calls
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
-from tests.backend.test_metrics import settled  # random_pipelines puts the checkout on the path
 
 
 def seconds(call, device: torch.device) -> float:
     """Seconds of one call, by the benchmark harness's timer (CUDA events on a GPU: pass the CPU for a served call,
     whose work is the server's, to time it by the wall clock)."""
     return time_calls(call, device.type == "cuda", 0, 1)[0][0] / 1000
-
-
-def job_seconds(metrics_url: str) -> float:
-    """The seconds of the rank's jobs so far (compute and collectives: from the input broadcast until the outputs
-    are ready), as its stub counts them on Triton's metrics endpoint."""
-    return sum(sum(settled(metrics_url, name).values())
-               for name in ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"))
 
 
 def main() -> int:
@@ -85,8 +77,8 @@ def main() -> int:
             print(f"server start to ready {ready_s:.1f} s, first clip {first_served:.1f} s", flush=True)
             clips = []  # (the client's seconds, the rank's job seconds) of each served clip
             for _ in range(args.clips):
-                before = job_seconds(server.metrics_url)
-                clips.append((seconds(served, torch.device("cpu")), job_seconds(server.metrics_url) - before))
+                before = job_seconds(server.metrics_url)["0"]  # its one rank
+                clips.append((seconds(served, torch.device("cpu")), job_seconds(server.metrics_url)["0"] - before))
         video = videos[-1]
         served_clip = statistics.median(client for client, _ in clips)
         serving_cost = statistics.median(client - job for client, job in clips)

@@ -1,5 +1,7 @@
 """The pipelines the pipeline benchmarks build and serve, and the arguments they share.
 
+Also what they read of a served pipeline: the time of its ranks' jobs (`job_seconds`).
+
 A pipeline here is a diffusers directory whose transformer/ holds only its config, what `mdtriton build --architecture
 NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.harness.build_pipeline): FLUX.1-dev's
 components (T5-XXL, CLIP-L, the 16-channel VAE), Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) or Cosmos 3's (the Wan 2.2
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -26,12 +29,14 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny pipelines and local tokenizers
 
 from mdtriton.build_tools.build import MODEL_INDEX  # noqa: E402
+from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.cosmos3 import COSMOS3  # noqa: E402
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
 from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
+from tests.backend.test_metrics import settled  # noqa: E402
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
@@ -92,6 +97,24 @@ def work_directory(args: argparse.Namespace) -> Iterator[Path]:
     """--workdir, or a temporary directory removed on leaving."""
     with tempfile.TemporaryDirectory(prefix="mdtriton-bench-") as scratch:
         yield args.workdir or Path(scratch)
+
+
+def plan_of(name: str) -> ParallelPlan:
+    """A plan by its benchmark name: '1', or parts joined by x ('tp4', 'ulysses4', 'ring4', 'allgather_kv4',
+    'ulysses_ring4', 'cfg2xulysses2', 'tp2xring2')."""
+    if name == "1":
+        return ParallelPlan()
+    sizes = {}  # "tp", "cfg", "cp" -> (method, size)
+    for part in name.split("x"):
+        match = re.fullmatch(r"(tp|cfg|ulysses_ring|ulysses|ring|allgather_kv)(\d+)", part)
+        dimension = match.group(1) if match and match.group(1) in ("tp", "cfg") else "cp"
+        if not match or dimension in sizes:
+            raise SystemExit(f"unknown plan {name!r}: 1, or parts joined by x (tpN, cfgN and one of ulyssesN, ringN, "
+                             "allgather_kvN, ulysses_ringN), e.g. cfg2xulysses2")
+        sizes[dimension] = (match.group(1), int(match.group(2)))
+    method, cp_size = sizes.get("cp", ("allgather_kv", 1))
+    return ParallelPlan(tp_size=sizes.get("tp", ("tp", 1))[1], cp_size=cp_size, cp_method=method,
+                        cfg_size=sizes.get("cfg", ("cfg", 1))[1], ulysses_size=2 if method == "ulysses_ring" else 1)
 
 
 def save_pipeline_dir(directory: Path, index: dict, components: dict, transformer_config: dict) -> Path:
@@ -174,3 +197,14 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def job_seconds(metrics_url: str) -> dict[str, float]:
+    """Each rank's seconds of jobs so far (compute and collectives: from the input broadcast until the outputs are
+    ready), as its stub counts them on Triton's metrics endpoint (the server serving one model), by rank."""
+    seconds: dict[str, float] = {}
+    for name in ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"):
+        for labels, value in settled(metrics_url, name).items():
+            rank = dict(labels)["rank"]
+            seconds[rank] = seconds.get(rank, 0.0) + value
+    return seconds

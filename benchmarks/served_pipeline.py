@@ -5,7 +5,9 @@ Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos
 (benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
 model. For each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build,
 the time from start to ready, a first image or clip, --images more one after another (the client's wall time for
-each: the request, the whole pipeline on every rank, the answer back), --concurrent sent at once (every rank receives
+each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's
+time in the rank workers, their mean, as their stubs count it on Triton's metrics endpoint, so that the rest is
+serving's), --concurrent sent at once (every rank receives
 some: rank 0 broadcasts its answer to the others), and each answer against the first row's of the same seed (max and
 mean uint8 difference, PSNR). With --also-steps S, --images more of S steps each: the two medians give the time of
 one denoising step and, by a straight line through them, the time outside the steps (text encoding, VAE decode,
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import statistics
 import sys
@@ -57,31 +58,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, flux_pipeline_dir,
-                              pipeline_device, wan_pipeline_dir, work_directory)
+                              job_seconds, pipeline_device, plan_of, wan_pipeline_dir, work_directory)
 
 from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
-
-
-def plan_of(name: str) -> ParallelPlan:
-    """'1', or parts joined by x ('tp4', 'ulysses4', 'ring4', 'allgather_kv4', 'ulysses_ring4', 'cfg2xulysses2',
-    'tp2xring2') -> the plan."""
-    if name == "1":
-        return ParallelPlan()
-    sizes = {}  # "tp", "cfg", "cp" -> (method, size)
-    for part in name.split("x"):
-        match = re.fullmatch(r"(tp|cfg|ulysses_ring|ulysses|ring|allgather_kv)(\d+)", part)
-        dimension = match.group(1) if match and match.group(1) in ("tp", "cfg") else "cp"
-        if not match or dimension in sizes:
-            raise SystemExit(f"unknown plan {name!r}: 1, or parts joined by x (tpN, cfgN and one of ulyssesN, ringN, "
-                             "allgather_kvN, ulysses_ringN), e.g. cfg2xulysses2")
-        sizes[dimension] = (match.group(1), int(match.group(2)))
-    method, cp_size = sizes.get("cp", ("allgather_kv", 1))
-    return ParallelPlan(tp_size=sizes.get("tp", ("tp", 1))[1], cp_size=cp_size, cp_method=method,
-                        cfg_size=sizes.get("cfg", ("cfg", 1))[1], ulysses_size=2 if method == "ulysses_ring" else 1)
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,
@@ -110,13 +93,17 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
         started = time.perf_counter()
         row["images"][0] = image(0)
         row["first_s"] = time.perf_counter() - started
-        times = []
+        times, jobs = [], []
         for _ in range(args.images):
+            before = job_seconds(server.metrics_url)
             started = time.perf_counter()
             image(0)
             times.append(time.perf_counter() - started)
+            after = job_seconds(server.metrics_url)
+            jobs.append(statistics.mean(after[rank] - before[rank] for rank in after))
         row["image_s"] = statistics.median(times)
         row["image_min_s"] = min(times)
+        row["job_s"] = statistics.median(jobs)
         if args.also_steps:
             fewer = []
             for _ in range(args.images):
@@ -223,10 +210,11 @@ def main() -> int:
           f"{device_name(device)}; median of {args.images} {what}s after a first one\n")
     split = ["per step", "outside the steps"] if args.also_steps else []
     print(markdown_table(
-        ["plan", "transformer", f"time per {what}", "speed-up", *split, f"first {what}", f"{args.concurrent} at once",
+        ["plan", "transformer", f"time per {what}", "speed-up", "the ranks' job", *split, f"first {what}",
+         f"{args.concurrent} at once",
          "failed", "max / mean uint8 difference from the first row, least PSNR", "build s", "start to ready s"],
         [[f"{row['plan']} ({row['described']})", row["data_type"], cell(row, "image_s", "{:,.0f} ms", 1000),
-          f"{baseline / row['image_s']:.2f}x" if "image_s" in row else "-",
+          f"{baseline / row['image_s']:.2f}x" if "image_s" in row else "-", cell(row, "job_s", "{:,.0f} ms", 1000),
           *([cell(row, "step_s", "{:,.0f} ms", 1000), cell(row, "outside_steps_s", "{:,.0f} ms", 1000)]
             if args.also_steps else []),
           cell(row, "first_s", "{:.1f} s"), cell(row, "concurrent_s", "{:.1f} s"),

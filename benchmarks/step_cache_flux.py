@@ -1,12 +1,14 @@
-"""Step caching of the FLUX pipeline on one GPU: First Block Cache and TaylorSeer, served and against diffusers.
+"""Step caching of the FLUX pipeline: First Block Cache and TaylorSeer, served (one GPU, or a plan's GPUs) and against
+diffusers (one GPU).
 
 Every component has random weights and FLUX.1-dev's configs (random_pipelines.py makes them). Random weights make
 other skip decisions than FLUX.1-dev's, so First Block Cache is measured at a fixed count of full steps (18 of 28 by
 default: what threshold 0.08 gives on FLUX.1-dev): the threshold that gives that count on these weights is found by
 bisection over served requests (each answer says its `full_steps`). Two parts, one device call each:
 
-- `--part served`: the pipeline built in BF16, then in FP8, each served by Triton on one rank (unary gRPC) and asked
-  for the same 1024x1024 image: uncached, with First Block Cache at the fixed count, and (BF16) TaylorSeer
+- `--part served`: the pipeline built in BF16, then in FP8, each served by Triton on one rank (unary gRPC), or on
+  the ranks of `--plan` (served_pipeline.py's plan names: ulysses4, cfg2xulysses2, ...), and asked for the same
+  1024x1024 image: uncached, with First Block Cache at the fixed count, and (BF16) TaylorSeer
   (cache_interval 5, disable_cache_before_step 3, max_order 1). Then the FP8 images against the BF16 ones (PSNR).
 - `--part in-process`: the BF16 pipeline in this process (our pipeline engine, what a served rank runs) against
   diffusers' FluxPipeline (the same components) with its transformer compiled (`torch.compile`), uncached and with
@@ -18,6 +20,7 @@ bisection over served requests (each answer says its `full_steps`). Two parts, o
   sums) against a transformer step of FLUX's test config at the same tokens.
 
     python benchmarks/step_cache_flux.py --part served --workdir /tmp/sc
+    python benchmarks/step_cache_flux.py --part served --plan ulysses4 --workdir /dev/shm/sc   # on 4 GPUs
     python benchmarks/step_cache_flux.py --part in-process --threshold T --workdir /tmp/sc
     python benchmarks/step_cache_flux.py --part decision-cpu
     python benchmarks/step_cache_flux.py --part served --tiny      # tiny components on the CPU: checks the script
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 from random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
-                              work_directory)
+                              plan_of, work_directory)
 
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.client.pipeline import generate
@@ -57,7 +60,7 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
     rows, images, thresholds = [], {}, {}
     for data_type in (("FP32", "BF16") if args.tiny else ("BF16", "FP8")):
         repository = workdir / f"repository-{data_type}"
-        build_pipeline(repository, "flux", "flux-pipeline", pipeline_dir, data_type, device)
+        build_pipeline(repository, "flux", "flux-pipeline", pipeline_dir, data_type, device, plan_of(args.plan))
         with started_server(repository, workdir / f"server-{data_type}.log") as (server, _):
             def image(cache=None):
                 """(ms, full steps, the image) of one served image, by the wall clock (the server does the work)."""
@@ -82,7 +85,8 @@ def served_part(args, device: torch.device, workdir: Path) -> None:
                 images[data_type, "taylorseer"] = timed("TaylorSeer (5, 3, None, 1)", TAYLORSEER)
         shutil.rmtree(repository)
 
-    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on one rank, unary "
+    ranks = "one rank" if args.plan == "1" else f"{args.plan} ({plan_of(args.plan)})"
+    print(f"\nFLUX.1-dev size (random weights){' (tiny)' if args.tiny else ''}, served by Triton on {ranks}, unary "
           f"gRPC, {args.width}x{args.height}, {args.steps} steps, {device_name(device)}; median of {args.repeats} "
           "images after one\n")
     base = statistics.median(next(row[2] for row in rows if row[1] == "uncached"))
@@ -247,6 +251,7 @@ def main() -> int:
     parser.add_argument("--part", required=True, choices=("served", "in-process", "decision-cpu"))
     add_pipeline_arguments(parser, tiny_steps=6, disk_gb=45)
     parser.add_argument("--full-steps", type=int, help="First Block Cache's full steps (default 18; --tiny: 4)")
+    parser.add_argument("--plan", default="1", help="served: the plan, as served_pipeline.py names plans (default 1)")
     parser.add_argument("--threshold", type=float, help="in-process: the First Block Cache threshold (served found it)")
     parser.add_argument("--repeats", type=int, default=2, help="images timed after the first of each kind (default 2)")
     parser.add_argument("--step-repeats", type=int, default=10, help="transformer steps timed (default 10)")
