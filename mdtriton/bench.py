@@ -14,8 +14,9 @@ Variants: `compiled` (what the server runs: on GPUs fused projections, compiled 
 requests replayed as CUDA graphs; on CPU, as the server there, not compiled), `eager` (the same module uncompiled,
 no graphs), `fp8` (FP8 weights, as compiled). Timing: the first call at each size after the warm-up (a recompile
 would show here), then warm-up runs, then CUDA-event times of whole forwards between barriers; the median is
-reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler to find
-the share of GPU time spent in NCCL kernels. At the first size every output is compared with the 1-GPU compiled
+reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler (several
+GPUs): the share of kernel time in NCCL kernels (which overlap compute, and count their waits for a peer), the time in
+which NCCL kernels ran alone (communication that no compute hid) and the time in which no kernel ran (kernel_timeline). At the first size every output is compared with the 1-GPU compiled
 output and with a float32 forward of the same weights, made first on its own (unless --no-check). A second table
 times one block's attention alone (the method's communication included) against cuDNN's attention on one GPU.
 """
@@ -51,8 +52,9 @@ def benchmarked_architectures() -> list[str]:
     return [name for name, item in families().items() if type(item).media_request is not Family.media_request]
 
 
-def communication_share(call) -> float:
-    """Share of one call's GPU kernel time spent in NCCL kernels (which may overlap compute)."""
+def communication_timeline(call) -> dict[str, float]:
+    """One call's GPU kernels under the profiler, as kernel_timeline sums them."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if dist.is_initialized():
@@ -60,10 +62,35 @@ def communication_share(call) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         call()
         torch.cuda.synchronize()
-    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
-    return nccl / total if total else 0.0
+    return kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
+                            for event in profiler.events() if event.device_type == DeviceType.CUDA])
+
+
+def kernel_timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float]:
+    """From each kernel's (start, end, whether it is NCCL's), in microseconds: `communication_share`, the share of
+    kernel time in NCCL kernels (which may overlap compute, and count the time they wait for a peer);
+    `exposed_ms`, the time in which NCCL kernels ran and nothing else did (communication that no compute hid, waits
+    for a peer included); `idle_ms`, the time between the first kernel's start and the last one's end in which no
+    kernel ran."""
+    if not kernels:
+        return {"communication_share": 0.0, "exposed_ms": 0.0, "idle_ms": 0.0}
+    busy = sum(end - start for start, end, _ in kernels)
+    nccl = sum(end - start for start, end, is_nccl in kernels if is_nccl)
+    anything = covered([(start, end) for start, end, _ in kernels])
+    compute = covered([(start, end) for start, end, is_nccl in kernels if not is_nccl])
+    span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
+    return {"communication_share": nccl / busy if busy else 0.0, "exposed_ms": (anything - compute) / 1000,
+            "idle_ms": (span - anything) / 1000}
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    length, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            length += end - max(start, reach)
+            reach = end
+    return length
 
 
 def attention_inputs(shape: AttentionShape, plan: ParallelPlan, tokens: int,
@@ -166,10 +193,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, output = time_calls(lambda: engine.forward(request)["sample"], cuda, args.warmup,
                                            args.iterations)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-                share = communication_share(lambda: engine.forward(request)) if cuda and world_size > 1 else 0.0
+                kernels = (communication_timeline(lambda: engine.forward(request)) if cuda and world_size > 1
+                           else kernel_timeline([]))
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
                        "tokens": tokens[label], **timing(times), "first_ms": first[0],
-                       "warm_up_s": engine.warm_up_seconds, "communication_share": share, "peak_gib": peak}
+                       "warm_up_s": engine.warm_up_seconds, **kernels, "peak_gib": peak}
                 if label == first_size and args.check and rank == 0:
                     save_sample(output, Path(work_dir) / sample_file(world_size, method, variant))
                 rows.append(row)
@@ -208,8 +236,8 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
     """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
     single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
-              "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time", "peak GiB",
-              "rel. error vs 1 GPU compiled / vs float32"]
+              "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time", "NCCL alone ms",
+              "GPU idle ms", "peak GiB", "rel. error vs 1 GPU compiled / vs float32"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["size"], float("nan")) / r["median_ms"]
@@ -218,7 +246,7 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
                       f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
                       f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
-                      f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
+                      f"{r['exposed_ms']:.1f}", f"{r['idle_ms']:.1f}", f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
     return markdown_table(header, cells)
 
 

@@ -1,5 +1,6 @@
 """`mdtriton bench --device cpu`, the tool's check on CPU ranks (gloo), for every family it measures: each plan's
-forward equals the 1-rank one, the sizes become the pipeline's requests, and bad sizes are refused in one line."""
+forward equals the 1-rank one, the sizes become the pipeline's requests, and bad sizes are refused in one line; and
+how it sums a profiled forward's kernels on GPUs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from mdtriton.bench import benchmarked_architectures
+from mdtriton.bench import benchmarked_architectures, kernel_timeline
 from mdtriton.cli import main
 
 # (architecture, sizes as --height --width --frames, the tokens each becomes)
@@ -52,3 +53,15 @@ def test_bad_sizes_are_refused_before_any_rank_starts(architecture, sizes, messa
     assert main(["bench", "--architecture", architecture, "--device", "cpu", "--preset", "tiny", "--gpus", "1",
                  "--variants", "compiled", *sizes]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_the_kernel_timeline_counts_communication_no_compute_hid_and_time_no_kernel_ran():
+    # (start, end in microseconds, NCCL's): half of the first transfer runs beside compute, then alone; a gap; the
+    # second transfer runs wholly beside compute.
+    kernels = [(0, 10, False), (5, 15, True), (20, 30, False), (22, 24, True)]
+    timeline = kernel_timeline(kernels)
+    assert timeline["communication_share"] == pytest.approx(12 / 32)
+    assert timeline["exposed_ms"] == pytest.approx(0.005)
+    assert timeline["idle_ms"] == pytest.approx(0.005)
+    assert kernel_timeline(kernels[::-1]) == timeline  # as the profiler lists them, in any order
+    assert kernel_timeline([]) == {"communication_share": 0.0, "exposed_ms": 0.0, "idle_ms": 0.0}
