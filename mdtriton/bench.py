@@ -15,8 +15,9 @@ requests replayed as CUDA graphs; on CPU, as the server there, not compiled), `e
 no graphs), `fp8` (FP8 weights, as compiled). Timing: the first call at each size after the warm-up (a recompile
 would show here), then warm-up runs, then CUDA-event times of whole forwards between barriers; the median is
 reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler (several
-GPUs): the share of kernel time in NCCL kernels (which overlap compute, and count their waits for a peer), the time in
-which NCCL kernels ran alone (communication that no compute hid) and the time in which no kernel ran (kernel_timeline). At the first size every output is compared with the 1-GPU compiled
+GPUs): the share of kernel time in NCCL kernels (which overlap compute, and count their waits for a peer), and on each
+rank the time in which NCCL kernels ran alone (communication that no compute hid, waits for a slower rank included) and
+the time in which no kernel ran (kernel_timeline). At the first size every output is compared with the 1-GPU compiled
 output and with a float32 forward of the same weights, made first on its own (unless --no-check). A second table
 times one block's attention alone (the method's communication included) against cuDNN's attention on one GPU.
 """
@@ -52,18 +53,24 @@ def benchmarked_architectures() -> list[str]:
     return [name for name, item in families().items() if type(item).media_request is not Family.media_request]
 
 
-def communication_timeline(call) -> dict[str, float]:
-    """One call's GPU kernels under the profiler, as kernel_timeline sums them."""
+def communication_timeline(call) -> dict:
+    """One call's GPU kernels under the profiler on every rank (a collective of the default group), as kernel_timeline
+    sums them: this rank's NCCL share, and every rank's exposed and idle milliseconds in rank order (where one rank
+    computes longer than the others, theirs wait for it in NCCL kernels)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    if dist.is_initialized():
-        dist.barrier()
+    dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         call()
         torch.cuda.synchronize()
-    return kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
+    mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
                             for event in profiler.events() if event.device_type == DeviceType.CUDA])
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    return {"communication_share": mine["communication_share"],
+            "exposed_ms": [rank["exposed_ms"] for rank in every_rank],
+            "idle_ms": [rank["idle_ms"] for rank in every_rank]}
 
 
 def kernel_timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float]:
@@ -194,7 +201,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                                            args.iterations)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
                 kernels = (communication_timeline(lambda: engine.forward(request)) if cuda and world_size > 1
-                           else kernel_timeline([]))
+                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": []})
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
                        "tokens": tokens[label], **timing(times), "first_ms": first[0],
                        "warm_up_s": engine.warm_up_seconds, **kernels, "peak_gib": peak}
@@ -236,8 +243,8 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
     """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
     single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
-              "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time", "NCCL alone ms",
-              "GPU idle ms", "peak GiB", "rel. error vs 1 GPU compiled / vs float32"]
+              "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time",
+              "NCCL alone ms, by rank", "GPU idle ms, by rank", "peak GiB", "rel. error vs 1 GPU compiled / vs float32"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["size"], float("nan")) / r["median_ms"]
@@ -246,8 +253,12 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
                       f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
                       f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
-                      f"{r['exposed_ms']:.1f}", f"{r['idle_ms']:.1f}", f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
+                      by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
     return markdown_table(header, cells)
+
+
+def by_rank(milliseconds: list[float]) -> str:
+    return " / ".join(f"{value:.1f}" for value in milliseconds) or "-"
 
 
 def attention_table(rows: list[dict], shape: AttentionShape) -> str:
