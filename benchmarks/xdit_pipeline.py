@@ -172,7 +172,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int
         dist.destroy_process_group()
         raise
     # xfuser's groups (each NCCL group with a gloo twin) did not tear down: on 4 x H200 the ranks of ulysses 4 hung in
-    # it for the rest of their 330 s after their last image. Measured, the ranks leave without it.
+    # it for the rest of their 330 s after their last image. With the result written, the ranks leave without it.
     os._exit(0)
 
 
