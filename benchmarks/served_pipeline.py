@@ -12,7 +12,7 @@ some: rank 0 broadcasts its answer to the others), and each answer against the f
 mean uint8 difference, PSNR). With --also-steps S, --images more of S steps each: the two medians give the time of
 one denoising step and, by a straight line through them, the time outside the steps (text encoding, VAE decode,
 transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
-are printed and appended to --output as each ends.
+are printed and appended to --output as each ends; --plot draws their speed-up over the first row against their GPUs.
 
 With --xdit (FLUX), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX runner runs it:
 benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random weights) with the
@@ -22,6 +22,8 @@ first image, which compiles, then --images more), against the first row's image 
 server, requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
+    python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 --xdit-time-limit 300 \
+        --images 3 --concurrent 0 --plot served-flux.png            # 1, 2 and 4 GPUs against xDiT's, plotted
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -73,7 +76,8 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
     model = f"{args.architecture}_{name}_{data_type.lower()}"
     started = time.perf_counter()
     build_pipeline(workdir / "repository", model, f"{args.architecture}-pipeline", pipeline_dir, data_type, device, plan)
-    row = {"plan": name, "data_type": data_type, "described": str(plan), "build_s": time.perf_counter() - started,
+    row = {"plan": name, "gpus": plan.world_size, "data_type": data_type, "described": str(plan),
+           "build_s": time.perf_counter() - started,
            "failed": 0, "images": {}}
     with started_server(workdir / "repository", workdir / f"server-{model}.log", (model,)) as (server, ready_s):
         row["ready_s"] = ready_s
@@ -141,6 +145,37 @@ def cell(row: dict, key: str, form: str, scale: float = 1) -> str:
     return form.format(row[key] * scale) if key in row else "-"
 
 
+def plot(rows: list[dict], baseline_s: float, title: str, path: Path) -> None:
+    """Each row's speed-up over the first row against its GPUs: a line per parallel method of each implementation
+    (ours, xDiT), through that implementation's 1-GPU row where there is one; failed rows left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for row in rows:
+        if "image_s" in row:
+            implementation, _, name = row["plan"].rpartition(" ")
+            method = re.sub(r"\d+", "", name).replace("x", " x ") if name != "1" else ""
+            points.setdefault((implementation or "ours", method), []).append((row["gpus"], baseline_s / row["image_s"]))
+    figure, axis = plt.subplots(figsize=(6, 4.5))
+    for (implementation, method), line in sorted(points.items()):
+        if method:
+            line = sorted(points.get((implementation, ""), []) + line)
+            axis.plot([gpus for gpus, _ in line], [speed for _, speed in line], marker="o",
+                      label=f"{implementation}, {method}")
+        elif not any(other == implementation and m for other, m in points):
+            axis.plot([gpus for gpus, _ in line], [speed for _, speed in line], marker="o",
+                      label=f"{implementation}, 1 GPU")
+    gpus = sorted({row["gpus"] for row in rows})
+    axis.plot(gpus, gpus, linestyle="--", color="gray", label="ideal")
+    axis.set(title=title, xlabel="GPUs", ylabel="speed-up over the first row", xticks=gpus)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", choices=("flux", "wan", "cosmos3"), default="flux",
@@ -162,6 +197,8 @@ def main() -> int:
                         help="seconds an xDiT configuration may take, loading included, before its ranks are stopped "
                              "and its row marked failed, so that the table still prints (default 0: no limit)")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
+    parser.add_argument("--plot", type=Path, help="draw each row's speed-up over the first row against its GPUs into "
+                                                  "this PNG file, a line per method (ours and xDiT's)")
     args = parser.parse_args()
     if args.architecture != "flux":  # a clip's sizes where not given: 720p, 4 steps (tiny: 32x48 x 9, 3 steps)
         args.height = args.height or (32 if args.tiny else 720)
@@ -221,6 +258,9 @@ def main() -> int:
           str(row["failed"]),
           f"{row['max_diff']} / {row['mean_diff']:.2f}, {row['psnr']:.1f} dB" if row["images"] else "-",
           cell(row, "build_s", "{:.0f}"), cell(row, "ready_s", "{:.0f}")] for row in rows]))
+    if args.plot:
+        plot(rows, baseline, f"{model_size} {args.architecture} {what}, {size}, {args.steps} steps", args.plot)
+        print(f"wrote {args.plot}")
     return 0 if all(row["failed"] == 0 for row in rows) else 1
 
 

@@ -184,7 +184,7 @@ def run_xdit(name: str, job: XDiTJob) -> dict:
     for stale in job.result_dir.iterdir():
         stale.unlink()
     failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring), job.time_limit_s)
-    row = {"plan": f"xDiT {name}", "data_type": "BF16" if job.device_type == "cuda" else "FP32",
+    row = {"plan": f"xDiT {name}", "gpus": ulysses * ring, "data_type": "BF16" if job.device_type == "cuda" else "FP32",
            "described": f"xfuser, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
            "failed": 0, "images": {}}
     times_file = job.result_dir / "times.json"
