@@ -29,11 +29,11 @@ import torch
 
 from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.rendezvous import Generation, Rendezvous
-from mdtriton.backend.tensor_transfer import TensorLink
-from mdtriton.backend.process_state import end_with_parent
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
                                        ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
+from mdtriton.backend.process_state import end_with_parent
+from mdtriton.backend.rendezvous import Generation, Rendezvous
+from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.job_control import JobFailed, JobStopped

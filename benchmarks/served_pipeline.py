@@ -7,11 +7,10 @@ model. For each data type (--data-types: BF16, FP8) and plan (one server each, t
 the time from start to ready, a first image or clip, --images more one after another (the client's wall time for
 each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's
 time in the rank workers, their mean, as their stubs count it on Triton's metrics endpoint, so that the rest is
-serving's), --concurrent sent at once (every rank receives
-some: rank 0 broadcasts its answer to the others), and each answer against the first row's of the same seed (max and
-mean uint8 difference, PSNR). With --also-steps S, --images more of S steps each: the two medians give the time of
-one denoising step and, by a straight line through them, the time outside the steps (text encoding, VAE decode,
-transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
+serving's), --concurrent sent at once (every rank receives some: rank 0 broadcasts its answer to the others), and each
+answer against the first row's of the same seed (max and mean uint8 difference, PSNR). With --also-steps S, --images
+more of S steps each: the two medians give the time of one denoising step and, by a straight line through them, the
+time outside the steps (text encoding, VAE decode, transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
 are printed and appended to --output as each ends; --plot draws their speed-up over the first row against their GPUs.
 
 With --xdit (FLUX), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX runner runs it:
@@ -22,7 +21,7 @@ first image, which compiles, then --images more), against the first row's image 
 server, requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
-    python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 --xdit-time-limit 300 \
+    python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 --xdit-time-limit 300 \\
         --images 3 --concurrent 0 --plot served-flux.png            # 1, 2 and 4 GPUs against xDiT's, plotted
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
@@ -98,13 +97,14 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
         row["images"][0] = image(0)
         row["first_s"] = time.perf_counter() - started
         times, jobs = [], []
+        before = job_seconds(server.metrics_url)  # each scrape waits for the counters to settle: once per image
         for _ in range(args.images):
-            before = job_seconds(server.metrics_url)
             started = time.perf_counter()
             image(0)
             times.append(time.perf_counter() - started)
             after = job_seconds(server.metrics_url)
             jobs.append(statistics.mean(after[rank] - before[rank] for rank in after))
+            before = after
         row["image_s"] = statistics.median(times)
         row["image_min_s"] = min(times)
         row["job_s"] = statistics.median(jobs)
@@ -160,14 +160,12 @@ def plot(rows: list[dict], baseline_s: float, title: str, path: Path) -> None:
             method = re.sub(r"\d+", "", name).replace("x", " x ") if name != "1" else ""
             points.setdefault((implementation or "ours", method), []).append((row["gpus"], baseline_s / row["image_s"]))
     figure, axis = plt.subplots(figsize=(6, 4.5))
-    for (implementation, method), line in sorted(points.items()):
-        if method:
-            line = sorted(points.get((implementation, ""), []) + line)
-            axis.plot([gpus for gpus, _ in line], [speed for _, speed in line], marker="o",
-                      label=f"{implementation}, {method}")
-        elif not any(other == implementation and m for other, m in points):
-            axis.plot([gpus for gpus, _ in line], [speed for _, speed in line], marker="o",
-                      label=f"{implementation}, 1 GPU")
+    for implementation in sorted({implementation for implementation, _ in points}):
+        single = points.get((implementation, ""), [])
+        methods = sorted(method for other, method in points if other == implementation and method)
+        lines = {f"{implementation}, {method}": sorted(single + points[implementation, method]) for method in methods}
+        for label, line in (lines or {f"{implementation}, 1 GPU": single}).items():
+            axis.plot([gpus for gpus, _ in line], [speed for _, speed in line], marker="o", label=label)
     gpus = sorted({row["gpus"] for row in rows})
     axis.plot(gpus, gpus, linestyle="--", color="gray", label="ideal")
     axis.set(title=title, xlabel="GPUs", ylabel="speed-up over the first row", xticks=gpus)
