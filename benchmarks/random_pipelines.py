@@ -202,9 +202,23 @@ def free_memory() -> None:
 def job_seconds(metrics_url: str) -> dict[str, float]:
     """Each rank's seconds of jobs so far (compute and collectives: from the input broadcast until the outputs are
     ready), as its stub counts them on Triton's metrics endpoint (the server serving one model), by rank."""
-    seconds: dict[str, float] = {}
-    for name in ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"):
-        for labels, value in settled(metrics_url, name).items():
-            rank = dict(labels)["rank"]
-            seconds[rank] = seconds.get(rank, 0.0) + value
-    return seconds
+    return rank_counters(metrics_url)["job"]
+
+
+# What rank_counters reads: its name for each, and the metric families (backend/metrics.py) it sums.
+RANK_COUNTERS = {"job": ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"),
+                 "received": ("mdtriton_requests_received_total",), "waited": ("mdtriton_wait_seconds_total",)}
+
+
+def rank_counters(metrics_url: str) -> dict[str, dict[str, float]]:
+    """By rank, as the stubs count them on Triton's metrics endpoint (one model served): "job", its seconds of jobs so
+    far (job_seconds); "received", the requests Triton handed its instance; "waited", the seconds those requests
+    waited in its worker before their jobs began (the hub's order included)."""
+    counters: dict[str, dict[str, float]] = {}
+    for kind, names in RANK_COUNTERS.items():
+        counters[kind] = {}
+        for name in names:
+            for labels, value in settled(metrics_url, name).items():
+                rank = dict(labels)["rank"]
+                counters[kind][rank] = counters[kind].get(rank, 0.0) + value
+    return counters

@@ -46,6 +46,8 @@ from mdtriton.harness import (METHODS, add_model_arguments, attention_flops, ben
                               run_ranks, time_calls, timing, write_results)
 
 VARIANTS = ("compiled", "eager", "fp8")
+# The profiler's name for the call communication_timeline measures.
+PROFILED_CALL = "mdtriton.bench.profiled_call"
 
 
 def benchmarked_architectures() -> list[str]:
@@ -56,16 +58,26 @@ def benchmarked_architectures() -> list[str]:
 def communication_timeline(call) -> dict:
     """One call's GPU kernels under the profiler on every rank (a collective of the default group), as kernel_timeline
     sums them: this rank's NCCL share, and every rank's exposed and idle milliseconds in rank order (where one rank
-    computes longer than the others, theirs wait for it in NCCL kernels)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    computes longer than the others, theirs wait for it in NCCL kernels).
 
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        call()
+    The ranks start their profilers at different times (tens of milliseconds apart); a barrier after the start lines
+    them up again, and only the kernels that start after it count (a first collective would otherwise wait out that
+    difference: 59 ms "alone" on one rank of a 45 ms forward)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        dist.barrier()
         torch.cuda.synchronize()
+        with record_function(PROFILED_CALL):
+            call()
+            torch.cuda.synchronize()
+    events = profiler.events()
+    begin = min(event.time_range.start for event in events if event.name == PROFILED_CALL)
     mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
-                            for event in profiler.events() if event.device_type == DeviceType.CUDA])
+                            for event in events
+                            if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
+                            and event.name != PROFILED_CALL])  # the region's own span on the GPU's timeline
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, mine)
     return {"communication_share": mine["communication_share"],
