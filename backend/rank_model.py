@@ -112,9 +112,10 @@ class RankModel:
         # A pipeline's LoRA adapters are the model's, beside its versions (mdtriton.lora).
         self.adapters_dir = adapters_dir(Path(args["model_repository"]))
         self.manifest = Manifest.read(engine_dir)
-        # The registry of families, read now rather than by the first request this rank receives (it imports every
-        # family's module and reads the installed packages' entry points: 25 ms on a 2-core box, and each rank's first
-        # answer on 4 x H200 took 0.1-0.5 s more than its later ones); an architecture not installed fails the load.
+        # The registry of families, read now rather than by the first request this rank receives: it imports every
+        # family's module and reads the installed packages' entry points (25 ms on a 2-core box, 73-96 ms on a GPU
+        # host: part of the 0.1-0.5 s more that each rank's first answer took on 4 x H200, docs/benchmarks.md). An
+        # architecture that is not installed fails the load.
         family(self.manifest.architecture)
         if self.manifest.plan.world_size != self.placement.world_size:
             raise EngineError(f"{engine_dir}: engine has {self.manifest.plan.world_size} ranks ({self.manifest.plan}) "
