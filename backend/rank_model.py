@@ -26,8 +26,8 @@ from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.engine.job_control import JobFailed
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
-from mdtriton.families import family
-from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S, check_request, text_input, with_defaults
+from mdtriton.serving import (DEFAULT_REQUEST_TIMEOUT_S, check_architecture, check_request, text_input,
+                              with_defaults)
 from mdtriton.lora.directory import DEFAULT_CACHE_MIB, adapters_dir
 
 log = logging.getLogger("mdtriton.backend")
@@ -112,11 +112,9 @@ class RankModel:
         # A pipeline's LoRA adapters are the model's, beside its versions (mdtriton.lora).
         self.adapters_dir = adapters_dir(Path(args["model_repository"]))
         self.manifest = Manifest.read(engine_dir)
-        # The registry of families, read now rather than by the first request this rank receives: it imports every
-        # family's module and reads the installed packages' entry points (25 ms on a 2-core box, 73-96 ms on a GPU
-        # host: part of the 0.1-0.5 s more that each rank's first answer took on 4 x H200, docs/benchmarks.md). An
-        # architecture that is not installed fails the load.
-        family(self.manifest.architecture)
+        # Now, not at the first request this rank receives (part of the 0.1-0.5 s more that each rank's first answer
+        # took on 4 x H200: docs/benchmarks.md); an architecture that is not installed fails the load.
+        check_architecture(self.manifest)
         if self.manifest.plan.world_size != self.placement.world_size:
             raise EngineError(f"{engine_dir}: engine has {self.manifest.plan.world_size} ranks ({self.manifest.plan}) "
                               f"but the model config starts {self.placement.world_size} instances; they must match")

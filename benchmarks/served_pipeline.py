@@ -4,10 +4,11 @@ parallel plan and data type.
 Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
 (benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
 model. For each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build,
-the time from start to ready, a first image or clip, --images more one after another (the client's wall time for
-each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's
-time in the rank workers, their mean, as their stubs count it on Triton's metrics endpoint, so that the rest is
-serving's), --concurrent sent at once (every rank receives some: rank 0 broadcasts its answer to the others), and each
+the time from start to ready, a first image or clip, one more for each other rank (a rank's first answer costs more:
+docs/benchmarks.md), --images more one after another (the client's wall time for each: the request, the whole
+pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's time in the rank workers, their
+mean, as their stubs count it on Triton's metrics endpoint, so that the rest is serving's; each printed as it ends,
+with the rank that received it and how long it waited there before its job), --concurrent sent at once (every rank receives some: rank 0 broadcasts its answer to the others), and each
 answer against the first row's of the same seed (max and mean uint8 difference, PSNR). With --also-steps S, --images
 more of S steps each: the two medians give the time of one denoising step and, by a straight line through them, the
 time outside the steps (text encoding, VAE decode, transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows

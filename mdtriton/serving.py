@@ -30,6 +30,13 @@ from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
+def check_architecture(manifest: Manifest) -> None:
+    """EngineError if no installed family serves the manifest's architecture. The first lookup reads the family
+    registry (it imports every family's module and reads the installed packages' entry points: 73-96 ms on a GPU host),
+    so a rank's stub looks up at load, and its first request does not wait for it."""
+    family(manifest.architecture)
+
+
 def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
                 adapters: AdapterSettings | None = None) -> Engine:
     """This rank's engine of engine_dir, whose manifest the caller has read; a pipeline's requests may name the

@@ -77,6 +77,8 @@ DAMAGES = {
     "newer_format": (lambda e, m, x: edit_manifest(e, format_version=99),
                      [MANIFEST_FILE, "format version 99", "upgrade mdtriton"]),
     "world_size": (lambda e, m, x: more_instances(m), ["engine has 2 ranks", "starts 3 instances"]),
+    "unknown_architecture": (lambda e, m, x: edit_manifest(e, architecture="nonesuch"),
+                             ["unknown architecture 'nonesuch'", "entry point group mdtriton.families"]),
     "missing_gpus": (lambda e, m, x: on_missing_gpus(m), ["invalid or unsupported gpu id"]),
     "pickled": (lambda e, m, x: set_weight_file(e, 0, pickle.dumps(RunsWhenUnpickled(x))),
                 ["shard0.safetensors", "not a readable safetensors file"]),
