@@ -84,6 +84,16 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, dis
                                                      f"{disk_gb} GB of disk)")
 
 
+def fill_clip_sizes(args: argparse.Namespace) -> None:
+    """A clip's sizes where not given (--architecture wan or cosmos3): 720p, 81 frames (Wan) or 189 (Cosmos 3), 4
+    steps; tiny: 32x48 x 9, 3 steps."""
+    if args.architecture != "flux":
+        args.height = args.height or (32 if args.tiny else 720)
+        args.width = args.width or (48 if args.tiny else 1280)
+        args.frames = args.frames or (9 if args.tiny else 81 if args.architecture == "wan" else 189)
+        args.steps = args.steps or (3 if args.tiny else 4)
+
+
 def pipeline_device(args: argparse.Namespace, tiny_steps: int) -> torch.device:
     """The device a FLUX pipeline benchmark runs on (GPU 0, or the CPU with --tiny), its size and steps filled in."""
     args.height = args.height or (64 if args.tiny else 1024)

@@ -2,24 +2,26 @@
 parallel plan and data type.
 
 Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
-(benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every plan and data type computes the same
-model. For each data type (--data-types: BF16, FP8) and plan (one server each, the model alone on its GPUs): the build,
-the time from start to ready, a first image or clip, one more for each other rank (a rank's first answer costs more:
-docs/benchmarks.md), --images more one after another (the client's wall time for each: the request, the whole
-pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's time in the rank workers, their
-mean, as their stubs count it on Triton's metrics endpoint, so that the rest is serving's; each printed as it ends,
-with the rank that received it and how long it waited there before its job), --concurrent sent at once (every rank receives some: rank 0 broadcasts its answer to the others), and each
-answer against the first row's of the same seed (max and mean uint8 difference, PSNR). With --also-steps S, --images
-more of S steps each: the two medians give the time of one denoising step and, by a straight line through them, the
-time outside the steps (text encoding, VAE decode, transfer; computed, not timed). A failed request is a row's failure, not the script's: the table says how many. Rows
-are printed and appended to --output as each ends; --plot draws their speed-up over the first row against their GPUs.
+(benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every
+plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server each, the
+model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
+(a rank's first answer costs more: docs/benchmarks.md), --images more one after another (the client's wall time for
+each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's time
+in the rank workers, their mean, as their stubs count it on Triton's metrics endpoint, so that the rest is serving's;
+each printed as it ends, with the rank that received it and how long it waited there before its job), --concurrent sent
+at once (every rank receives some: rank 0 broadcasts its answer to the others), and each answer against the first row's
+of the same seed (max and mean uint8 difference, PSNR). With --also-steps S, --images more of S steps each: the two
+medians give the time of one denoising step and, by a straight line through them, the time outside the steps (text
+encoding, VAE decode, transfer; computed, not timed). A failed request is a row's failure, not the script's: the table
+says how many. Rows are printed and appended to --output as each ends; --plot draws their speed-up over the first row
+against their GPUs.
 
-With --xdit (FLUX), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX runner runs it:
-benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random weights) with the
-same prompt, size, steps, guidance and seed, one process per GPU, compiled as xfuser's --use_torch_compile compiles it
-(--xdit-eager: uncompiled). Its rows time the call to the image as a uint8 array on the host (rank 0's wall clock: a
-first image, which compiles, then --images more), against the first row's image like the others; they have no build,
-server, requests at once or steps apart ("-").
+With --xdit (FLUX or Wan), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX or Wan 2.1 T2V
+runner runs it: benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random
+weights) with the same prompt, size, steps, guidance and seed, one process per GPU, compiled as xfuser's
+--use_torch_compile compiles it (--xdit-eager: uncompiled). Its rows time the call to the image or clip as a uint8 array
+on the host (rank 0's wall clock: a first one, which compiles, then --images more), against the first row's like the
+others; they have no build, server, requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 --xdit-time-limit 300 \\
@@ -27,6 +29,8 @@ server, requests at once or steps apart ("-").
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
+    python benchmarks/served_pipeline.py --architecture wan --plans 1,ulysses4 --xdit 1,ulysses4 --steps 2 --images 1 \
+        --concurrent 0 --xdit-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
     python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --xdit-time-limit 300 --images 5 \\
@@ -60,8 +64,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, flux_pipeline_dir,
-                              pipeline_device, plan_of, rank_counters, wan_pipeline_dir, work_directory)
+from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
+                              flux_pipeline_dir, pipeline_device, plan_of, rank_counters, wan_pipeline_dir,
+                              work_directory)
 
 from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 
@@ -208,19 +213,15 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="draw each row's speed-up over the first row against its GPUs into "
                                                   "this PNG file, a line per method (ours and xDiT's)")
     args = parser.parse_args()
-    if args.architecture != "flux":  # a clip's sizes where not given: 720p, 4 steps (tiny: 32x48 x 9, 3 steps)
-        args.height = args.height or (32 if args.tiny else 720)
-        args.width = args.width or (48 if args.tiny else 1280)
-        args.frames = args.frames or (9 if args.tiny else 81 if args.architecture == "wan" else 189)
-        args.steps = args.steps or (3 if args.tiny else 4)
+    fill_clip_sizes(args)
     device = pipeline_device(args, tiny_steps=3)
     if args.also_steps and not 0 < args.also_steps < args.steps:
         raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
     xdit_configs = args.xdit.split(",") if args.xdit else []
-    if xdit_configs and args.architecture != "flux":
-        raise SystemExit("--xdit runs xDiT's FLUX pipeline: give it with --architecture flux")
+    if xdit_configs and args.architecture == "cosmos3":
+        raise SystemExit("--xdit runs xDiT's FLUX or Wan pipeline: give it with --architecture flux or wan")
     for name in xdit_configs:
         degrees_of(name)
 
@@ -242,8 +243,10 @@ def main() -> int:
         for data_type in data_types:
             for name, plan in plans.items():
                 record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
-        xdit_job = XDiTJob(pipeline_dir, device.type, not args.xdit_eager, FLUX_PROMPT, args.height, args.width,
-                           args.steps, 3.5, 0, args.images, workdir / "xdit", args.xdit_time_limit)
+        prompt, guidance = (FLUX_PROMPT, 3.5) if args.architecture == "flux" else (WAN_PROMPT, 5.0)  # as image() asks
+        xdit_job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.xdit_eager, prompt, args.height,
+                           args.width, args.steps, guidance, 0, args.images, workdir / "xdit", args.xdit_time_limit,
+                           args.frames or 1)
         for name in xdit_configs:  # after the served plans, on the same pipeline directory
             record(run_xdit(name, xdit_job))
     baseline = rows[0]["image_s"]

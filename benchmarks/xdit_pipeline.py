@@ -1,6 +1,6 @@
-"""xDiT's whole FLUX pipeline (xfuser 0.7.0), prompt to image, on a pipeline directory of
-benchmarks/random_pipelines.py: the peer of our served image in benchmarks/served_pipeline.py (its --xdit rows), or
-alone here.
+"""xDiT's whole FLUX or Wan pipeline (xfuser 0.7.0), prompt to image or clip, on a pipeline directory of
+benchmarks/random_pipelines.py: the peer of our served image or clip in benchmarks/served_pipeline.py (its --xdit
+rows), or alone here.
 
 xfuser 0.7.0 runs FLUX.1-dev through its model runner (`xfuser/runner.py`; examples/flux_example.py, which used
 xFuserFluxPipeline, was removed as deprecated in xDiT #641, and base_pipeline.py calls that wrapper "the legacy pipeline
@@ -8,20 +8,30 @@ path"). For Ulysses and Ring its FLUX runner (`model_executor/models/runner_mode
 FluxPipeline with xfuser's `xFuserFlux1Transformer2DWrapper` (the sequence split, USP attention, the gather), sets the
 runtime state from `xFuserArgs(...).create_config()`, with --use_torch_compile compiles the transformer with
 mode="reduce-overhead" after `_enable_compute_comm_overlap`, and before each call sets the runtime state's input
-parameters. `load_pipeline` and `image` do the same, with two changes for a like-for-like comparison: the transformer
-gets our seeded random weights (those `mdtriton build` gives the served transformer: seed 0, made on the same kind of
-device), and the initial noise comes from a CPU generator seeded with the seed, as our served pipeline draws it
-(xfuser's runner draws it on the GPU, which gives other noise). Text encoders and VAE are the directory's, in bf16 on
-GPUs (float32 on the CPU); the VAE decodes on every rank (xfuser's default, without --use_parallel_vae).
+parameters. Its Wan 2.1 T2V runner (`runner_models/wan.py`, xFuserWan21T2VModel) loads diffusers' WanPipeline in bf16
+(the VAE too) with `xFuserWanTransformer3DWrapper` (made with the attention options of its xFuserArgs), compiles the
+transformer with torch.compile's default mode, and before each call resets the runtime state's step schedule.
+`load_pipeline` and `image` do the same, with three changes for a like-for-like comparison: the transformer gets our
+seeded random weights (those `mdtriton build` gives the served transformer: seed 0, made on the same kind of device),
+the initial noise comes from a CPU generator seeded with the seed, as our served pipeline draws it (xfuser's runner
+draws it on the GPU, which gives other noise), and the directory's scheduler is kept (the Wan runner sets its own
+flow shift). Text encoders and VAE are the directory's, in bf16 on GPUs (float32 on the CPU; our served Wan pipeline
+decodes in float32, as WanPipeline's model card loads its VAE); the VAE decodes on every rank (xfuser's default,
+without --use_parallel_vae). xDiT's CFG parallelism for Wan is not run here.
 
 One process per GPU (NCCL; gloo ranks on the CPU, where xfuser is first patched by benchmarks/xdit_cpu_check.py's
-`patch`). Rank 0 times each image by the wall clock from the call to the image as a uint8 array on the host (the ranks
-lined up by a barrier first): a first image (compiles), then --images more, the median reported.
+`patch`). Rank 0 times each image or clip by the wall clock from the call to the result as a uint8 array on the host
+(the ranks lined up by a barrier first): a first one (compiles), then --images more, the median reported.
 
 Configurations: 1, ulyssesN, ringN, or ulyssesNxringM (xDiT's USP), on as many GPUs as their product.
 
     python benchmarks/xdit_pipeline.py --configs 1,ulysses4          # FLUX.1-dev size, 1024x1024, 28 steps, GPUs 0..3
+    python benchmarks/xdit_pipeline.py --architecture wan --configs ulysses4 --steps 2 --images 1  # Wan 14B, 720p x 81
     python benchmarks/xdit_pipeline.py --tiny --configs 1,ulysses2 --eager   # tiny, on CPU ranks: checks the script
+
+Checked on CPU ranks (tiny, float32, 3 steps): xDiT's Wan clip equals our 1-rank served clip within 1 uint8 level,
+uncompiled and compiled, on 1 rank and ulysses 2 (`served_pipeline.py --tiny --architecture wan --plans 1 --xdit
+1,ulysses2`); xDiT's FLUX image equals ours exactly uncompiled.
 
 Needs xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0: `pip install ".[peers]"` where a package index is reachable
 (on the CPU also triton, which xfuser imports and a CPU torch does not bring); see benchmarks/served_pipeline.py for
@@ -43,18 +53,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from random_pipelines import FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, pipeline_device, work_directory
+from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, fill_clip_sizes, flux_pipeline_dir,
+                              pipeline_device, wan_pipeline_dir, work_directory)
 
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH, to_uint8
+from mdtriton.families import family
+from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH as FLUX_MAX_SEQUENCE_LENGTH
+from mdtriton.families.wan.pipeline import MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUENCE_LENGTH
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks
 
 
 @dataclass(frozen=True)
 class XDiTJob:
-    """What every rank of every configuration runs: images on the pipeline directory."""
+    """What every rank of every configuration runs: images (FLUX) or clips (Wan) on the pipeline directory."""
 
+    architecture: str  # flux or wan
     pipeline_dir: Path
     device_type: str  # cuda (one GPU a rank) or cpu
     compiled: bool
@@ -67,6 +81,7 @@ class XDiTJob:
     images: int
     result_dir: Path
     time_limit_s: float = 0  # a configuration's ranks are stopped after this long (0: never), its row failed
+    frames: int = 1  # a clip's frames (Wan)
 
 
 def degrees_of(name: str) -> tuple[int, int]:
@@ -83,13 +98,16 @@ def degrees_of(name: str) -> tuple[int, int]:
 
 
 def load_pipeline(job: XDiTJob, ulysses: int, ring: int, backend: str, device: torch.device):
-    """The pipeline as xfuser 0.7.0's FLUX runner loads it (see the module docstring), with our random transformer
-    weights; xfuser's groups and runtime state made first."""
-    from diffusers import FluxPipeline
+    """The pipeline as xfuser 0.7.0's FLUX or Wan 2.1 T2V runner loads it (see the module docstring), with our random
+    transformer weights; xfuser's groups and runtime state made first."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxPipeline, WanPipeline
     from xfuser import xFuserArgs
     from xfuser.core.distributed import initialize_runtime_state, parallel_state
     from xfuser.model_executor.models.runner_models.base_model import xFuserModel
+    from xfuser.model_executor.models.runner_models.wan import _build_attention_kwargs
     from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
+    from xfuser.model_executor.models.transformers.transformer_wan import xFuserWanTransformer3DWrapper
 
     world_size = dist.get_world_size()
     if world_size > 1 and not parallel_state.HAS_LONG_CTX_ATTN:
@@ -99,37 +117,54 @@ def load_pipeline(job: XDiTJob, ulysses: int, ring: int, backend: str, device: t
     parallel_state.initialize_model_parallel(sequence_parallel_degree=ulysses * ring, ulysses_degree=ulysses,
                                              ring_degree=ring, backend=backend)
     # On GPUs xfuser picks its own attention backend; on the CPU the one xdit_cpu_check.patch gives a log-sum-exp.
-    engine_config, _ = xFuserArgs(model=str(job.pipeline_dir), ulysses_degree=ulysses, ring_degree=ring,
-                                  use_torch_compile=job.compiled,
-                                  attention_backend=None if device.type == "cuda" else "SDPA_EFFICIENT").create_config()
+    xfuser_args = xFuserArgs(model=str(job.pipeline_dir), ulysses_degree=ulysses, ring_degree=ring,
+                             use_torch_compile=job.compiled,
+                             attention_backend=None if device.type == "cuda" else "SDPA_EFFICIENT")
+    engine_config, _ = xfuser_args.create_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = json.loads((job.pipeline_dir / "transformer" / "config.json").read_text())
-    config.pop("_class_name")
-    with torch.device("meta"):
-        transformer = xFuserFlux1Transformer2DWrapper(**config)
-    weights = random_shard("flux", config, ParallelPlan(), 0, seed=0, device=device, dtype=dtype)
+    config = {key: value for key, value in config.items() if not key.startswith("_")}
+    # Parameters on the meta device, to take ours; buffers made as the modules make them (Wan's rotary tables).
+    with init_empty_weights(include_buffers=False):
+        if job.architecture == "wan":  # as xFuserWan21T2VModel._load_model makes it
+            transformer = xFuserWanTransformer3DWrapper(**config, attention_kwargs=_build_attention_kwargs(xfuser_args))
+        else:
+            transformer = xFuserFlux1Transformer2DWrapper(**config)
+    weights = random_shard(job.architecture, config, ParallelPlan(), 0, seed=0, device=device, dtype=dtype)
     transformer.load_state_dict({name: tensor.to(dtype) for name, tensor in weights.items()}, assign=True)
-    pipeline = FluxPipeline.from_pretrained(job.pipeline_dir, transformer=transformer, dtype=dtype,
-                                            local_files_only=True).to(device)
+    # Every component in dtype, the Wan VAE too (as xfuser's Wan runner loads it: torch_dtype=torch.bfloat16).
+    pipeline_class = WanPipeline if job.architecture == "wan" else FluxPipeline
+    pipeline = pipeline_class.from_pretrained(job.pipeline_dir, transformer=transformer, dtype=dtype,
+                                              local_files_only=True).to(device)
     pipeline.set_progress_bar_config(disable=True)
     initialize_runtime_state(pipeline, engine_config)
-    if job.compiled:  # as the runner's _compile_model does for FLUX.1-dev (xFuserFluxModel._get_compile_mode)
+    if job.compiled:  # as the runner's _compile_model does: FLUX.1-dev with reduce-overhead, Wan 2.1 T2V with defaults
         xFuserModel._enable_compute_comm_overlap(None)  # inductor settings only: it reads nothing of the instance
-        pipeline.transformer = torch.compile(pipeline.transformer, mode="reduce-overhead")
+        pipeline.transformer = torch.compile(pipeline.transformer,
+                                             mode="reduce-overhead" if job.architecture == "flux" else None)
     return pipeline
 
 
 def image(pipeline, job: XDiTJob) -> np.ndarray:
-    """One image as uint8 [height, width, 3] on the host, called as xfuser's FLUX runner calls the pipeline."""
+    """One image, uint8 [height, width, 3], or clip, uint8 [frames, height, width, 3], on the host, called as xfuser's
+    FLUX or Wan runner calls the pipeline, and made uint8 as our served pipeline makes its answer."""
     from xfuser.core.distributed import get_runtime_state
 
-    get_runtime_state().set_input_parameters(batch_size=1, num_inference_steps=job.steps,
-                                             max_condition_sequence_length=MAX_SEQUENCE_LENGTH,
-                                             split_text_embed_in_sp=True)
-    result = pipeline(prompt=job.prompt, height=job.height, width=job.width, num_inference_steps=job.steps,
-                      guidance_scale=job.guidance, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                      generator=torch.Generator().manual_seed(job.seed), output_type="pt")
-    return to_uint8(result.images)[0].cpu().numpy()
+    if job.architecture == "wan":
+        get_runtime_state().reset_vsa_schedule_state(job.steps)  # xFuserWanModel.prepare_run
+        result = pipeline(prompt=job.prompt, height=job.height, width=job.width, num_frames=job.frames,
+                          num_inference_steps=job.steps, guidance_scale=job.guidance,
+                          max_sequence_length=WAN_MAX_SEQUENCE_LENGTH,
+                          generator=torch.Generator().manual_seed(job.seed), output_type="pt")
+    else:
+        get_runtime_state().set_input_parameters(batch_size=1, num_inference_steps=job.steps,
+                                                 max_condition_sequence_length=FLUX_MAX_SEQUENCE_LENGTH,
+                                                 split_text_embed_in_sp=True)
+        result = pipeline(prompt=job.prompt, height=job.height, width=job.width, num_inference_steps=job.steps,
+                          guidance_scale=job.guidance, max_sequence_length=FLUX_MAX_SEQUENCE_LENGTH,
+                          generator=torch.Generator().manual_seed(job.seed), output_type="pt")
+    answer = next(iter(family(job.architecture).pipeline.outputs(result).values()))
+    return answer[0].cpu().numpy()
 
 
 def timed_image(pipeline, job: XDiTJob) -> tuple[float, np.ndarray]:
@@ -160,11 +195,11 @@ def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int
         pipeline = load_pipeline(job, ulysses, ring, "nccl" if cuda else "gloo", device)
         say(f"loaded in {time.perf_counter() - started:.1f} s")
         first_s, first = timed_image(pipeline, job)
-        say(f"first image (compiles) in {first_s:.1f} s")
+        say(f"first result (compiles) in {first_s:.1f} s")
         times = []
         for _ in range(job.images):
             times.append(timed_image(pipeline, job)[0])
-            say(f"image {len(times)} of {job.images} in {times[-1]:.2f} s")
+            say(f"result {len(times)} of {job.images} in {times[-1]:.2f} s")
         if rank == 0:
             np.save(job.result_dir / "image.npy", first)
             (job.result_dir / "times.json").write_text(json.dumps({"first_s": first_s, "times": times}))
@@ -201,27 +236,37 @@ def run_xdit(name: str, job: XDiTJob) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--architecture", choices=("flux", "wan"), default="flux",
+                        help="FLUX.1-dev's pipeline (images) or Wan 2.1 T2V 14B's (clips; default flux)")
     parser.add_argument("--configs", default="1,ulysses4", help="xDiT configurations (default 1,ulysses4)")
     parser.add_argument("--eager", action="store_true",
                         help="xDiT uncompiled (default: compiled, as xfuser's --use_torch_compile compiles it)")
-    parser.add_argument("--images", type=int, default=10, help="images timed after the first (default 10)")
+    parser.add_argument("--images", type=int, default=10, help="images or clips timed after the first (default 10)")
+    parser.add_argument("--frames", type=int, help="a clip's frames (default 81; --tiny: 9)")
     parser.add_argument("--time-limit", type=float, default=0,
                         help="seconds a configuration may take, loading included, before its ranks are stopped and "
                              "its row marked failed (default 0: no limit)")
     add_pipeline_arguments(parser, tiny_steps=3, disk_gb=45)
     args = parser.parse_args()
+    fill_clip_sizes(args)
     device = pipeline_device(args, tiny_steps=3)
     names = args.configs.split(",")
     for name in names:
         degrees_of(name)
+    flux = args.architecture == "flux"
     with work_directory(args) as workdir:
-        pipeline_dir, _ = flux_pipeline_dir(workdir / "pipeline", args.tiny, device)
-        job = XDiTJob(pipeline_dir, device.type, not args.eager, FLUX_PROMPT, args.height, args.width, args.steps, 3.5,
-                      0, args.images, workdir / "xdit", args.time_limit)
+        make_pipeline_dir = flux_pipeline_dir if flux else wan_pipeline_dir
+        pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
+        job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.eager, FLUX_PROMPT if flux else WAN_PROMPT,
+                      args.height, args.width, args.steps, 3.5 if flux else 5.0, 0, args.images, workdir / "xdit",
+                      args.time_limit, args.frames or 1)
         rows = [run_xdit(name, job) for name in names]
-    print(f"\nxDiT's FLUX pipeline ({'tiny' if args.tiny else 'FLUX.1-dev size'}), {args.width}x{args.height}, "
-          f"{args.steps} steps, {device_name(device)}; median of {args.images} images after a first one\n")
-    print(markdown_table(["configuration", "time per image", "first image"],
+    what, size = ("image", f"{args.width}x{args.height}") if flux else ("clip",
+                                                                        f"{args.width}x{args.height} x {args.frames}")
+    model_size = "tiny" if args.tiny else "FLUX.1-dev size" if flux else "Wan 2.1 T2V 14B size"
+    print(f"\nxDiT's {args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, {device_name(device)}; "
+          f"median of {args.images} {what}s after a first one\n")
+    print(markdown_table(["configuration", f"time per {what}", f"first {what}"],
                          [[f"{row['plan']} ({row['described']})",
                            f"{row['image_s'] * 1000:,.0f} ms" if not row["failed"] else "failed",
                            f"{row['first_s']:.1f} s" if not row["failed"] else "-"] for row in rows]))
