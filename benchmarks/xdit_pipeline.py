@@ -175,17 +175,24 @@ def timed_image(pipeline, job: XDiTJob) -> tuple[float, np.ndarray]:
     return time.perf_counter() - started, result
 
 
-def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int, ring: int) -> None:
+def start_xdit_rank(rank: int, world_size: int, port: int, cuda: bool) -> torch.device:
+    """Begin a rank process that runs xfuser (run_ranks' entry): the environment its groups read, xfuser patched on CPU
+    ranks (benchmarks/xdit_cpu_check.py), and a process group even of one rank (xfuser's coordinators need one), not
+    bound to the device (its new_group() calls fail when it is). Returns the rank's device."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # xfuser gives each group a gloo twin; loopback surely works
-    cuda = job.device_type == "cuda"
     if not cuda:
         from xdit_cpu_check import patch
 
         patch()
-    # A group even of one rank (xfuser's coordinators need one), not bound to the device (its new_group() calls fail).
-    device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
+    return init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
+
+
+def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int, ring: int) -> None:
+    cuda = job.device_type == "cuda"
+    device = start_xdit_rank(rank, world_size, port, cuda)
+
     def say(what: str) -> None:  # progress, so that a run cut short by its time limit shows where it was
         if rank == 0:
             print(f"xDiT ulysses {ulysses} x ring {ring}: {what}", flush=True)

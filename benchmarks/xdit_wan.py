@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import types
@@ -45,12 +44,12 @@ from mdtriton.build_tools.engine_builder import random_shard  # noqa: E402
 from mdtriton.engine.comm import Communicator  # noqa: E402
 from mdtriton.engine.plan import ParallelPlan  # noqa: E402
 from mdtriton.families.wan import WAN  # noqa: E402
-from mdtriton.harness import (add_model_arguments, bench_engine, device_name, init_rank, markdown_table,  # noqa: E402
-                              model_config, model_sizes, plans_for, precision, relative_error, run_ranks, time_calls,
-                              timing)
+from mdtriton.harness import (add_model_arguments, bench_engine, device_name, markdown_table, model_config,  # noqa: E402
+                              model_sizes, plans_for, precision, relative_error, run_ranks, time_calls, timing)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from xdit_flux import config_name, sp_configs  # noqa: E402
+from xdit_pipeline import start_xdit_rank  # noqa: E402
 
 
 def timed_row(args, rank: int, call, **row) -> tuple[dict, torch.Tensor]:
@@ -94,16 +93,8 @@ def xdit_wan(config: dict, weights: dict, ulysses: int, ring: int, cuda: bool, c
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # xfuser gives each group a gloo twin; loopback surely works
     cuda = args.device == "cuda"
-    if not cuda:
-        from xdit_cpu_check import patch
-
-        patch()
-    # A group even of one rank (xfuser's coordinators need one), not bound to the device (its new_group() calls fail).
-    device = init_rank(rank, world_size, port, cuda, group_of_one=True, bind_device=False)
+    device = start_xdit_rank(rank, world_size, port, cuda)
     config = model_config(args)
     dtype, data_type = precision(device)
     requests = {str(size): {name: tensor.to(device) for name, tensor in
@@ -118,8 +109,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             torch.save(out.float().cpu(), Path(work_dir) / f"{world_size}-{row['implementation']}-{row['config']}.pt")
         rows.append(row)
 
-    rows = []
-    for method, plan in plans_for(world_size, args.ours.split(",")).items():
+    def measure_ours(method: str, plan: ParallelPlan) -> None:  # its engine freed on return, before the next's
         comm = Communicator(plan, rank, device)
         comm.join_groups()
         shard = dict(weights) if plan.tp_size == 1 else random_shard("wan", config, plan, rank, seed=0, device=device,
@@ -128,7 +118,10 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         for label, request in requests.items():
             record(*timed_row(args, rank, lambda: engine.forward(request)["sample"], gpus=world_size, size=label,
                               implementation="ours", config=method, plan=str(plan)))
-        del engine
+
+    rows = []
+    for method, plan in plans_for(world_size, args.ours.split(",")).items():
+        measure_ours(method, plan)
     from xfuser.core.distributed import parallel_state
 
     parallel_state.init_distributed_environment(rank=rank, world_size=world_size, local_rank=rank,
