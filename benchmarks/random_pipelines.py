@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +37,7 @@ from mdtriton.families.wan import WAN  # noqa: E402
 from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-from tests.backend.test_metrics import settled  # noqa: E402
+from tests.backend.test_metrics import scrape  # noqa: E402
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
@@ -220,15 +221,25 @@ RANK_COUNTERS = {"job": ("mdtriton_compute_seconds_total", "mdtriton_communicati
                  "received": ("mdtriton_requests_received_total",), "waited": ("mdtriton_wait_seconds_total",)}
 
 
-def rank_counters(metrics_url: str) -> dict[str, dict[str, float]]:
-    """By rank, as the stubs count them on Triton's metrics endpoint (one model served): "job", its seconds of jobs so
-    far (job_seconds); "received", the requests Triton handed its instance; "waited", the seconds those requests
-    waited in its worker before their jobs began (the hub's order included)."""
-    counters: dict[str, dict[str, float]] = {}
-    for kind, names in RANK_COUNTERS.items():
-        counters[kind] = {}
-        for name in names:
-            for labels, value in settled(metrics_url, name).items():
-                rank = dict(labels)["rank"]
-                counters[kind][rank] = counters[kind].get(rank, 0.0) + value
-    return counters
+def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, float]]:
+    """By rank, as the stubs count them on Triton's metrics endpoint (one model served), once two readings `quiet`
+    seconds apart agree (a stub records its jobs' times a moment after answering): "job", its seconds of jobs so far
+    (job_seconds); "received", the requests Triton handed its instance; "waited", the seconds those requests waited in
+    its worker before their jobs began (the hub's order included)."""
+    def read() -> dict[str, dict[str, float]]:
+        counters: dict[str, dict[str, float]] = {}
+        for kind, names in RANK_COUNTERS.items():
+            counters[kind] = {}
+            for name in names:
+                for labels, value in scrape(metrics_url, name).items():
+                    rank = dict(labels)["rank"]
+                    counters[kind][rank] = counters[kind].get(rank, 0.0) + value
+        return counters
+
+    counters = read()
+    while True:
+        time.sleep(quiet)
+        again = read()
+        if again == counters:
+            return counters
+        counters = again
