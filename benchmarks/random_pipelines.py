@@ -18,7 +18,6 @@ import json
 import re
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,10 +36,14 @@ from mdtriton.families.wan import WAN  # noqa: E402
 from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-from tests.backend.test_metrics import scrape  # noqa: E402
+from tests.backend.test_metrics import scrape, steady  # noqa: E402
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
+# Each architecture's prompt and guidance scale, as the pipeline benchmarks ask for its images or clips (ours and xDiT's).
+REQUESTS = {"flux": (FLUX_PROMPT, 3.5), "wan": (WAN_PROMPT, 5.0), "cosmos3": (WAN_PROMPT, 5.0)}
+# The published size whose configs each architecture's random pipeline has, for tables' titles.
+MODEL_SIZES = {"flux": "FLUX.1-dev size", "wan": "Wan 2.1 T2V 14B size", "cosmos3": "Cosmos 3 15B size"}
 # FLUX.1-dev's components (their config.json files), T5 = google/t5-v1_1-xxl's encoder, CLIP = ViT-L/14's text model.
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, bos_token_id=0, eos_token_id=2)
@@ -236,10 +239,4 @@ def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, f
                     counters[kind][rank] = counters[kind].get(rank, 0.0) + value
         return counters
 
-    counters = read()
-    while True:
-        time.sleep(quiet)
-        again = read()
-        if again == counters:
-            return counters
-        counters = again
+    return steady(read, quiet)

@@ -29,7 +29,7 @@ others; they have no build, server, requests at once or steps apart ("-").
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
-    python benchmarks/served_pipeline.py --architecture wan --plans 1,ulysses4 --xdit 1,ulysses4 --steps 2 --images 1 \
+    python benchmarks/served_pipeline.py --architecture wan --plans 1,ulysses4 --xdit 1,ulysses4 --steps 2 --images 1 \\
         --concurrent 0 --xdit-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
+from random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
                               flux_pipeline_dir, pipeline_device, plan_of, rank_counters, wan_pipeline_dir,
                               work_directory)
 
@@ -88,11 +88,12 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
         row["ready_s"] = ready_s
 
         def image(seed: int, steps: int = args.steps) -> np.ndarray | None:
+            prompt, guidance = REQUESTS[args.architecture]
             try:
                 if args.architecture != "flux":
-                    return generate_video(server.grpc_address, model, WAN_PROMPT, args.height, args.width,
-                                          args.frames, steps, 5.0, seed, timeout=1200)[0]
-                return generate(server.grpc_address, model, FLUX_PROMPT, args.height, args.width, steps, 3.5,
+                    return generate_video(server.grpc_address, model, prompt, args.height, args.width,
+                                          args.frames, steps, guidance, seed, timeout=1200)[0]
+                return generate(server.grpc_address, model, prompt, args.height, args.width, steps, guidance,
                                 seed, timeout=600)[0]
             except Exception as error:  # noqa: BLE001 - a failed request is counted, the benchmark goes on
                 print(f"{name}: seed {seed} failed: {error}", flush=True)
@@ -243,7 +244,7 @@ def main() -> int:
         for data_type in data_types:
             for name, plan in plans.items():
                 record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
-        prompt, guidance = (FLUX_PROMPT, 3.5) if args.architecture == "flux" else (WAN_PROMPT, 5.0)  # as image() asks
+        prompt, guidance = REQUESTS[args.architecture]
         xdit_job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.xdit_eager, prompt, args.height,
                            args.width, args.steps, guidance, 0, args.images, workdir / "xdit", args.xdit_time_limit,
                            args.frames or 1)
@@ -252,8 +253,7 @@ def main() -> int:
     baseline = rows[0]["image_s"]
     what, size = (("image", f"{args.width}x{args.height}") if args.architecture == "flux"
                   else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))
-    model_size = "tiny" if args.tiny else {"flux": "FLUX.1-dev size", "wan": "Wan 2.1 T2V 14B size",
-                                           "cosmos3": "Cosmos 3 15B size"}[args.architecture]
+    model_size = "tiny" if args.tiny else MODEL_SIZES[args.architecture]
     print(f"\n{args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, served by Triton, "
           f"{device_name(device)}; median of {args.images} {what}s after a first one\n")
     split = ["per step", "outside the steps"] if args.also_steps else []

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from random_pipelines import (FLUX_PROMPT, WAN_PROMPT, add_pipeline_arguments, fill_clip_sizes, flux_pipeline_dir,
+from random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, fill_clip_sizes, flux_pipeline_dir,
                               pipeline_device, wan_pipeline_dir, work_directory)
 
 from mdtriton.build_tools.engine_builder import random_shard
@@ -264,13 +264,13 @@ def main() -> int:
     with work_directory(args) as workdir:
         make_pipeline_dir = flux_pipeline_dir if flux else wan_pipeline_dir
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
-        job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.eager, FLUX_PROMPT if flux else WAN_PROMPT,
-                      args.height, args.width, args.steps, 3.5 if flux else 5.0, 0, args.images, workdir / "xdit",
-                      args.time_limit, args.frames or 1)
+        prompt, guidance = REQUESTS[args.architecture]
+        job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.eager, prompt, args.height, args.width,
+                      args.steps, guidance, 0, args.images, workdir / "xdit", args.time_limit, args.frames or 1)
         rows = [run_xdit(name, job) for name in names]
     what, size = ("image", f"{args.width}x{args.height}") if flux else ("clip",
                                                                         f"{args.width}x{args.height} x {args.frames}")
-    model_size = "tiny" if args.tiny else "FLUX.1-dev size" if flux else "Wan 2.1 T2V 14B size"
+    model_size = "tiny" if args.tiny else MODEL_SIZES[args.architecture]
     print(f"\nxDiT's {args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, {device_name(device)}; "
           f"median of {args.images} {what}s after a first one\n")
     print(markdown_table(["configuration", f"time per {what}", f"first {what}"],

@@ -265,7 +265,8 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
                       f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
                       f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
-                      by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), f"{r['peak_gib']:.1f}", "" if error == "- / -" else error])
+                      by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), f"{r['peak_gib']:.1f}",
+                      "" if error == "- / -" else error])
     return markdown_table(header, cells)
 
 

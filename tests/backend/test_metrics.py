@@ -31,10 +31,15 @@ def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
 def settled(metrics_url: str, name: str, quiet: float = 0.5) -> dict[tuple, float]:
     """scrape(), once two scrapes `quiet` seconds apart agree: a stub records its worker's job times once the worker
     has been quiet for 0.2 s (or when its next job starts), so the jobs just answered may not be counted yet."""
-    values = scrape(metrics_url, name)
+    return steady(lambda: scrape(metrics_url, name), quiet)
+
+
+def steady(read, quiet: float):
+    """read(), once two readings `quiet` seconds apart agree."""
+    values = read()
     while True:
         time.sleep(quiet)
-        again = scrape(metrics_url, name)
+        again = read()
         if again == values:
             return values
         values = again
