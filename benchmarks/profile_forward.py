@@ -26,17 +26,8 @@ from diffusers_peer import PEERS, peer_model
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family
-from mdtriton.harness import (add_model_arguments, bench_engine, bench_weights, markdown_table, model_config,
+from mdtriton.harness import (add_model_arguments, bench_engine, bench_weights, kind_of, markdown_table, model_config,
                               model_sizes, precision, time_calls)
-
-KINDS = (("NCCL", ("nccl",)), ("attention", ("attention", "fmha", "flash", "cudnn")),
-         ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "gemv", "aten::mm", "addmm")),
-         ("fused (Triton)", ("triton_",)), ("copy", ("copy", "cat", "pad", "memcpy", "elementwise")))
-
-
-def kind_of(kernel: str) -> str:
-    name = kernel.lower()
-    return next((kind for kind, marks in KINDS if any(mark in name for mark in marks)), "other")
 
 
 def forward_of(args: argparse.Namespace, config: dict, request: dict[str, torch.Tensor], device: torch.device):

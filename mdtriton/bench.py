@@ -41,9 +41,9 @@ from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import Family, families, family
 from mdtriton.families.family import AttentionShape
-from mdtriton.harness import (METHODS, add_model_arguments, attention_flops, bench_engine, bench_weights, init_rank,
-                              markdown_table, model_config, model_sizes, plans_for, precision, relative_error,
-                              run_ranks, time_calls, timing, write_results)
+from mdtriton.harness import (KERNEL_KINDS, METHODS, add_model_arguments, attention_flops, bench_engine, bench_weights,
+                              init_rank, kind_of, markdown_table, model_config, model_sizes, plans_for, precision,
+                              relative_error, run_ranks, time_calls, timing, write_results)
 
 VARIANTS = ("compiled", "eager", "fp8")
 # The profiler's name for the call communication_timeline measures.
@@ -56,9 +56,10 @@ def benchmarked_architectures() -> list[str]:
 
 
 def communication_timeline(call) -> dict:
-    """One call's GPU kernels under the profiler on every rank (a collective of the default group), as kernel_timeline
-    sums them: this rank's NCCL share, and every rank's exposed and idle milliseconds in rank order (where one rank
-    computes longer than the others, theirs wait for it in NCCL kernels).
+    """One call's GPU kernels under the profiler on every rank (a collective of the default group, where there is
+    one), as kernel_timeline sums them: this rank's NCCL share, every rank's exposed and idle milliseconds in rank
+    order (where one rank computes longer than the others, theirs wait for it in NCCL kernels), and this rank's kernel
+    milliseconds by kind (harness.kind_of; kernels that overlap each count whole).
 
     The ranks start their profilers at different times (tens of milliseconds apart); a barrier after the start lines
     them up again, and only the kernels that start after it count (a first collective would otherwise wait out that
@@ -66,23 +67,30 @@ def communication_timeline(call) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        dist.barrier()
+        if ranks > 1:
+            dist.barrier()
         torch.cuda.synchronize()
         with record_function(PROFILED_CALL):
             call()
             torch.cuda.synchronize()
     events = profiler.events()
     begin = min(event.time_range.start for event in events if event.name == PROFILED_CALL)
+    kernels = [event for event in events if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
+               and event.name != PROFILED_CALL]  # the region's own span on the GPU's timeline
     mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
-                            for event in events
-                            if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
-                            and event.name != PROFILED_CALL])  # the region's own span on the GPU's timeline
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, mine)
+                            for event in kernels])
+    every_rank = [mine]
+    if ranks > 1:
+        every_rank = [None] * ranks
+        dist.all_gather_object(every_rank, mine)
+    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in kernels:
+        by_kind[kind_of(event.name)] += (event.time_range.end - event.time_range.start) / 1000
     return {"communication_share": mine["communication_share"],
             "exposed_ms": [rank["exposed_ms"] for rank in every_rank],
-            "idle_ms": [rank["idle_ms"] for rank in every_rank]}
+            "idle_ms": [rank["idle_ms"] for rank in every_rank], "kernel_ms_by_kind": by_kind}
 
 
 def kernel_timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float]:
@@ -212,8 +220,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, output = time_calls(lambda: engine.forward(request)["sample"], cuda, args.warmup,
                                            args.iterations)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-                kernels = (communication_timeline(lambda: engine.forward(request)) if cuda and world_size > 1
-                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": []})
+                kernels = (communication_timeline(lambda: engine.forward(request)) if cuda
+                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": [], "kernel_ms_by_kind": {}})
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
                        "tokens": tokens[label], **timing(times), "first_ms": first[0],
                        "warm_up_s": engine.warm_up_seconds, **kernels, "peak_gib": peak}
@@ -268,6 +276,28 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
                       by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), f"{r['peak_gib']:.1f}",
                       "" if error == "- / -" else error])
     return markdown_table(header, cells)
+
+
+def kinds_table(rows: list[dict]) -> str:
+    """Rank 0's kernel milliseconds by kind in its profiled forward (GPUs only), each with its multiple of an even
+    share of the 1-GPU forward's (1-GPU ms / GPUs): where a rank's work exceeds its share of one GPU's. Empty on CPU."""
+    profiled = [r for r in rows if r["kernel_ms_by_kind"]]
+    if not profiled:
+        return ""
+    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
+    single = {(r["size"], r["variant"]): r["kernel_ms_by_kind"] for r in profiled if r["gpus"] == 1}
+    cells = []
+    for r in sorted(profiled, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
+        mine, base = dict(r["kernel_ms_by_kind"]), dict(single.get((r["size"], r["variant"]), {}))
+        for by_kind in (mine, base):
+            by_kind["all but NCCL"] = sum(ms for kind, ms in by_kind.items() if kind != "NCCL")
+        cells.append([size_cell(r), r["gpus"], r["method"], r["variant"]]
+                     + [f"{mine[kind]:.1f}" + (f" ({mine[kind] * r['gpus'] / base[kind]:.2f}x)"
+                                               if r["gpus"] > 1 and base.get(kind) else "")
+                        for kind in [*kinds, "all but NCCL"]])
+    return ("Kernel ms by kind in one profiled forward (rank 0; kernels that overlap each count whole; in brackets, "
+            "against an even share of the 1-GPU forward's):\n\n"
+            + markdown_table(["size", "GPUs", "method", "variant", *kinds, "all but NCCL"], cells) + "\n\n")
 
 
 def by_rank(milliseconds: list[float]) -> str:
@@ -362,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"{args.architecture} {args.preset}"
     shape = model_family.attention_shape(config)
     tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, shape)}\n\n"
+              f"{kinds_table(rows)}"
               f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
     print(tables)
     write_results(args.output_dir, tables, {"architecture": args.architecture, "preset": args.preset,

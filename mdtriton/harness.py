@@ -290,6 +290,18 @@ def run_ranks(entry, world_size: int, args: tuple, time_limit: float = 0) -> str
     return None
 
 
+# Kernel kinds, by marks in a kernel's name (the first kind whose mark it contains; "other" where none does).
+KERNEL_KINDS = (("NCCL", ("nccl",)), ("attention", ("attention", "fmha", "flash", "cudnn")),
+                ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "gemv", "aten::mm", "addmm")),
+                ("fused (Triton)", ("triton_",)), ("copy", ("copy", "cat", "pad", "memcpy", "elementwise")))
+
+
+def kind_of(kernel: str) -> str:
+    """The kind of the kernel of that name (KERNEL_KINDS)."""
+    name = kernel.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A Markdown table: the header's cells, then each row's cells (already formatted)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

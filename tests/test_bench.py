@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mdtriton.bench import benchmarked_architectures, kernel_timeline
+from mdtriton.bench import benchmarked_architectures, kernel_timeline, kinds_table
 from mdtriton.cli import main
 
 # (architecture, sizes as --height --width --frames, the tokens each becomes)
@@ -65,3 +65,16 @@ def test_the_kernel_timeline_counts_communication_no_compute_hid_and_time_no_ker
     assert timeline["idle_ms"] == pytest.approx(0.005)
     assert kernel_timeline(kernels[::-1]) == timeline  # as the profiler lists them, in any order
     assert kernel_timeline([]) == {"communication_share": 0.0, "exposed_ms": 0.0, "idle_ms": 0.0}
+
+
+def test_the_kinds_table_holds_each_ranks_kernels_against_its_share_of_one_gpus():
+    kinds = {"NCCL": 0.0, "attention": 40.0, "gemm": 80.0, "fused (Triton)": 8.0, "copy": 0.0, "other": 2.0}
+    row = {"size": "1024x1024", "tokens": 4608, "variant": "compiled", "gpus": 1, "method": "1 GPU",
+           "kernel_ms_by_kind": kinds}
+    four = {**row, "gpus": 4, "method": "ulysses",
+            "kernel_ms_by_kind": {**kinds, "NCCL": 9.0, "attention": 10.0, "gemm": 25.0, "copy": 1.5, "other": 0.5}}
+    lines = kinds_table([four, row]).splitlines()
+    assert lines[-3].endswith("| 0.0 | 40.0 | 80.0 | 8.0 | 0.0 | 2.0 | 130.0 |")
+    # the rank's attention is an even share, its GEMMs 1.25x theirs; no share where one GPU ran none (copy, NCCL)
+    assert lines[-2].endswith("| 9.0 | 10.0 (1.00x) | 25.0 (1.25x) | 8.0 (4.00x) | 1.5 | 0.5 (1.00x) | 45.0 (1.38x) |")
+    assert kinds_table([{**row, "kernel_ms_by_kind": {}}]) == ""  # CPU ranks: nothing profiled
