@@ -6,7 +6,8 @@ own set of processes (one per GPU, NCCL). Sizes are images or clips in pixels (-
 into the request the family's pipeline sends its transformer (Family.media_request): FLUX at 1024x1024 is 4,096
 image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600;
 Cosmos 3 at 832x480 x 189 frames 18,720 video + 256 text tokens, 1280x720 x 189 44,160 + 256 (its text pathway
-runs at every call, as diffusers' model runs it; the pipeline runs it once per request: benchmarks/cosmos3_text_once.py).
+runs at every call, as diffusers' model runs it; the pipeline runs it once per request:
+benchmarks/cosmos3_text_once.py).
 Weights are random, made on each GPU shard by shard from one seed (the same full model for every plan), bf16
 (FLUX's with trained-like scales: modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md,
 "Accuracy"). The engine is loaded as the server loads it (TorchEngine.from_weights) and timed through its forward.
@@ -14,19 +15,25 @@ Variants: `compiled` (what the server runs: on GPUs fused projections, compiled 
 requests replayed as CUDA graphs; on CPU, as the server there, not compiled), `eager` (the same module uncompiled,
 no graphs), `fp8` (FP8 weights, as compiled). Timing: the first call at each size after the warm-up (a recompile
 would show here), then warm-up runs, then CUDA-event times of whole forwards between barriers; the median is
-reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler (several
-GPUs): the share of kernel time in NCCL kernels (which overlap compute, and count their waits for a peer), and on each
-rank the time in which NCCL kernels ran alone (communication that no compute hid, waits for a slower rank included) and
-the time in which no kernel ran (kernel_timeline). At the first size every output is compared with the 1-GPU compiled
-output and with a float32 forward of the same weights, made first on its own (unless --no-check). A second table
-times one block's attention alone (the method's communication included) against cuDNN's attention on one GPU.
+reported, with the peak GPU memory allocated at that size. One more forward runs under the PyTorch profiler (GPUs):
+the share of kernel time in NCCL kernels (which overlap compute, and count their waits for a peer); on each rank the
+time in which NCCL kernels ran alone (communication that no compute hid, waits for a slower rank included), the time
+in which no kernel ran (kernel_timeline) and the time in kernels other than NCCL's; and a table of rank 0's kernel time
+by kind (GEMMs, attention, copies, ...) against an even share of the 1-GPU forward's: what a rank does beyond its share
+of one GPU's work (--traces DIR keeps each rank's profile as a Chrome trace). At the first size every output is
+compared with the 1-GPU compiled output and with a float32 forward of the same weights, made first on its own (unless
+--no-check). A last table times one block's attention alone (the method's communication included) against cuDNN's
+attention on one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -55,11 +62,12 @@ def benchmarked_architectures() -> list[str]:
     return [name for name, item in families().items() if type(item).media_request is not Family.media_request]
 
 
-def communication_timeline(call) -> dict:
+def communication_timeline(call, trace: Path | None = None) -> dict:
     """One call's GPU kernels under the profiler on every rank (a collective of the default group, where there is
-    one), as kernel_timeline sums them: this rank's NCCL share, every rank's exposed and idle milliseconds in rank
-    order (where one rank computes longer than the others, theirs wait for it in NCCL kernels), and this rank's kernel
-    milliseconds by kind (harness.kind_of; kernels that overlap each count whole).
+    one), as kernel_timeline sums them: this rank's NCCL share, every rank's exposed, idle and compute (kernels other
+    than NCCL's) milliseconds in rank order (where one rank computes longer than the others, theirs wait for it in
+    NCCL kernels), and this rank's kernel milliseconds by kind (harness.kind_of; kernels that overlap each count
+    whole). trace: where to write this rank's profile as a gzipped Chrome trace (chrome://tracing, Perfetto), if given.
 
     The ranks start their profilers at different times (tens of milliseconds apart); a barrier after the start lines
     them up again, and only the kernels that start after it count (a first collective would otherwise wait out that
@@ -75,22 +83,30 @@ def communication_timeline(call) -> dict:
         with record_function(PROFILED_CALL):
             call()
             torch.cuda.synchronize()
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            plain = Path(scratch) / "trace.json"
+            profiler.export_chrome_trace(str(plain))
+            with plain.open("rb") as source, gzip.open(trace, "wb") as target:
+                shutil.copyfileobj(source, target)
     events = profiler.events()
     begin = min(event.time_range.start for event in events if event.name == PROFILED_CALL)
     kernels = [event for event in events if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
                and event.name != PROFILED_CALL]  # the region's own span on the GPU's timeline
     mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
                             for event in kernels])
+    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in kernels:
+        by_kind[kind_of(event.name)] += (event.time_range.end - event.time_range.start) / 1000
+    mine["compute_ms"] = sum(ms for kind, ms in by_kind.items() if kind != "NCCL")
     every_rank = [mine]
     if ranks > 1:
         every_rank = [None] * ranks
         dist.all_gather_object(every_rank, mine)
-    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-    for event in kernels:
-        by_kind[kind_of(event.name)] += (event.time_range.end - event.time_range.start) / 1000
     return {"communication_share": mine["communication_share"],
             "exposed_ms": [rank["exposed_ms"] for rank in every_rank],
-            "idle_ms": [rank["idle_ms"] for rank in every_rank], "kernel_ms_by_kind": by_kind}
+            "idle_ms": [rank["idle_ms"] for rank in every_rank],
+            "compute_ms": [rank["compute_ms"] for rank in every_rank], "kernel_ms_by_kind": by_kind}
 
 
 def kernel_timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float]:
@@ -220,8 +236,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times, output = time_calls(lambda: engine.forward(request)["sample"], cuda, args.warmup,
                                            args.iterations)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-                kernels = (communication_timeline(lambda: engine.forward(request)) if cuda
-                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": [], "kernel_ms_by_kind": {}})
+                name = re.sub(r"[^A-Za-z0-9]+", "-", f"{world_size}gpu-{method}-{variant}-{label}-rank{rank}")
+                trace = args.traces / f"{name}.json.gz" if args.traces else None
+                kernels = (communication_timeline(lambda: engine.forward(request), trace) if cuda
+                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": [], "compute_ms": [],
+                                 "kernel_ms_by_kind": {}})
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
                        "tokens": tokens[label], **timing(times), "first_ms": first[0],
                        "warm_up_s": engine.warm_up_seconds, **kernels, "peak_gib": peak}
@@ -264,7 +283,8 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
     single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
     header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
               "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time",
-              "NCCL alone ms, by rank", "GPU idle ms, by rank", "peak GiB", "rel. error vs 1 GPU compiled / vs float32"]
+              "NCCL alone ms, by rank", "GPU idle ms, by rank", "compute kernels ms, by rank", "peak GiB",
+              "rel. error vs 1 GPU compiled / vs float32"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["size"], float("nan")) / r["median_ms"]
@@ -273,7 +293,7 @@ def forward_table(rows: list[dict], shape: AttentionShape) -> str:
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"], r["plan"], f"{r['median_ms']:.1f}",
                       f"{r['first_ms']:.1f}", f"{r['warm_up_s']:.0f}", f"{speedup:.2f}x",
                       f"{100 * speedup / r['gpus']:.0f}%", f"{tflops:.0f}", f"{100 * r['communication_share']:.0f}%",
-                      by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), f"{r['peak_gib']:.1f}",
+                      by_rank(r["exposed_ms"]), by_rank(r["idle_ms"]), by_rank(r["compute_ms"]), f"{r['peak_gib']:.1f}",
                       "" if error == "- / -" else error])
     return markdown_table(header, cells)
 
@@ -356,6 +376,9 @@ def add_parser(subparsers) -> None:
                              "forward (whose model must fit one GPU in float32: 48 GB for FLUX.1-dev, 57 GB for "
                              "Wan 14B)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--traces", type=Path, metavar="DIR",
+                        help="write each rank's profiled forward (GPUs) to DIR as a gzipped Chrome trace, one file per "
+                             "GPU count, method, variant, size and rank")
     parser.set_defaults(run=run)
 
 
@@ -379,6 +402,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.architecture} has no FP8 weights; leave fp8 out of --variants")
         check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
     args.sizes = model_sizes(args, config)
+    if args.traces:
+        args.traces.mkdir(parents=True, exist_ok=True)
     rows, attention_rows = [], []
     with tempfile.TemporaryDirectory() as work_dir:
         for world_size in sorted(set(counts) | {1}):
