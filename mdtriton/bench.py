@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -50,9 +48,9 @@ from mdtriton.engine.fp8 import check_fp8_device
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import Family, families, family
 from mdtriton.families.family import AttentionShape
-from mdtriton.harness import (KERNEL_KINDS, METHODS, add_model_arguments, attention_flops, bench_engine, bench_weights,
-                              init_rank, kind_of, markdown_table, model_config, model_sizes, plans_for, precision,
-                              relative_error, run_ranks, time_calls, timing, write_results)
+from mdtriton.harness import (KERNEL_KIND_NAMES, METHODS, add_model_arguments, attention_flops, bench_engine,
+                              bench_weights, init_rank, kind_of, markdown_table, model_config, model_sizes, plans_for,
+                              precision, relative_error, run_ranks, time_calls, timing, write_results)
 
 VARIANTS = ("compiled", "eager", "fp8")
 # The profiler's name for the call communication_timeline measures.
@@ -86,18 +84,14 @@ def communication_timeline(call, trace: Path | None = None) -> dict:
             call()
             torch.cuda.synchronize()
     if trace is not None:
-        with tempfile.TemporaryDirectory() as scratch:
-            plain = Path(scratch) / "trace.json"
-            profiler.export_chrome_trace(str(plain))
-            with plain.open("rb") as source, gzip.open(trace, "wb") as target:
-                shutil.copyfileobj(source, target)
+        profiler.export_chrome_trace(str(trace))  # gzipped: the name ends in .gz
     events = profiler.events()
     begin = min(event.time_range.start for event in events if event.name == PROFILED_CALL)
     kernels = [event for event in events if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
                and event.name != PROFILED_CALL]  # the region's own span on the GPU's timeline
     mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
                             for event in kernels])
-    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    by_kind = dict.fromkeys(KERNEL_KIND_NAMES, 0.0)
     for event in kernels:
         by_kind[kind_of(event.name)] += (event.time_range.end - event.time_range.start) / 1000
     mine["compute_ms"] = sum(ms for kind, ms in by_kind.items() if kind != "NCCL")
@@ -306,7 +300,6 @@ def kinds_table(rows: list[dict]) -> str:
     profiled = [r for r in rows if r["kernel_ms_by_kind"]]
     if not profiled:
         return ""
-    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
     single = {(r["size"], r["variant"]): r["kernel_ms_by_kind"] for r in profiled if r["gpus"] == 1}
     cells = []
     for r in sorted(profiled, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
@@ -316,10 +309,11 @@ def kinds_table(rows: list[dict]) -> str:
         cells.append([size_cell(r), r["gpus"], r["method"], r["variant"]]
                      + [f"{mine[kind]:.1f}" + (f" ({mine[kind] * r['gpus'] / base[kind]:.2f}x)"
                                                if r["gpus"] > 1 and base.get(kind) else "")
-                        for kind in [*kinds, "all but NCCL"]])
+                        for kind in [*KERNEL_KIND_NAMES, "all but NCCL"]])
     return ("Kernel ms by kind in one profiled forward (rank 0; kernels that overlap each count whole; in brackets, "
             "against an even share of the 1-GPU forward's):\n\n"
-            + markdown_table(["size", "GPUs", "method", "variant", *kinds, "all but NCCL"], cells) + "\n\n")
+            + markdown_table(["size", "GPUs", "method", "variant", *KERNEL_KIND_NAMES, "all but NCCL"], cells)
+            + "\n\n")
 
 
 def by_rank(milliseconds: list[float]) -> str:

@@ -294,6 +294,7 @@ def run_ranks(entry, world_size: int, args: tuple, time_limit: float = 0) -> str
 KERNEL_KINDS = (("NCCL", ("nccl",)), ("attention", ("attention", "fmha", "flash", "cudnn")),
                 ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "gemv", "aten::mm", "addmm")),
                 ("fused (Triton)", ("triton_",)), ("copy", ("copy", "cat", "pad", "memcpy", "elementwise")))
+KERNEL_KIND_NAMES = (*(kind for kind, _ in KERNEL_KINDS), "other")
 
 
 def kind_of(kernel: str) -> str:
