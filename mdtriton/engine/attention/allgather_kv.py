@@ -21,7 +21,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
     than q: they are gathered as they are); beside runs while the first group is in flight."""
     batch, kv_heads, length, dim = k.shape
     heads, ranks = q.shape[1], comm.cp_size
-    groups = head_groups(heads, kv_heads)
+    groups = head_groups(batch * q.shape[2], heads, kv_heads)
     q_width, kv_width = heads // groups, kv_heads // groups
     # send[g, i] = head group g of k or v (i), [B, S, kv_width, D]; gathered[g, r]: rank r's send[g].
     send = k.new_empty(groups, 2, batch, length, kv_width, dim)

@@ -18,9 +18,14 @@ import torch
 from mdtriton.engine.attention.local import Beside, beside_transfer, expand_heads, plain_attention
 from mdtriton.engine.comm import Communicator
 
-# Head groups per exchange: two lets the second group's transfer run under the first group's attention. More groups
-# mean smaller attention kernels, which fill fewer of the GPU's multiprocessors at image sizes.
-HEAD_GROUPS = 2
+# Head groups per exchange. Two let the second group's transfer run under the first group's attention; what stays
+# exposed is the first group's arrival and the last group's departure, 1/groups of the transfer each way, so long
+# sequences take more groups, as long as each group's attention keeps GROUP_ROWS query rows (about two waves of
+# 128-row tiles on an H100's 132 multiprocessors: fewer rows leave it short of filling the GPU), up to
+# MAX_HEAD_GROUPS (each group is two more all-to-alls a block). Measured: docs/benchmarks.md, benchmarks/head_groups.py.
+MIN_HEAD_GROUPS = 2
+GROUP_ROWS = 32_768
+MAX_HEAD_GROUPS = 8
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -33,10 +38,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
                           beside)
 
 
-def head_groups(*heads_per_rank: int) -> int:
-    """How many groups the heads are exchanged in: HEAD_GROUPS where it divides every count (query and key/value
-    heads), else one."""
-    return HEAD_GROUPS if all(heads % HEAD_GROUPS == 0 for heads in heads_per_rank) else 1
+def head_groups(rows_per_head: int, *heads: int) -> int:
+    """How many groups the heads are exchanged in, each attended on its own: the most, up to MAX_HEAD_GROUPS, that
+    divide every count of heads (query heads first, then key/value heads) and leave each group's attention
+    GROUP_ROWS query rows (rows_per_head: batch x query length); MIN_HEAD_GROUPS where that divides and fewer rows
+    are left; else one."""
+    dividing = [groups for groups in range(1, MAX_HEAD_GROUPS + 1) if all(count % groups == 0 for count in heads)]
+    return max(groups for groups in dividing
+               if groups <= MIN_HEAD_GROUPS or heads[0] // groups * rows_per_head >= GROUP_ROWS)
 
 
 def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, attend: Attend,
@@ -54,7 +63,7 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     if k.shape[1] % ranks:
         # Fewer key/value heads than ranks (e.g. Cosmos 3's 8 on 16 ranks): each rank gets a copy of those it uses.
         k, v = expand_heads(q, k, v)
-    groups = head_groups(heads // ranks, k.shape[1] // ranks)
+    groups = head_groups(batch * ranks * length, heads // ranks, k.shape[1] // ranks)
     q_width, kv_width = heads // ranks // groups, k.shape[1] // ranks // groups
     width = q_width + 2 * kv_width
     # send[g, r]: what rank r attends of head group g, its query heads, then key heads, then value heads along the
