@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdtriton.engine.attention import CP_ATTENTION, attention_for, local, ulysses
+from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
 from mdtriton.engine.attention.merge import merge_blocks
-from mdtriton.engine.attention.ulysses import head_groups
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from tests.distributed import run_ranks
@@ -17,12 +16,11 @@ from tests.engine.flux_cases import max_relative_error
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
 
 
-def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int, kv_heads: int = HEADS,
-                          heads: int = HEADS) -> tuple[torch.Tensor, ...]:
-    """Random q [B, heads, world_size * LOCAL_LEN, D], k and v with kv_heads heads; keys and values past valid_len
-    are huge, so any leak of padding into a real token's output would be plain to see."""
+def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int, kv_heads: int = HEADS) -> tuple[torch.Tensor, ...]:
+    """Random q [B, H, world_size * LOCAL_LEN, D], k and v with kv_heads heads; keys and values past valid_len are
+    huge, so any leak of padding into a real token's output would be plain to see."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (BATCH, heads, world_size * LOCAL_LEN, HEAD_DIM)
+    shape = (BATCH, HEADS, world_size * LOCAL_LEN, HEAD_DIM)
     q = torch.randn(shape, generator=generator)
     k, v = (torch.randn((BATCH, kv_heads, *shape[2:]), generator=generator) for _ in range(2))
     k[:, :, valid_len:] *= 30
@@ -85,51 +83,6 @@ def test_methods_match_plain_attention(world_size):
             error = max_relative_error(got, expected_output(q, k, v, valid_len))
             assert error < 1e-5, (f"{name} on {world_size} ranks, {k.shape[1]} key/value heads, valid_len {valid_len}:"
                                   f" error {error:.2e}")
-
-
-def test_head_groups_grow_with_the_sequence():
-    """Two groups at image sizes; more where each group's attention keeps GROUP_ROWS query rows, up to
-    MAX_HEAD_GROUPS; only what divides the query and the key/value heads; one where two do not divide them."""
-    assert head_groups(4_608, 6, 6) == 2  # FLUX 4,096+512 tokens, Ulysses on 4 GPUs: 6 heads a rank
-    assert head_groups(16_896, 6, 6) == 3  # FLUX 16,384+512
-    assert head_groups(75_600, 10, 10) == 5  # Wan 720p x 81 frames
-    assert head_groups(75_600, 10, 5) == 5 and head_groups(75_600, 10, 1) == 1
-    assert head_groups(10**6, 24, 24) == ulysses.MAX_HEAD_GROUPS == 8
-    assert head_groups(10**6, 3, 3) == 3 and head_groups(10, 3, 3) == 1
-
-
-MANY_HEADS = 12
-
-
-def run_in_many_groups(rank: int, world_size: int, cases: list) -> tuple[list[int], dict[str, list]]:
-    """Ulysses and allgather_kv on this rank's slices with every head group as small as the heads allow (GROUP_ROWS
-    lowered to one row); the group counts that gives Ulysses, and the outputs."""
-    ulysses.GROUP_ROWS = 1
-    counts = [head_groups(BATCH * world_size * LOCAL_LEN, MANY_HEADS // world_size, k.shape[1] // world_size)
-              for _, k, _, _ in cases]
-    results = {}
-    for name in ("ulysses", "allgather_kv"):
-        comm = Communicator(ParallelPlan(cp_size=world_size, cp_method=name), rank, torch.device("cpu"))
-        comm.join_groups()
-        mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
-        results[name] = [with_beside(CP_ATTENTION[name], q[:, :, mine], k[:, :, mine], v[:, :, mine], comm,
-                                     valid_len).numpy() for q, k, v, valid_len in cases]
-    return counts, results
-
-
-def test_many_head_groups_match_plain_attention():
-    """Ulysses and allgather_kv exchanging in 6 and 3 head groups (6 query heads a rank; 6 or 3 key/value heads) on
-    2 ranks, with padding inside the last rank's slice."""
-    valid_len = 2 * LOCAL_LEN - 3
-    cases = [(*qkv_with_loud_padding(2, valid_len, seed, kv_heads, heads=MANY_HEADS), valid_len)
-             for seed, kv_heads in enumerate((MANY_HEADS, MANY_HEADS // 2))]
-    per_rank = run_ranks(2, run_in_many_groups, cases)
-    assert [counts for counts, _ in per_rank] == [[6, 3]] * 2
-    for name in ("ulysses", "allgather_kv"):
-        for (q, k, v, _), *outputs in zip(cases, *(results[name] for _, results in per_rank)):
-            got = torch.cat([torch.from_numpy(out) for out in outputs], dim=2)[:, :, :valid_len]
-            error = max_relative_error(got, expected_output(q, k, v, valid_len))
-            assert error < 1e-5, f"{name}, {k.shape[1]} key/value heads: error {error:.2e}"
 
 
 @pytest.mark.parametrize("name", sorted(CP_ATTENTION))

@@ -2,11 +2,11 @@
 heads), attention, and all-to-all back. Needs the local query heads to divide by the Ulysses group's size; key/value
 heads that do not (grouped-query attention) are repeated for the query heads that use them before the exchange.
 
-The exchange runs in head groups, as yunchang's and xDiT's asynchronous Ulysses do: every group's all-to-all is
-started at once (they queue on NCCL's stream), and each group's attention runs as soon as its heads have arrived,
-while the next group's are still in flight; its output's all-to-all back starts at once too. Each rank's q, k and v
-are packed into one send buffer (one copy), so every all-to-all is a single contiguous transfer; with one sample
-the received heads are attended where they landed.
+Each rank's q, k and v are packed into one send buffer (one copy), so the exchange is a single contiguous all-to-all;
+with one sample the received heads are attended where they landed. The heads are exchanged all at once: exchanging
+them in groups, each group's attention running while the next group's heads are in flight (as yunchang's and xDiT's
+asynchronous Ulysses do), was no faster on 4 H200s at any size measured, and more groups were slower (the transfers
+slow the attention beside them; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,15 +18,6 @@ import torch
 from mdtriton.engine.attention.local import Beside, beside_transfer, expand_heads, plain_attention
 from mdtriton.engine.comm import Communicator
 
-# Head groups per exchange. Two let the second group's transfer run under the first group's attention; what stays
-# exposed is the first group's arrival and the last group's departure, 1/groups of the transfer each way, so long
-# sequences take more groups, as long as each group's attention keeps GROUP_ROWS query rows (about two waves of
-# 128-row tiles on an H100's 132 multiprocessors: fewer rows leave it short of filling the GPU), up to
-# MAX_HEAD_GROUPS (each group is two more all-to-alls a block). Measured: docs/benchmarks.md, benchmarks/head_groups.py.
-MIN_HEAD_GROUPS = 2
-GROUP_ROWS = 32_768
-MAX_HEAD_GROUPS = 8
-
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -36,16 +27,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
     """Attention of this rank's sequence slice, computed head-split over the whole sequence."""
     return exchange_heads(q, k, v, comm, lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len]),
                           beside)
-
-
-def head_groups(rows_per_head: int, *heads: int) -> int:
-    """How many groups the heads are exchanged in, each attended on its own: the most, up to MAX_HEAD_GROUPS, that
-    divide every count of heads (query heads first, then key/value heads) and leave each group's attention
-    GROUP_ROWS query rows (rows_per_head: batch x query length); MIN_HEAD_GROUPS where that divides and fewer rows
-    are left; else one."""
-    dividing = [groups for groups in range(1, MAX_HEAD_GROUPS + 1) if all(count % groups == 0 for count in heads)]
-    return max(groups for groups in dividing
-               if groups <= MIN_HEAD_GROUPS or heads[0] // groups * rows_per_head >= GROUP_ROWS)
 
 
 def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, attend: Attend,
@@ -63,29 +44,23 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     if k.shape[1] % ranks:
         # Fewer key/value heads than ranks (e.g. Cosmos 3's 8 on 16 ranks): each rank gets a copy of those it uses.
         k, v = expand_heads(q, k, v)
-    groups = head_groups(batch * ranks * length, heads // ranks, k.shape[1] // ranks)
-    q_width, kv_width = heads // ranks // groups, k.shape[1] // ranks // groups
+    q_width, kv_width = heads // ranks, k.shape[1] // ranks
     width = q_width + 2 * kv_width
-    # send[g, r]: what rank r attends of head group g, its query heads, then key heads, then value heads along the
-    # head axis: [B, S, width, D].
-    send = q.new_empty(groups, ranks, batch, length, width, dim)
+    # send[r]: what rank r attends, its query heads, then key heads, then value heads along the head axis: [B, S,
+    # width, D].
+    send = q.new_empty(ranks, batch, length, width, dim)
     for x, start, count in ((q, 0, q_width), (k, q_width, kv_width), (v, q_width + kv_width, kv_width)):
-        send[..., start:start + count, :].copy_(x.view(batch, ranks, groups, count, length, dim).permute(2, 1, 0, 4, 3, 5))
+        send[..., start:start + count, :].copy_(x.view(batch, ranks, count, length, dim).permute(1, 0, 3, 2, 4))
     received = torch.empty_like(send)
-    arrivals = [comm.ulysses_all_to_all(received[g], send[g]) for g in range(groups)]
+    arrival = comm.ulysses_all_to_all(received, send)
     beside_result = beside_transfer(beside, q.device)
-    outputs = q.new_empty(groups, ranks, batch, length, q_width, dim)  # outputs[g, r]: rank r's sequence slice
-    returned = torch.empty_like(outputs)
-    departures = []
-    for g in range(groups):
-        arrivals[g].wait()
-        # received[g][r]: rank r's sequence slice of this group's heads -> [B, ranks * S, width, D]
-        whole = received[g].transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
-        out = attend(whole[:, :q_width], whole[:, q_width:q_width + kv_width], whole[:, q_width + kv_width:])
-        outputs[g].copy_(out.transpose(1, 2).reshape(batch, ranks, length, q_width, dim).transpose(0, 1))
-        departures.append(comm.ulysses_all_to_all(returned[g], outputs[g]))
-    for departure in departures:
-        departure.wait()
-    # returned[g, r]: heads r * (H / ranks) + g * q_width ... of this rank's slice -> [B, S, H, D]
-    mine = returned.permute(2, 3, 1, 0, 4, 5).reshape(batch, length, heads, dim).transpose(1, 2)
+    arrival.wait()
+    # received[r]: rank r's sequence slice of this rank's heads -> [B, ranks * S, width, D]
+    whole = received.transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
+    out = attend(whole[:, :q_width], whole[:, q_width:q_width + kv_width], whole[:, q_width + kv_width:])
+    # [ranks, B, S, q_width, D]: rank r's sequence slice first
+    outputs = out.transpose(1, 2).reshape(batch, ranks, length, q_width, dim).transpose(0, 1).contiguous()
+    returned = torch.empty_like(outputs)  # returned[r]: this rank's sequence slice of rank r's heads
+    comm.ulysses_all_to_all(returned, outputs).wait()
+    mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, heads, dim).transpose(1, 2)
     return mine if beside is None else (mine, beside_result)
