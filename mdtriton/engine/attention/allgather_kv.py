@@ -1,7 +1,7 @@
 """AllGather-KV context parallelism: gather every rank's keys and values, attend local queries over all.
 
-The keys and values are gathered all at once into one buffer (gathering them in head groups, each group's attention
-running while the next group's are in flight, was no faster on 4 H200s: attention.ulysses).
+The keys and values are gathered all at once into one buffer: gathering them in head groups, each group's attention
+running while the next group's are in flight, was no faster on 4 H200s (attention.ulysses).
 """
 
 from __future__ import annotations
