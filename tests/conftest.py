@@ -22,23 +22,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Every server start_server started in this session, with its log file.
+STARTED: list[tuple[TritonServer, Path]] = []
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that started servers shows the end of their logs (CI keeps nothing else of them)."""
+    """A failed test shows the end of the logs of the servers its server_factory started, and of every server that
+    has died (exited with a code other than 0; each shown once): CI keeps nothing else of them."""
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" and report.failed and "server_factory" in item.fixturenames:
-        for log_file in sorted(item.funcargs["tmp_path"].glob("server*.log")):
-            report.sections.append((f"end of {log_file.name}", log_file.read_text()[-6000:]))
+    if report.when != "call" or not report.failed:
+        return
+    own = set(item.funcargs["tmp_path"].glob("server*.log")) if "server_factory" in item.fixturenames else set()
+    for server, log_file in list(STARTED):
+        code = server.process.poll() if server.process is not None else None
+        if code not in (None, 0):
+            STARTED.remove((server, log_file))
+            report.sections.append((f"{log_file} (tritonserver exited with code {code})", log_tail(log_file)))
+        elif log_file in own:
+            report.sections.append((f"end of {log_file.name}", log_tail(log_file)))
+
+
+def log_tail(log_file: Path) -> str:
+    return log_file.read_text(errors="replace")[-6000:] if log_file.exists() else "(no log)"
 
 
 def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
     """Start a server on free ports; on failure, show the end of its log in the error."""
     try:
-        return TritonServer(repository, log_file=log_file, **kwargs).start(timeout=180)
+        server = TritonServer(repository, log_file=log_file, **kwargs).start(timeout=180)
     except Exception as error:
-        tail = log_file.read_text()[-4000:] if log_file.exists() else "(no log)"
-        raise RuntimeError(f"{error}\n--- server log tail ---\n{tail}") from error
+        raise RuntimeError(f"{error}\n--- server log tail ---\n{log_tail(log_file)[-4000:]}") from error
+    STARTED.append((server, log_file))
+    return server
 
 
 @pytest.fixture(scope="session", autouse=True)
