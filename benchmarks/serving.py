@@ -63,6 +63,7 @@ from mdtriton.server import TritonServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
 
+from tests.backend.test_metrics import FAMILIES, scrape  # noqa: E402
 from tests.backend.triton_processes import rank_workers, worker_rank  # noqa: E402
 
 MODEL = "flux"
@@ -123,16 +124,13 @@ def triton_statistics(client: Client) -> dict[str, tuple[int, int]]:
 
 
 def rank_counters(server: TritonServer, rank: int = 0) -> dict[str, float]:
-    """This rank's mdtriton counters from Triton's metrics endpoint (backend/metrics.py): name -> value."""
-    import urllib.request
-
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
+    """This rank's mdtriton counters of the model from Triton's metrics endpoint (backend/metrics.py): family ->
+    value."""
     counters = {}
-    for line in text.splitlines():
-        found = re.match(r'(mdtriton_\w+)\{([^}]*)\} (\S+)', line)
-        if found and f'rank="{rank}"' in found.group(2) and f'model="{MODEL}"' in found.group(2):
-            counters[found.group(1)] = float(found.group(3))
+    for name in FAMILIES:
+        for labels, value in scrape(server.metrics_url, name).items():
+            if dict(labels)["rank"] == str(rank) and dict(labels)["model"] == MODEL:
+                counters[name] = value
     return counters
 
 
