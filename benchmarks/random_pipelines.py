@@ -36,7 +36,7 @@ from mdtriton.families.wan import WAN  # noqa: E402
 from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
 from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
 from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-from tests.backend.test_metrics import scrape, steady  # noqa: E402
+from tests.backend.test_metrics import scrape_all, steady  # noqa: E402
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
@@ -230,11 +230,12 @@ def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, f
     (job_seconds); "received", the requests Triton handed its instance; "waited", the seconds those requests waited in
     its worker before their jobs began (the hub's order included)."""
     def read() -> dict[str, dict[str, float]]:
+        reading = scrape_all(metrics_url)
         counters: dict[str, dict[str, float]] = {}
         for kind, names in RANK_COUNTERS.items():
             counters[kind] = {}
             for name in names:
-                for labels, value in scrape(metrics_url, name).items():
+                for labels, value in reading.get(name, {}).items():
                     rank = dict(labels)["rank"]
                     counters[kind][rank] = counters[kind].get(rank, 0.0) + value
         return counters

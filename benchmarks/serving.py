@@ -63,7 +63,7 @@ from mdtriton.server import TritonServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
 
-from tests.backend.test_metrics import FAMILIES, scrape  # noqa: E402
+from tests.backend.test_metrics import scrape_all  # noqa: E402
 from tests.backend.triton_processes import rank_workers, worker_rank  # noqa: E402
 
 MODEL = "flux"
@@ -126,12 +126,9 @@ def triton_statistics(client: Client) -> dict[str, tuple[int, int]]:
 def rank_counters(server: TritonServer, rank: int = 0) -> dict[str, float]:
     """This rank's mdtriton counters of the model from Triton's metrics endpoint (backend/metrics.py): family ->
     value."""
-    counters = {}
-    for name in FAMILIES:
-        for labels, value in scrape(server.metrics_url, name).items():
-            if dict(labels)["rank"] == str(rank) and dict(labels)["model"] == MODEL:
-                counters[name] = value
-    return counters
+    mine = {("rank", str(rank)), ("model", MODEL)}
+    return {name: value for name, samples in scrape_all(server.metrics_url).items() if name.startswith("mdtriton_")
+            for labels, value in samples.items() if mine <= set(labels)}
 
 
 def mean_ms(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], step: str) -> float:

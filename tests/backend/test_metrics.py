@@ -15,17 +15,23 @@ FAMILIES = ("mdtriton_requests_received_total", "mdtriton_jobs_total", "mdtriton
             "mdtriton_compute_seconds_total", "mdtriton_wait_seconds_total")
 
 
-def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
-    """{(("model", m), ("rank", r), ("version", v)): value} of one metric family."""
+def scrape_all(metrics_url: str) -> dict[str, dict[tuple, float]]:
+    """Every metric family of one reading of the endpoint: name -> {(("model", m), ("rank", r), ...): value}."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    values = {}
+    families = {}
     for line in text.splitlines():
         match = SAMPLE.match(line)
-        if match and match.group(1) == name:
+        if match:
             labels = tuple(sorted(tuple(pair.split("=", 1)) for pair in match.group(2).split(",")))
-            values[tuple((key, value.strip('"')) for key, value in labels)] = float(match.group(3))
-    return values
+            families.setdefault(match.group(1), {})[tuple((key, value.strip('"')) for key, value in labels)] = \
+                float(match.group(3))
+    return families
+
+
+def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
+    """{(("model", m), ("rank", r), ("version", v)): value} of one metric family."""
+    return scrape_all(metrics_url).get(name, {})
 
 
 def settled(metrics_url: str, name: str, quiet: float = 0.5) -> dict[tuple, float]:
@@ -64,7 +70,8 @@ def test_every_rank_counts_every_job_and_splits_its_time(served_models):
     # The receiving rank answers as soon as its own forward ends; another rank may count its job a moment later.
     deadline = time.monotonic() + 10
     while True:
-        after = {name: flux_ranks(scrape(served_models.metrics_url, name)) for name in FAMILIES}
+        reading = scrape_all(served_models.metrics_url)
+        after = {name: flux_ranks(reading.get(name, {})) for name in FAMILIES}
         delta = {name: {rank: after[name][rank] - before[name][rank] for rank in ("0", "1")} for name in FAMILIES}
         if delta["mdtriton_jobs_total"] == {"0": 4, "1": 4} or time.monotonic() > deadline:
             break
