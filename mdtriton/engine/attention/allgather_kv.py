@@ -1,7 +1,9 @@
 """AllGather-KV context parallelism: gather every rank's keys and values, attend local queries over all.
 
-The keys and values are gathered all at once into one buffer: gathering them in head groups, each group's attention
-running while the next group's are in flight, was no faster on 4 H200s (attention.ulysses).
+The keys and values are gathered all at once, each into a buffer of its own in which, with one sample, the ranks'
+slices are the whole sequence's keys (or values) in token order: attended where they landed, with no copy. Gathering
+them in head groups, each group's attention running while the next group's are in flight, was no faster on 4 H200s
+(attention.ulysses).
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
     than q: they are gathered as they are); beside runs while they are in flight."""
     batch, kv_heads, length, dim = k.shape
     ranks = comm.cp_size
-    # send[i] = k or v (i) as [B, S, kv_heads, D]; gathered[r]: rank r's send.
-    send = k.new_empty(2, batch, length, kv_heads, dim)
-    for i, x in enumerate((k, v)):
-        send[i].copy_(x.transpose(1, 2))
-    gathered = k.new_empty(ranks, 2, batch, length, kv_heads, dim)
-    arrival = comm.cp_all_gather_into(gathered, send)
+    # k and v gathered apart, each as [B, S, kv_heads, D] (no copy where they are views of such memory, as the blocks
+    # make them); gathered[r]: rank r's. With one sample the ranks' slices are then the whole sequence in place.
+    sent = [x.transpose(1, 2).contiguous() for x in (k, v)]
+    gathered = [x.new_empty(ranks, *x.shape) for x in sent]
+    arrivals = [comm.cp_all_gather_into(out, x) for out, x in zip(gathered, sent)]
     beside_result = beside_transfer(beside, q.device)
-    arrival.wait()
-    kv = gathered.permute(1, 2, 0, 3, 4, 5).reshape(2, batch, ranks * length, kv_heads, dim)[:, :, :valid_len]
-    out = plain_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2))
+    for arrival in arrivals:
+        arrival.wait()
+    k_all, v_all = (x.transpose(0, 1).reshape(batch, ranks * length, kv_heads, dim)[:, :valid_len].transpose(1, 2)
+                    for x in gathered)
+    out = plain_attention(q, k_all, v_all)
     return out if beside is None else (out, beside_result)
