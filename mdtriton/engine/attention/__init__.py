@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 
 from mdtriton.engine.attention import allgather_kv, local, ring, ulysses, ulysses_ring
-from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 
 # attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
