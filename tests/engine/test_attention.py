@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdtriton.engine.attention import CP_ATTENTION, attention_for, local
+from mdtriton.engine.attention import CP_ATTENTION, PACKED_CP_ATTENTION, attention_for, local, packed_attention_for
+from mdtriton.engine.attention.ulysses import pack_heads
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
@@ -54,13 +55,21 @@ def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
         mine = slice(rank * LOCAL_LEN, (rank + 1) * LOCAL_LEN)
         results[name] = [with_beside(CP_ATTENTION[name], q[:, :, mine], k[:, :, mine], v[:, :, mine], comm,
                                      valid_len).numpy() for q, k, v, valid_len in cases]
+        if name in PACKED_CP_ATTENTION:  # q, k and v packed by the caller (FLUX's q/k/v kernel): the same outputs
+            for (q, k, v, valid_len), out in zip(cases, results[name]):
+                if k.shape[1] == q.shape[1]:
+                    send = pack_heads(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm.ulysses_size)
+                    packed = with_beside(PACKED_CP_ATTENTION[name], send, None, None, comm, valid_len)
+                    assert torch.equal(packed, torch.from_numpy(out)), name
     return results
 
 
 def with_beside(method, q, k, v, comm: Communicator, valid_len: int) -> torch.Tensor:
-    """method's output, checked to be the same when given work beside it, whose result it returns with it."""
-    out = method(q, k, v, comm, valid_len)
-    out_beside, result = method(q, k, v, comm, valid_len, beside=lambda: ("beside", comm.rank))
+    """method's output, checked to be the same when given work beside it, whose result it returns with it (a packed
+    method takes q, k and v packed, as q; k and v None)."""
+    inputs = (q,) if k is None else (q, k, v)
+    out = method(*inputs, comm, valid_len)
+    out_beside, result = method(*inputs, comm, valid_len, beside=lambda: ("beside", comm.rank))
     assert result == ("beside", comm.rank)
     assert torch.equal(out_beside, out)
     return out
@@ -91,6 +100,9 @@ def test_methods_on_one_rank_are_plain_attention(name):
     got = with_beside(CP_ATTENTION[name], q, k, v, Communicator.single(), 3)
     assert max_relative_error(got[:, :, :3], expected_output(q, k, v, 3)) < 1e-5
     assert attention_for(ParallelPlan(cp_method=name)) is local.attention
+    assert packed_attention_for(ParallelPlan(cp_method=name)) is None
+    plan = ParallelPlan(cp_size=4, cp_method=name, ulysses_size=2 if name == "ulysses_ring" else 1)
+    assert packed_attention_for(plan) is PACKED_CP_ATTENTION.get(name)
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])

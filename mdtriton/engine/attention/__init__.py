@@ -24,6 +24,8 @@ from mdtriton.engine.plan import ParallelPlan
 
 # attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
 Attention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
+# packed_attention(send, comm, valid_len, beside=None): the same, of q, k and v packed as Ulysses sends them.
+PackedAttention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
 
 CP_ATTENTION = {
     "allgather_kv": allgather_kv.attention,
@@ -33,8 +35,23 @@ CP_ATTENTION = {
 }
 
 
+PACKED_CP_ATTENTION = {
+    "ulysses": ulysses.packed_attention,
+    "ulysses_ring": ulysses_ring.packed_attention,
+}
+
+
 def attention_for(plan: ParallelPlan) -> Attention:
     """The attention function for plan: its context-parallel method, or plain attention on one CP rank."""
     if plan.cp_size == 1:
         return local.attention
     return CP_ATTENTION[plan.cp_method]
+
+
+def packed_attention_for(plan: ParallelPlan) -> PackedAttention | None:
+    """For the methods that exchange heads (ulysses, ulysses_ring), their attention of q, k and v packed as the
+    exchange sends them (ulysses.pack_heads' layout: [ulysses_size, B, S, 3 * heads / ulysses_size, D]), for blocks
+    that make q, k and v there; None for the others, and on one CP rank."""
+    if plan.cp_size == 1:
+        return None
+    return PACKED_CP_ATTENTION.get(plan.cp_method)

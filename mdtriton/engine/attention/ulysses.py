@@ -2,8 +2,9 @@
 heads), attention, and all-to-all back. Needs the local query heads to divide by the Ulysses group's size; key/value
 heads that do not (grouped-query attention) are repeated for the query heads that use them before the exchange.
 
-Each rank's q, k and v are packed into one send buffer (one copy), so the exchange is a single contiguous all-to-all;
-with one sample the received heads are attended where they landed. The heads are exchanged all at once: exchanging
+Each rank's q, k and v are packed into one send buffer (one copy; none where the block's q/k/v kernel writes them
+there: `packed_attention`), so the exchange is a single contiguous all-to-all; with one sample the received heads
+are attended where they landed. The heads are exchanged all at once: exchanging
 them in groups, each group's attention running while the next group's heads are in flight (as yunchang's and xDiT's
 asynchronous Ulysses do), was no faster on 4 H200s at any size measured, and more groups were slower (the transfers
 slow the attention beside them; docs/benchmarks.md).
@@ -25,8 +26,30 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Attention of this rank's sequence slice, computed head-split over the whole sequence."""
-    return exchange_heads(q, k, v, comm, lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len]),
-                          beside)
+    return exchange_heads(q, k, v, comm, whole_sequence(valid_len), beside)
+
+
+@torch.compiler.disable
+def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None):
+    """attention() of queries, keys and values that come packed as the exchange sends them (pack_heads' layout, as
+    many key/value heads as query heads): FLUX's q/k/v kernel writes them there, which saves the packing copies."""
+    return exchange_packed(send, send.shape[3] // 3, comm, whole_sequence(valid_len), beside)
+
+
+def whole_sequence(valid_len: int) -> Attend:
+    return lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+
+
+def pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int) -> torch.Tensor:
+    """q, k and v [B, H, S, D] (k and v with a number of heads that divides by ranks) as the exchange sends them:
+    [ranks, B, S, width, D], send[r] holding what rank r attends: its query heads, then its key heads, then its
+    value heads along the head axis."""
+    batch, heads, length, dim = q.shape
+    q_width, kv_width = heads // ranks, k.shape[1] // ranks
+    send = q.new_empty(ranks, batch, length, q_width + 2 * kv_width, dim)
+    for x, start, count in ((q, 0, q_width), (k, q_width, kv_width), (v, q_width + kv_width, kv_width)):
+        send[..., start:start + count, :].copy_(x.view(batch, ranks, count, length, dim).permute(1, 0, 3, 2, 4))
+    return send
 
 
 def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, attend: Attend,
@@ -37,23 +60,24 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     share of the key/value heads) and returns q's shape; the result is this rank's slice again, [B, H, S, D] (a view
     of [B, S, H, D] memory), and with beside (run while the heads are in flight) (that, beside's result)."""
     ranks = comm.ulysses_size
-    batch, heads, length, dim = q.shape
+    heads = q.shape[1]
     if heads % ranks:
         raise ValueError(f"ulysses needs the {heads} heads on each rank to divide by its {ranks} ranks; "
                          "use cp_method allgather_kv or ring")
     if k.shape[1] % ranks:
         # Fewer key/value heads than ranks (e.g. Cosmos 3's 8 on 16 ranks): each rank gets a copy of those it uses.
         k, v = expand_heads(q, k, v)
-    q_width, kv_width = heads // ranks, k.shape[1] // ranks
-    width = q_width + 2 * kv_width
-    # send[r]: what rank r attends, its query heads, then key heads, then value heads along the head axis: [B, S,
-    # width, D].
-    send = q.new_empty(ranks, batch, length, width, dim)
-    for x, start, count in ((q, 0, q_width), (k, q_width, kv_width), (v, q_width + kv_width, kv_width)):
-        send[..., start:start + count, :].copy_(x.view(batch, ranks, count, length, dim).permute(1, 0, 3, 2, 4))
+    return exchange_packed(pack_heads(q, k, v, ranks), heads // ranks, comm, attend, beside)
+
+
+def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend: Attend, beside: Beside = None):
+    """exchange_heads of q, k and v packed in send ([ranks, B, S, width, D], pack_heads' layout, q_width query heads
+    per rank, then as many key heads as value heads)."""
+    ranks, batch, length, width, dim = send.shape
+    kv_width = (width - q_width) // 2
     received = torch.empty_like(send)
     arrival = comm.ulysses_all_to_all(received, send)
-    beside_result = beside_transfer(beside, q.device)
+    beside_result = beside_transfer(beside, send.device)
     arrival.wait()
     # received[r]: rank r's sequence slice of this rank's heads -> [B, ranks * S, width, D]
     whole = received.transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
@@ -62,5 +86,5 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     outputs = out.transpose(1, 2).reshape(batch, ranks, length, q_width, dim).transpose(0, 1).contiguous()
     returned = torch.empty_like(outputs)  # returned[r]: this rank's sequence slice of rank r's heads
     comm.ulysses_all_to_all(returned, outputs).wait()
-    mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, heads, dim).transpose(1, 2)
+    mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * q_width, dim).transpose(1, 2)
     return mine if beside is None else (mine, beside_result)

@@ -11,7 +11,7 @@ import torch
 
 from mdtriton.engine.attention.local import Beside
 from mdtriton.engine.attention.ring import ring_attention
-from mdtriton.engine.attention.ulysses import exchange_heads
+from mdtriton.engine.attention.ulysses import exchange_heads, exchange_packed
 from mdtriton.engine.comm import Communicator
 
 
@@ -20,3 +20,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
               beside: Beside = None):
     """Attention of this rank's sequence slice: heads exchanged in its Ulysses group, blocks passed around its ring."""
     return exchange_heads(q, k, v, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len), beside)
+
+
+@torch.compiler.disable
+def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None):
+    """attention() of queries, keys and values packed as the Ulysses exchange sends them (ulysses.packed_attention)."""
+    return exchange_packed(send, send.shape[3] // 3, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len),
+                           beside)

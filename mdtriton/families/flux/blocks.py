@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mdtriton.engine.attention import Attention
+from mdtriton.engine.attention import Attention, PackedAttention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fused_activations import attention_and_gelu_to_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
 from mdtriton.families.flux.layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
-from mdtriton.families.flux.qkv import joint_qkv
+from mdtriton.families.flux.qkv import joint_qkv, packed_qkv
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -62,13 +62,22 @@ class FluxAttention(nn.Module):
         """q, k and v as the [B, H, S, D] views the attention function takes: of x (the image stream of a double
         block, or a single block's joint sequence) and, in double blocks, of the text stream, whose tokens come
         first; q and k RMS-normed and rotary-embedded by rope (for the tokens in that order)."""
+        q, k, v = joint_qkv(*self.projections(x, text), *rope, RMS_EPS)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def packed_qkv(self, x: torch.Tensor, text: torch.Tensor | None, rope: Rope, ranks: int) -> torch.Tensor:
+        """joint_qkv's q, k and v packed as the Ulysses exchange of `ranks` ranks sends them (the packed attention's
+        input: mdtriton.engine.attention.packed_attention_for)."""
+        return packed_qkv(*self.projections(x, text), *rope, RMS_EPS, ranks)
+
+    def projections(self, x: torch.Tensor, text: torch.Tensor | None) -> tuple:
+        """The fused q/k/v projections of x and text (or None) and their norms' weights, as the q/k/v kernel takes
+        them."""
         if self.to_qkv is None:
             raise RuntimeError(NOT_FUSED)
         text_qkv, text_q_weight, text_k_weight = (None, None, None) if text is None else (
             self.add_qkv(text), self.norm_added_q.weight, self.norm_added_k.weight)
-        q, k, v = joint_qkv(self.to_qkv(x), self.norm_q.weight, self.norm_k.weight, text_qkv, text_q_weight,
-                            text_k_weight, *rope, RMS_EPS)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return self.to_qkv(x), self.norm_q.weight, self.norm_k.weight, text_qkv, text_q_weight, text_k_weight
 
 
 def tokens_first(out: torch.Tensor) -> torch.Tensor:
@@ -79,10 +88,11 @@ def tokens_first(out: torch.Tensor) -> torch.Tensor:
 class FluxTransformerBlock(nn.Module):
     """Double-stream block: text and image keep their own weights and meet in one joint attention."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention, fp8: bool):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention,
+                 packed_attention: PackedAttention | None, fp8: bool):
         super().__init__()
         self.comm = comm
-        self.attention = attention
+        self.attention, self.packed_attention = attention, packed_attention
         self.fp8 = fp8
         self.norm1 = AdaLayerNormZero(dim, fp8)
         self.norm1_context = AdaLayerNormZero(dim, fp8)
@@ -104,10 +114,15 @@ class FluxTransformerBlock(nn.Module):
         norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
         norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
         if attention is None:
-            q, k, v = self.attn.joint_qkv(norm_image, norm_text, rope)
             # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
-            # break inside a helper would split the helper into a region of its own.
-            joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
+            # break inside a helper would split the helper into a region of its own. Ulysses gets q, k and v packed
+            # where its exchange sends them from.
+            if self.packed_attention is not None:
+                send = self.attn.packed_qkv(norm_image, norm_text, rope, self.comm.ulysses_size)
+                joint = tokens_first(self.packed_attention(send, self.comm, valid_len))
+            else:
+                q, k, v = self.attn.joint_qkv(norm_image, norm_text, rope)
+                joint = tokens_first(self.attention(q, k, v, self.comm, valid_len))
             # Contiguous halves: linear fuses its bias into the GEMM only for contiguous input (and would copy anyway).
             text_attn, image_attn = (part.contiguous() for part in joint.split((text.shape[1], image.shape[1]), dim=1))
             image_attn, text_attn = self.attn.to_out[0](image_attn), self.attn.to_add_out(text_attn)
@@ -129,10 +144,11 @@ class FluxSingleTransformerBlock(nn.Module):
     """Single-stream block over the joint sequence: attention and MLP in parallel, one output projection
     over [attention | MLP] (row-parallel per part, so each rank's share of both lines up)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention, fp8: bool):
+    def __init__(self, dim: int, heads: int, head_dim: int, comm: Communicator, attention: Attention,
+                 packed_attention: PackedAttention | None, fp8: bool):
         super().__init__()
         self.comm = comm
-        self.attention = attention
+        self.attention, self.packed_attention = attention, packed_attention
         mlp_hidden = 4 * dim
         self.fp8 = fp8
         self.norm = AdaLayerNormZeroSingle(dim, fp8)
@@ -166,9 +182,13 @@ class FluxSingleTransformerBlock(nn.Module):
         too, as (x, attention)."""
         norm_x, gate = self.norm(x, temb)
         if attention is None:
-            q, k, v = self.attn.joint_qkv(norm_x, None, rope)
             # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight.
-            attn, mlp = self.attention(q, k, v, self.comm, valid_len, beside=lambda: self.mlp(norm_x))
+            if self.packed_attention is not None:
+                send = self.attn.packed_qkv(norm_x, None, rope, self.comm.ulysses_size)
+                attn, mlp = self.packed_attention(send, self.comm, valid_len, beside=lambda: self.mlp(norm_x))
+            else:
+                q, k, v = self.attn.joint_qkv(norm_x, None, rope)
+                attn, mlp = self.attention(q, k, v, self.comm, valid_len, beside=lambda: self.mlp(norm_x))
             attn = tokens_first(attn)
         else:
             attn, mlp = attention, self.mlp(norm_x)

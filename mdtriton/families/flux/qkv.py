@@ -71,9 +71,22 @@ def _(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin,
 def _joint_qkv_triton(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps):
     head_dim = q_weight.shape[0]
     batch, length, width = qkv.shape
+    heads = width // (3 * head_dim)
+    q, k, v = (qkv.new_empty(batch, joint_length(qkv, text_qkv), heads, head_dim) for _ in range(3))
+    _launch(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps, (q, k, v), 1)
+    return q, k, v
+
+
+def _launch(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps,
+            outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: int) -> None:
+    """The kernel over both streams into outputs: q, k and v as views [B, S, groups, H / groups, D] (contiguous
+    last dimension; the same strides for the three) of the joint sequence's tensors."""
+    head_dim = q_weight.shape[0]
+    batch, length, width = qkv.shape
     text_len = text_qkv.shape[1] if text_qkv is not None else 0
     heads = width // (3 * head_dim)
-    q, k, v = (qkv.new_empty(batch, text_len + length, heads, head_dim) for _ in range(3))
+    q, k, v = (out.view(batch, text_len + length, groups, heads // groups, head_dim) if out.dim() == 4 else out
+               for out in outputs)
     streams = [(qkv, q_weight, k_weight, text_len)]
     if text_len:
         streams.insert(0, (text_qkv, text_q_weight, text_k_weight, 0))
@@ -82,9 +95,42 @@ def _joint_qkv_triton(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_w
         source = source.contiguous()
         tokens = source.shape[1]
         grid = (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads, batch)
-        _qkv_kernel[grid](source, q_w, k_w, cos, sin, q, k, v, tokens, first, text_len + length, heads, eps,
-                          HEAD_DIM=head_dim, TOKENS=TOKENS_PER_PROGRAM)
-    return q, k, v
+        _qkv_kernel[grid](source, q_w, k_w, cos, sin, q, k, v, tokens, first, heads, heads // groups, q.stride(0),
+                          q.stride(1), q.stride(2), eps, HEAD_DIM=head_dim, TOKENS=TOKENS_PER_PROGRAM)
+
+
+def joint_length(qkv: torch.Tensor, text_qkv: torch.Tensor | None) -> int:
+    return qkv.shape[1] + (text_qkv.shape[1] if text_qkv is not None else 0)
+
+
+@torch.library.custom_op("mdtriton::packed_qkv", mutates_args=())
+def packed_qkv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, text_qkv: Optional[torch.Tensor],
+               text_q_weight: Optional[torch.Tensor], text_k_weight: Optional[torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor, eps: float, ranks: int) -> torch.Tensor:
+    """joint_qkv's q, k and v written as the Ulysses exchange of `ranks` ranks sends them
+    (mdtriton.engine.attention.ulysses.pack_heads: [ranks, B, S_text + S, 3 * H / ranks, D]), so that it sends them
+    with no copy."""
+    head_dim = q_weight.shape[0]
+    batch, heads = qkv.shape[0], qkv.shape[2] // (3 * head_dim)
+    group = heads // ranks
+    send = qkv.new_empty(ranks, batch, joint_length(qkv, text_qkv), 3 * group, head_dim)
+    if not (qkv.is_cuda and triton is not None):
+        q, k, v = joint_qkv(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps)
+        for index, x in enumerate((q, k, v)):
+            send[..., index * group:(index + 1) * group, :].copy_(x.unflatten(2, (ranks, group)).permute(2, 0, 1, 3, 4))
+        return send
+    # [B, S, ranks, 3 * group, D] views of send, then q's, k's and v's heads of each group
+    by_token = send.permute(1, 2, 0, 3, 4)
+    outputs = tuple(by_token[..., index * group:(index + 1) * group, :] for index in range(3))
+    _launch(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps, outputs, ranks)
+    return send
+
+
+@packed_qkv.register_fake
+def _(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps, ranks):
+    head_dim = q_weight.shape[0]
+    heads = qkv.shape[2] // (3 * head_dim)
+    return qkv.new_empty(ranks, qkv.shape[0], joint_length(qkv, text_qkv), 3 * heads // ranks, head_dim)
 
 
 if triton is not None:
@@ -99,11 +145,12 @@ if triton is not None:
         return normed * cos + rotated * sin
 
     # Request sizes are not specialised on: no compile after the warm-up (see fused_activations).
-    @triton.jit(do_not_specialize=["tokens", "first", "joint_len"])
-    def _qkv_kernel(source, q_weight, k_weight, cos, sin, q_out, k_out, v_out, tokens, first, joint_len, heads,
-                    eps, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
+    @triton.jit(do_not_specialize=["tokens", "first", "sample_stride"])
+    def _qkv_kernel(source, q_weight, k_weight, cos, sin, q_out, k_out, v_out, tokens, first, heads, group_heads,
+                    sample_stride, position_stride, group_stride, eps, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
         """One program: TOKENS tokens of one head of one sample of one stream; the stream's token t goes to
-        joint position first + t."""
+        joint position first + t. Head h is written as head h % group_heads of group h // group_heads: at
+        sample * sample_stride + position * position_stride + group * group_stride + (h % group_heads) * HEAD_DIM."""
         block, head, sample = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         token = block * TOKENS + tl.arange(0, TOKENS)
         dim = tl.arange(0, HEAD_DIM)
@@ -114,7 +161,8 @@ if triton is not None:
         angle = position.to(tl.int64)[:, None] * HEAD_DIM + dim[None, :]
         cos_ = tl.load(cos + angle, mask=mask, other=0.0)
         sin_ = tl.load(sin + angle, mask=mask, other=0.0)
-        out = ((sample * joint_len + position).to(tl.int64)[:, None] * heads + head) * HEAD_DIM + dim[None, :]
+        out = (sample.to(tl.int64) * sample_stride + position.to(tl.int64)[:, None] * position_stride
+               + (head // group_heads).to(tl.int64) * group_stride + (head % group_heads) * HEAD_DIM + dim[None, :])
         out_dtype = q_out.dtype.element_ty
         x = tl.load(source + row, mask=mask, other=0.0).to(tl.float32)
         q = _norm_rotate(x, tl.load(q_weight + dim).to(tl.float32), cos_, sin_, eps, HEAD_DIM, TOKENS, out_dtype)

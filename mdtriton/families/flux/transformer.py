@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mdtriton.engine.attention import attention_for
+from mdtriton.engine.attention import attention_for, packed_attention_for
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.blocks import FluxSingleTransformerBlock, FluxTransformerBlock
@@ -108,15 +108,16 @@ class Flux(nn.Module):
         heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
         dim = heads * head_dim
         out_channels = config["out_channels"] or config["in_channels"]
-        attention = attention_for(comm.plan)
+        attention, packed_attention = attention_for(comm.plan), packed_attention_for(comm.plan)
 
         self.time_text_embed = TimeTextEmbedding(dim, config["pooled_projection_dim"], self.guidance_embeds)
         self.context_embedder = nn.Linear(config["joint_attention_dim"], dim)
         self.x_embedder = nn.Linear(config["in_channels"], dim)
         self.transformer_blocks = nn.ModuleList(
-            FluxTransformerBlock(dim, heads, head_dim, comm, attention, fp8) for _ in range(config["num_layers"]))
+            FluxTransformerBlock(dim, heads, head_dim, comm, attention, packed_attention, fp8)
+            for _ in range(config["num_layers"]))
         self.single_transformer_blocks = nn.ModuleList(
-            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention, fp8)
+            FluxSingleTransformerBlock(dim, heads, head_dim, comm, attention, packed_attention, fp8)
             for _ in range(config["num_single_layers"]))
         self.norm_out = AdaLayerNormContinuous(dim)
         self.proj_out = nn.Linear(dim, config["patch_size"] ** 2 * out_channels)
