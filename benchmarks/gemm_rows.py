@@ -1,0 +1,84 @@
+"""FLUX.1-dev's block GEMMs at the rows a rank holds on 1, 2 and 4 GPUs (4,608 / 2,304 / 1,152 rows of a 4,096+512
+token forward), one GPU: cuBLAS as the engine runs them (torch.mm / addmm, GELU in the epilogue where the engine has
+it), with each BLAS library torch can prefer (--blas), and against Inductor's max-autotune choice (--autotune: Triton
+templates beside cuBLAS). Prints each GEMM's time and its rate against the 4,608-row rate (docs/benchmarks.md,
+session 21: at 1,152 rows 0.81-0.83 of it, and neither cuBLASLt nor a Triton template does better).
+
+    python benchmarks/gemm_rows.py --blas cublas,cublaslt --rows 4608,1152
+    python benchmarks/gemm_rows.py --autotune
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K, gelu) for x [M, K] @ W^T [K, N]
+    "qkv": (9216, 3072, False), "out": (3072, 3072, False), "mlp_up_gelu": (12288, 3072, True),
+    "mlp_down": (3072, 12288, False)}
+
+
+def time_ms(fn, reps: int = 10) -> float:
+    """Milliseconds per call of fn, over reps calls back to back after 3."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="4608,2304,1152")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--autotune", action="store_true", help="also Inductor max-autotune (compiles: ~1 min)")
+    parser.add_argument("--blas", default="cublas", help="torch.backends.cuda.preferred_blas_library values, in turn")
+    args = parser.parse_args()
+    for blas in args.blas.split(","):
+        torch.backends.cuda.preferred_blas_library(blas)
+        print("blas:", torch.backends.cuda.preferred_blas_library())
+        table(args)
+
+
+def table(args) -> None:
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), torch.__version__)
+    print("| GEMM | rows | cuBLAS ms | TFLOP/s | rate vs 4,608 rows | max-autotune ms | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    base = {}
+    for name, (n, k, gelu) in SHAPES.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.02
+
+        def engine(x):
+            if gelu:
+                return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+            return F.linear(x, weight, bias)
+
+        def plain(x):
+            y = F.linear(x, weight, bias)
+            return F.gelu(y, approximate="tanh") if gelu else y
+
+        tuned = torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False) if args.autotune else None
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * rows * n * k
+            ms = time_ms(lambda: engine(x), args.reps)
+            rate = flops / ms / 1e9
+            base.setdefault(name, rate)
+            cells = [name, rows, f"{ms:.4f}", f"{rate:.0f}", f"{rate / base[name]:.2f}"]
+            if tuned is not None:
+                tuned_ms = time_ms(lambda: tuned(x), args.reps)
+                cells += [f"{tuned_ms:.4f}", f"{flops / tuned_ms / 1e9:.0f}"]
+            else:
+                cells += ["", ""]
+            print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
