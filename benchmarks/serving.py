@@ -123,7 +123,7 @@ def triton_statistics(client: Client) -> dict[str, tuple[int, int]]:
     return {step: (int(value.get("count", 0)), int(value.get("ns", 0))) for step, value in statistics_.items()}
 
 
-def rank_counters(server: TritonServer, rank: int = 0) -> dict[str, float]:
+def one_ranks_counters(server: TritonServer, rank: int = 0) -> dict[str, float]:
     """This rank's mdtriton counters of the model from Triton's metrics endpoint (backend/metrics.py): family ->
     value."""
     mine = {("rank", str(rank)), ("model", MODEL)}
@@ -143,12 +143,12 @@ def time_split(server: TritonServer, inputs: dict, warmup: int, requests: int) -
             client.infer(MODEL, inputs)
         # The stub records its worker's job times once the worker has been quiet for 0.2 s: let the warm-up's in.
         time.sleep(0.5)
-        triton_before, ranks_before = triton_statistics(client), rank_counters(server)
+        triton_before, ranks_before = triton_statistics(client), one_ranks_counters(server)
         latencies, _ = sequential_latencies(client, inputs, 0, requests)
         # Wait until the counters hold every job.
         deadline = time.monotonic() + 10
         while True:
-            triton_after, ranks_after = triton_statistics(client), rank_counters(server)
+            triton_after, ranks_after = triton_statistics(client), one_ranks_counters(server)
             jobs = ranks_after["mdtriton_jobs_total"] - ranks_before["mdtriton_jobs_total"]
             if jobs >= requests or time.monotonic() > deadline:
                 break
