@@ -4,10 +4,10 @@ heads that do not (grouped-query attention) are repeated for the query heads tha
 
 Each rank's q, k and v are packed into one send buffer (one copy; none where the block's q/k/v kernel writes them
 there: `packed_attention`), so the exchange is a single contiguous all-to-all; with one sample the received heads
-are attended where they landed. The heads are exchanged all at once: exchanging
-them in groups, each group's attention running while the next group's heads are in flight (as yunchang's and xDiT's
-asynchronous Ulysses do), was no faster on 4 H200s at any size measured, and more groups were slower (the transfers
-slow the attention beside them; docs/benchmarks.md).
+are attended where they landed. The heads are exchanged all at once: exchanging them in groups, each group's
+attention running while the next group's heads are in flight (as yunchang's and xDiT's asynchronous Ulysses do), was
+no faster on 4 H200s at any size measured, and more groups were slower (the transfers slow the attention beside
+them; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def _(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin,
 
 def _joint_qkv_triton(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps):
     head_dim = q_weight.shape[0]
-    batch, length, width = qkv.shape
+    batch, _, width = qkv.shape
     heads = width // (3 * head_dim)
     q, k, v = (qkv.new_empty(batch, joint_length(qkv, text_qkv), heads, head_dim) for _ in range(3))
     _launch(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps, (q, k, v), 1)
