@@ -1,0 +1,93 @@
+"""What Ulysses' packing costs a Wan 2.1 14B block on one context-parallel rank, one GPU: the block's q/k norms and
+rotary embedding as the engine compiles them (Inductor, symbolic sizes, deterministic), then q, k and v copied into
+the exchange's send buffer (mdtriton.engine.attention.ulysses.pack_heads, PyTorch's strided copies), against the same
+compiled code writing the send buffer itself (the norms and rotation stored straight into their places, v copied
+beside them). Sizes: a rank's slice of 480p and 720p x 81 frames on 4 GPUs. The question for Wan (and Cosmos 3, whose
+q, k and v also come from Inductor's code) is whether Inductor's permuted stores are as fast as its plain ones: its
+own standalone packing kernels were 3-4x slower than the copies (docs/benchmarks.md, session 19).
+
+    python benchmarks/ulysses_packing.py                       # one GPU
+    python benchmarks/ulysses_packing.py --device cpu --tokens 64 --dim 256 --heads 4   # checks the two agree
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from mdtriton.engine.attention.ulysses import pack_heads
+from mdtriton.families.wan.transformer import rotate
+from mdtriton.harness import device_name, markdown_table, time_calls
+
+EPS = 1e-6
+
+
+def norm_rotate(q, k, v, q_weight, k_weight, cos, sin, heads: int):
+    """Wan's self-attention q, k, v [B, S, H, D] from its projections [B, S, dim] (tp 1): q and k RMS-normed over
+    all heads, rotated."""
+    def norm(x, weight):
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(squares / x.shape[-1] + EPS)).to(x.dtype) * weight
+
+    q, k, v = (part.unflatten(-1, (heads, -1)) for part in (norm(q, q_weight), norm(k, k_weight), v))
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def packed(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int):
+    """norm_rotate's q, k and v written as pack_heads lays them out, in the compiled code."""
+    q, k, v = norm_rotate(q, k, v, q_weight, k_weight, cos, sin, heads)
+    batch, length, _, dim = q.shape
+    return torch.cat([x.view(batch, length, ranks, heads // ranks, dim).permute(2, 0, 1, 3, 4) for x in (q, k, v)],
+                     dim=3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="8190,18900", help="a rank's tokens (default: 480p and 720p x 81 on 4)")
+    parser.add_argument("--dim", type=int, default=5120)
+    parser.add_argument("--heads", type=int, default=40)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    compiled_norm_rotate = torch.compile(norm_rotate, dynamic=True) if cuda else norm_rotate
+    compiled_packed = torch.compile(packed, dynamic=True) if cuda else packed
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        generator = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(1, tokens, args.dim, generator=generator, device=device).to(dtype) for _ in range(3))
+        q_weight, k_weight = (1 + 0.1 * torch.randn(args.dim, generator=generator, device=device).to(dtype)
+                              for _ in range(2))
+        head_dim = args.dim // args.heads
+        angles = torch.rand(tokens, head_dim, generator=generator, device=device) * 6.28
+        cos, sin = angles.cos(), angles.sin()
+        inputs = (q, k, v, q_weight, k_weight, cos, sin, args.heads)
+
+        def copies():
+            q_, k_, v_ = compiled_norm_rotate(*inputs)
+            return pack_heads(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), args.ranks)
+
+        with torch._inductor.config.patch(deterministic=True), torch.inference_mode():
+            expected = copies()
+            difference = (compiled_packed(*inputs, args.ranks).float() - expected.float()).abs().max().item()
+            results = {}
+            for name, call in (("norm + rotary, then pack_heads' copies", copies),
+                               ("norm + rotary only (no packing)", lambda: compiled_norm_rotate(*inputs)),
+                               ("norm + rotary writing the send buffer", lambda: compiled_packed(*inputs, args.ranks))):
+                results[name] = statistics.median(time_calls(call, cuda, 3, args.iterations)[0])
+        for name, ms in results.items():
+            rows.append([f"{tokens:,}", name, f"{ms:.3f}"])
+        print(f"{tokens:,} tokens: the send buffer written by the compiled code differs from the copied one by at most "
+              f"{difference:.2e}", flush=True)
+    print(f"Wan block's q/k/v for a Ulysses exchange of {args.ranks} ranks ({device_name(device)}), median ms:\n")
+    print(markdown_table(["a rank's tokens", "what", "ms"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
