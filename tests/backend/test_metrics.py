@@ -24,8 +24,8 @@ def scrape_all(metrics_url: str) -> dict[str, dict[tuple, float]]:
         match = SAMPLE.match(line)
         if match:
             labels = tuple(sorted(tuple(pair.split("=", 1)) for pair in match.group(2).split(",")))
-            families.setdefault(match.group(1), {})[tuple((key, value.strip('"')) for key, value in labels)] = \
-                float(match.group(3))
+            samples = families.setdefault(match.group(1), {})
+            samples[tuple((key, value.strip('"')) for key, value in labels)] = float(match.group(3))
     return families
 
 
@@ -57,7 +57,8 @@ def flux_ranks(values: dict) -> dict[str, float]:
 
 def test_every_rank_counts_every_job_and_splits_its_time(served_models):
     # Settled: jobs of earlier tests (or of the warm-up) may be recorded a moment late.
-    before = {name: flux_ranks(settled(served_models.metrics_url, name)) for name in FAMILIES}
+    reading = steady(lambda: scrape_all(served_models.metrics_url), quiet=0.5)
+    before = {name: flux_ranks(reading.get(name, {})) for name in FAMILIES}
     assert all(set(ranks) == {"0", "1"} for ranks in before.values()), before
     rng = np.random.default_rng(0)
     inputs = {"hidden_states": rng.standard_normal((1, 16, 8), dtype=np.float32),
