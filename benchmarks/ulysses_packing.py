@@ -1,13 +1,13 @@
 """What Ulysses' packing costs a Wan 2.1 14B block on one context-parallel rank, one GPU: the block's q/k norms and
-rotary embedding as the engine compiles them (Inductor, symbolic sizes, deterministic), then q, k and v copied into
-the exchange's send buffer (mdtriton.engine.attention.ulysses.pack_heads, PyTorch's strided copies), against the same
-compiled code writing the send buffer itself (the norms and rotation stored straight into their places, v copied
-beside them). Sizes: a rank's slice of 480p and 720p x 81 frames on 4 GPUs. The question for Wan (and Cosmos 3, whose
-q, k and v also come from Inductor's code) is whether Inductor's permuted stores are as fast as its plain ones: its
-own standalone packing kernels were 3-4x slower than the copies (docs/benchmarks.md, session 19).
+rotary embedding as Inductor compiles them (symbolic sizes, deterministic), then q, k and v copied into the
+exchange's send buffer (mdtriton.engine.attention.ulysses.pack_heads, PyTorch's strided copies); the same compiled
+code writing the send buffer itself; and the hand-written kernel the engine runs (mdtriton.families.wan.qkv): q and k
+alone (`wan_qk`, every plan but Ulysses), and q, k and v written into the send buffer (`wan_packed_qkv`). The sums of
+squares come from the compiled code in every row, as in the engine. Sizes: a rank's slice of 480p and 720p x 81
+frames on 4 GPUs; `--ranks 1 --tokens 32760,75600` is one GPU's whole sequence.
 
     python benchmarks/ulysses_packing.py                       # one GPU
-    python benchmarks/ulysses_packing.py --device cpu --tokens 64 --dim 256 --heads 4   # checks the two agree
+    python benchmarks/ulysses_packing.py --device cpu --tokens 64 --dim 256 --heads 4   # checks they agree
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import statistics
 import torch
 
 from mdtriton.engine.attention.ulysses import pack_heads
-from mdtriton.families.wan.transformer import rotate
+from mdtriton.families.wan.qkv import packed_qkv as kernel_packed_qkv
+from mdtriton.families.wan.qkv import qk as kernel_qk
+from mdtriton.families.wan.qkv import rotate
 from mdtriton.harness import device_name, markdown_table, time_calls
 
 EPS = 1e-6
@@ -43,6 +45,15 @@ def packed(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int):
                      dim=3)
 
 
+def squares_then_kernel(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int | None):
+    """The engine's path: sums of squares in the compiled code, then the kernel (packed for `ranks`, if given)."""
+    q_squares, k_squares = (x.float().pow(2).sum(-1, keepdim=True) for x in (q, k))
+    norms = (q_weight, k_weight, cos, sin, q.shape[-1], EPS, q.shape[-1] // heads)
+    if ranks is None:
+        return kernel_qk(q, k, q_squares, k_squares, *norms)
+    return kernel_packed_qkv(q, k, v, q_squares, k_squares, *norms, ranks)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8190,18900", help="a rank's tokens (default: 480p and 720p x 81 on 4)")
@@ -57,6 +68,7 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled_norm_rotate = torch.compile(norm_rotate, dynamic=True) if cuda else norm_rotate
     compiled_packed = torch.compile(packed, dynamic=True) if cuda else packed
+    compiled_kernel = torch.compile(squares_then_kernel, dynamic=True) if cuda else squares_then_kernel
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         generator = torch.Generator(device).manual_seed(0)
@@ -74,16 +86,26 @@ def main() -> int:
 
         with torch._inductor.config.patch(deterministic=True), torch.inference_mode():
             expected = copies()
-            difference = (compiled_packed(*inputs, args.ranks).float() - expected.float()).abs().max().item()
+            reference_q, reference_k, _ = compiled_norm_rotate(*inputs)
+            differences = {
+                "Inductor writing the send buffer": compiled_packed(*inputs, args.ranks) - expected,
+                "the kernel's send buffer": compiled_kernel(*inputs, args.ranks) - expected,
+                "the kernel's q and k": torch.cat([a - b for a, b in zip(compiled_kernel(*inputs, None),
+                                                                         (reference_q, reference_k))]),
+            }
             results = {}
             for name, call in (("norm + rotary, then pack_heads' copies", copies),
                                ("norm + rotary only (no packing)", lambda: compiled_norm_rotate(*inputs)),
-                               ("norm + rotary writing the send buffer", lambda: compiled_packed(*inputs, args.ranks))):
+                               ("norm + rotary writing the send buffer", lambda: compiled_packed(*inputs, args.ranks)),
+                               ("the kernel: q and k (wan_qk)", lambda: compiled_kernel(*inputs, None)),
+                               ("the kernel writing the send buffer (wan_packed_qkv)",
+                                lambda: compiled_kernel(*inputs, args.ranks))):
                 results[name] = statistics.median(time_calls(call, cuda, 3, args.iterations)[0])
         for name, ms in results.items():
             rows.append([f"{tokens:,}", name, f"{ms:.3f}"])
-        print(f"{tokens:,} tokens: the send buffer written by the compiled code differs from the copied one by at most "
-              f"{difference:.2e}", flush=True)
+        for name, difference in differences.items():
+            print(f"{tokens:,} tokens: {name} differs from the compiled code's by at most "
+                  f"{difference.float().abs().max().item():.2e}", flush=True)
     print(f"Wan block's q/k/v for a Ulysses exchange of {args.ranks} ranks ({device_name(device)}), median ms:\n")
     print(markdown_table(["a rank's tokens", "what", "ms"], rows))
     return 0

@@ -252,11 +252,18 @@ class ColumnParallelRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
         """x [..., local features] normalised by its row's sum of squares over all ranks [..., 1] (float32), in
         float32 as torch's rms_norm computes, then scaled by the weight."""
-        normed = (x.float() * torch.rsqrt(sum_of_squares / self.features + self.eps)).to(x.dtype)
-        return normed * self.weight.to(x.dtype)
+        return rms_norm_of_squares(x, sum_of_squares, self.weight, self.features, self.eps)
 
     def shard_specs(self) -> dict[str, tuple[int, list[int]]]:
         return {"weight": (0, [self.features])}
+
+
+def rms_norm_of_squares(x: torch.Tensor, sum_of_squares: torch.Tensor, weight: torch.Tensor, features: int,
+                        eps: float) -> torch.Tensor:
+    """x [..., local features] normalised by its rows' sums of squares over all `features` [..., 1] (float32), in
+    float32 as torch's rms_norm computes, rounded to x's type, then scaled by the weight."""
+    normed = (x.float() * torch.rsqrt(sum_of_squares / features + eps)).to(x.dtype)
+    return normed * weight.to(x.dtype)
 
 
 def sums_of_squares(comm: Communicator, *parts: torch.Tensor) -> list[torch.Tensor]:

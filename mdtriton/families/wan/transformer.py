@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mdtriton.engine.attention import attention_for
+from mdtriton.engine.attention import PackedAttention, attention_for, packed_attention_for
 from mdtriton.engine.attention.local import attention as local_attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
 from mdtriton.engine.layers import (ColumnParallelLinear, ColumnParallelRMSNorm, RowParallelLinear, fuse_columns,
                                     sums_of_squares)
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.wan.qkv import packed_qkv, qk
 
 # Wan 2.1 T2V 14B's transformer, as its diffusers config.
 WAN_14B_CONFIG = {
@@ -82,13 +83,6 @@ def rotary_angles(dim: int, length: int, device: torch.device, theta: float = 10
     return torch.outer(torch.arange(length, dtype=torch.float64, device=device), freqs)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, S, H, D] by cos/sin [S, D] (pairs interleaved), as diffusers' Wan processor."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, :, None, 0::2], sin[None, :, None, 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
-
-
 class ConditionEmbedder(nn.Module):
     """The timestep's embedding and the six modulations of every block, and the text's projection (diffusers'
     WanTimeTextImageEmbedding, text to video)."""
@@ -110,12 +104,15 @@ class ConditionEmbedder(nn.Module):
 
 class SelfAttention(nn.Module):
     """attn1 and its residual: x plus the gated attention of x's modulated norm. q, k, v of this rank's heads and
-    tokens, normalised across all heads, rotated, attended over the whole sequence by the plan's method, projected
-    back (AllReduce)."""
+    tokens, normalised across all heads, rotated (one kernel: mdtriton.families.wan.qkv), attended over the whole
+    sequence by the plan's method, projected back (AllReduce). Methods that exchange heads (Ulysses) get q, k and v
+    written where their exchange sends them (packed_attention)."""
 
-    def __init__(self, dim: int, heads: int, eps: float, comm: Communicator, attention, fp8: bool):
+    def __init__(self, dim: int, heads: int, eps: float, comm: Communicator, attention,
+                 packed_attention: PackedAttention | None, fp8: bool):
         super().__init__()
-        self.comm, self.attention, self.local_heads, self.eps = comm, attention, heads // comm.tp_size, eps
+        self.comm, self.attention, self.packed_attention = comm, attention, packed_attention
+        self.head_dim, self.eps = dim // heads, eps
         self.to_q = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
         self.to_k = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
         self.to_v = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
@@ -130,10 +127,16 @@ class SelfAttention(nn.Module):
         normed = modulated_norm(x, shift, scale, self.eps)
         q, k, v = self.to_q(normed), self.to_k(normed), self.to_v(normed)
         q_squares, k_squares = sums_of_squares(self.comm, q, k)
-        q, k = self.norm_q(q, q_squares), self.norm_k(k, k_squares)
-        q, k, v = (part.unflatten(-1, (self.local_heads, -1)) for part in (q, k, v))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.comm, valid_len)
+        norms = (self.norm_q.weight, self.norm_k.weight, cos, sin, self.norm_q.features, self.eps, self.head_dim)
+        # The attention call stays here, not in a helper: a graph break inside a helper would split the helper
+        # into a region of its own.
+        if self.packed_attention is not None:
+            send = packed_qkv(q, k, v, q_squares, k_squares, *norms, self.comm.ulysses_size)
+            out = self.packed_attention(send, self.comm, valid_len)
+        else:
+            q, k = qk(q, k, q_squares, k_squares, *norms)
+            v = v.unflatten(-1, (-1, self.head_dim))
+            out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.comm, valid_len)
         out = self.to_out[0](out.transpose(1, 2).flatten(2).type_as(x))
         return (x.float() + out * gate).type_as(x)
 
@@ -189,11 +192,12 @@ class WanBlock(nn.Module):
     feed-forward; norms, modulations and gated residuals in float32 as diffusers computes them. Each sub-layer takes
     x and returns the new x (its norm and residual inside); Wan.forward runs them in turn (see there why)."""
 
-    def __init__(self, config: dict, comm: Communicator, attention, fp8: bool):
+    def __init__(self, config: dict, comm: Communicator, attention, packed_attention: PackedAttention | None,
+                 fp8: bool):
         super().__init__()
         heads, eps = config["num_attention_heads"], config["eps"]
         dim = heads * config["attention_head_dim"]
-        self.attn1 = SelfAttention(dim, heads, eps, comm, attention, fp8)
+        self.attn1 = SelfAttention(dim, heads, eps, comm, attention, packed_attention, fp8)
         self.attn2 = CrossAttention(dim, heads, eps, comm, fp8)
         self.norm2 = nn.LayerNorm(dim, eps) if config["cross_attn_norm"] else None
         self.ffn = FeedForward(dim, config["ffn_dim"], comm, eps, fp8)
@@ -234,8 +238,9 @@ class Wan(nn.Module):
         self.out_channels = config["out_channels"] or config["in_channels"]
         self.patch_embedding = nn.Conv3d(config["in_channels"], dim, self.patch_size, self.patch_size)
         self.condition_embedder = ConditionEmbedder(dim, config["freq_dim"], config["text_dim"])
-        attention = attention_for(comm.plan)
-        self.blocks = nn.ModuleList(WanBlock(config, comm, attention, fp8) for _ in range(config["num_layers"]))
+        attention, packed_attention = attention_for(comm.plan), packed_attention_for(comm.plan)
+        self.blocks = nn.ModuleList(WanBlock(config, comm, attention, packed_attention, fp8)
+                                    for _ in range(config["num_layers"]))
         self.proj_out = nn.Linear(dim, self.out_channels * math.prod(self.patch_size))
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
         self.head_dim = head_dim
