@@ -1,10 +1,12 @@
 """What Ulysses' packing costs a Wan 2.1 14B block on one context-parallel rank, one GPU: the block's q/k norms and
 rotary embedding as Inductor compiles them (symbolic sizes, deterministic), then q, k and v copied into the
 exchange's send buffer (mdtriton.engine.attention.ulysses.pack_heads, PyTorch's strided copies); the same compiled
-code writing the send buffer itself; and the hand-written kernel the engine runs (mdtriton.families.wan.qkv): q and k
-alone (`wan_qk`, every plan but Ulysses), and q, k and v written into the send buffer (`wan_packed_qkv`). The sums of
-squares come from the compiled code in every row, as in the engine. Sizes: a rank's slice of 480p and 720p x 81
-frames on 4 GPUs; `--ranks 1 --tokens 32760,75600` is one GPU's whole sequence.
+code writing the send buffer itself; and the hand-written kernels the engine runs (mdtriton.families.wan.qkv): q's and
+k's heads normed and rotated in one kernel each (`wan_norm_rotate_heads`), and v's heads too (`wan_packed_heads`), in
+the exchange's layout (with --ranks 1, [B, S, H, D], as every plan but Ulysses has them). The sums of squares come from
+the compiled code in every row, as in the engine. Sizes: a rank's slice of 480p and 720p x 81 frames on 4 GPUs;
+`--ranks 1 --tokens 32760,75600` is one GPU's whole sequence. (Inductor's code in the engine, between the GEMMs,
+costs less than it does here alone: compare the forward's kernel times, docs/benchmarks.md session 22.)
 
     python benchmarks/ulysses_packing.py                       # one GPU
     python benchmarks/ulysses_packing.py --device cpu --tokens 64 --dim 256 --heads 4   # checks they agree
@@ -18,9 +20,7 @@ import statistics
 import torch
 
 from mdtriton.engine.attention.ulysses import pack_heads
-from mdtriton.families.wan.qkv import packed_qkv as kernel_packed_qkv
-from mdtriton.families.wan.qkv import qk as kernel_qk
-from mdtriton.families.wan.qkv import rotate
+from mdtriton.families.wan.qkv import norm_rotate_heads, packed_heads, rotate
 from mdtriton.harness import device_name, markdown_table, time_calls
 
 EPS = 1e-6
@@ -45,13 +45,13 @@ def packed(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int):
                      dim=3)
 
 
-def squares_then_kernel(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int | None):
-    """The engine's path: sums of squares in the compiled code, then the kernel (packed for `ranks`, if given)."""
-    q_squares, k_squares = (x.float().pow(2).sum(-1, keepdim=True) for x in (q, k))
-    norms = (q_weight, k_weight, cos, sin, q.shape[-1], EPS, q.shape[-1] // heads)
-    if ranks is None:
-        return kernel_qk(q, k, q_squares, k_squares, *norms)
-    return kernel_packed_qkv(q, k, v, q_squares, k_squares, *norms, ranks)
+def squares_then_kernels(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int, with_v: bool):
+    """The engine's path: sums of squares in the compiled code, then a kernel for each of q and k (and v)."""
+    head_dim = q.shape[-1] // heads
+    rotary = (cos, sin, q.shape[-1], EPS, head_dim, ranks)
+    parts = [norm_rotate_heads(x, x.float().pow(2).sum(-1, keepdim=True), weight, *rotary)
+             for x, weight in ((q, q_weight), (k, k_weight))]
+    return parts + [packed_heads(v, head_dim, ranks)] if with_v else parts
 
 
 def main() -> int:
@@ -68,7 +68,7 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled_norm_rotate = torch.compile(norm_rotate, dynamic=True) if cuda else norm_rotate
     compiled_packed = torch.compile(packed, dynamic=True) if cuda else packed
-    compiled_kernel = torch.compile(squares_then_kernel, dynamic=True) if cuda else squares_then_kernel
+    compiled_kernels = torch.compile(squares_then_kernels, dynamic=True) if cuda else squares_then_kernels
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         generator = torch.Generator(device).manual_seed(0)
@@ -76,7 +76,8 @@ def main() -> int:
         q_weight, k_weight = (1 + 0.1 * torch.randn(args.dim, generator=generator, device=device).to(dtype)
                               for _ in range(2))
         head_dim = args.dim // args.heads
-        angles = torch.rand(tokens, head_dim, generator=generator, device=device) * 6.28
+        # Wan's tables: each pair of channels alike
+        angles = torch.rand(tokens, head_dim // 2, generator=generator, device=device).repeat_interleave(2, 1) * 6.28
         cos, sin = angles.cos(), angles.sin()
         inputs = (q, k, v, q_weight, k_weight, cos, sin, args.heads)
 
@@ -89,17 +90,17 @@ def main() -> int:
             reference_q, reference_k, _ = compiled_norm_rotate(*inputs)
             differences = {
                 "Inductor writing the send buffer": compiled_packed(*inputs, args.ranks) - expected,
-                "the kernel's send buffer": compiled_kernel(*inputs, args.ranks) - expected,
-                "the kernel's q and k": torch.cat([a - b for a, b in zip(compiled_kernel(*inputs, None),
-                                                                         (reference_q, reference_k))]),
+                "the kernels' send buffers": torch.cat(compiled_kernels(*inputs, args.ranks, True), dim=3) - expected,
+                "the kernels' q and k": torch.cat([a[0] - b for a, b in zip(compiled_kernels(*inputs, 1, False),
+                                                                            (reference_q, reference_k))]),
             }
             results = {}
             for name, call in (("norm + rotary, then pack_heads' copies", copies),
                                ("norm + rotary only (no packing)", lambda: compiled_norm_rotate(*inputs)),
                                ("norm + rotary writing the send buffer", lambda: compiled_packed(*inputs, args.ranks)),
-                               ("the kernel: q and k (wan_qk)", lambda: compiled_kernel(*inputs, None)),
-                               ("the kernel writing the send buffer (wan_packed_qkv)",
-                                lambda: compiled_kernel(*inputs, args.ranks))):
+                               ("the kernels: q and k, [B, S, H, D]", lambda: compiled_kernels(*inputs, 1, False)),
+                               ("the kernels: q, k and v in the exchange's layout",
+                                lambda: compiled_kernels(*inputs, args.ranks, True))):
                 results[name] = statistics.median(time_calls(call, cuda, 3, args.iterations)[0])
         for name, ms in results.items():
             rows.append([f"{tokens:,}", name, f"{ms:.3f}"])

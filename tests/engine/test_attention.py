@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mdtriton.engine.attention import CP_ATTENTION, PACKED_CP_ATTENTION, attention_for, local, packed_attention_for
+from mdtriton.engine.attention import (CP_ATTENTION, PACKED_CP_ATTENTION, attention_for, head_exchange_for, local,
+                                       packed_attention_for)
 from mdtriton.engine.attention.ulysses import pack_heads
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
@@ -61,7 +62,18 @@ def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
                     send = pack_heads(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm.ulysses_size)
                     packed = with_beside(PACKED_CP_ATTENTION[name], send, None, None, comm, valid_len)
                     assert torch.equal(packed, torch.from_numpy(out)), name
+                    # sent one at a time (Wan's blocks), in the order they are made: the same outputs
+                    exchange = head_exchange_for(comm)
+                    for part, x in (("v", v), ("k", k), ("q", q)):
+                        exchange.send(part, send_layout(x[:, :, mine], comm.ulysses_size))
+                    assert torch.equal(exchange.attention(valid_len), torch.from_numpy(out)), name
     return results
+
+
+def send_layout(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """x [B, H, S, D] as the Ulysses exchange sends one of q, k, v: [ranks, B, S, H / ranks, D]."""
+    batch, heads, length, dim = x.shape
+    return x.view(batch, ranks, heads // ranks, length, dim).permute(1, 0, 3, 2, 4).contiguous()
 
 
 def with_beside(method, q, k, v, comm: Communicator, valid_len: int) -> torch.Tensor:
@@ -103,6 +115,8 @@ def test_methods_on_one_rank_are_plain_attention(name):
     assert packed_attention_for(ParallelPlan(cp_method=name)) is None
     plan = ParallelPlan(cp_size=4, cp_method=name, ulysses_size=2 if name == "ulysses_ring" else 1)
     assert packed_attention_for(plan) is PACKED_CP_ATTENTION.get(name)
+    assert head_exchange_for(Communicator.single()) is None
+    assert (head_exchange_for(Communicator(plan, 0, torch.device("cpu"))) is None) == (name not in PACKED_CP_ATTENTION)
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from mdtriton.engine.attention import allgather_kv, local, ring, ulysses, ulysses_ring
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 
 # attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
@@ -46,6 +47,15 @@ def attention_for(plan: ParallelPlan) -> Attention:
     if plan.cp_size == 1:
         return local.attention
     return CP_ATTENTION[plan.cp_method]
+
+
+def head_exchange_for(comm: Communicator) -> ulysses.HeadExchange | None:
+    """For the methods that exchange heads (ulysses, ulysses_ring), the exchange that sends q, k and v one at a time
+    (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank."""
+    if comm.plan.cp_size == 1:
+        return None
+    attend = {"ulysses": ulysses.attend_whole_sequence, "ulysses_ring": ring.ring_attention}.get(comm.plan.cp_method)
+    return ulysses.HeadExchange(comm, attend) if attend is not None else None
 
 
 def packed_attention_for(plan: ParallelPlan) -> PackedAttention | None:

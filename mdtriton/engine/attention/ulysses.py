@@ -4,7 +4,9 @@ heads that do not (grouped-query attention) are repeated for the query heads tha
 
 Each rank's q, k and v are packed into one send buffer (one copy; none where the block's q/k/v kernel writes them
 there: `packed_attention`), so the exchange is a single contiguous all-to-all; with one sample the received heads
-are attended where they landed. The heads are exchanged all at once: exchanging them in groups, each group's
+are attended where they landed. Blocks that make q, k and v by three GEMMs (Wan's) send each as soon as it is made,
+packed by their kernel, while the next GEMM runs (`HeadExchange`, as yunchang's asynchronous Ulysses overlaps the
+exchange with the projections). The heads are exchanged all at once: exchanging them in groups, each group's
 attention running while the next group's heads are in flight (as yunchang's and xDiT's asynchronous Ulysses do), was
 no faster on 4 H200s at any size measured, and more groups were slower (the transfers slow the attention beside
 them; docs/benchmarks.md).
@@ -37,7 +39,13 @@ def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, bes
 
 
 def whole_sequence(valid_len: int) -> Attend:
-    return lambda q, k, v: plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
+    return lambda q, k, v: attend_whole_sequence(q, k, v, None, valid_len)
+
+
+def attend_whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator | None,
+                          valid_len: int) -> torch.Tensor:
+    """Plain attention of the received heads over the real tokens of the whole sequence (HeadExchange's attend)."""
+    return plain_attention(q, k[:, :, :valid_len], v[:, :, :valid_len])
 
 
 def pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -73,18 +81,62 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
 def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend: Attend, beside: Beside = None):
     """exchange_heads of q, k and v packed in send ([ranks, B, S, width, D], pack_heads' layout, q_width query heads
     per rank, then as many key heads as value heads)."""
-    ranks, batch, length, width, dim = send.shape
-    kv_width = (width - q_width) // 2
+    kv_width = (send.shape[3] - q_width) // 2
     received = torch.empty_like(send)
     arrival = comm.ulysses_all_to_all(received, send)
     beside_result = beside_transfer(beside, send.device)
     arrival.wait()
-    # received[r]: rank r's sequence slice of this rank's heads -> [B, ranks * S, width, D]
-    whole = received.transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
+    whole = whole_heads(received)
     out = attend(whole[:, :q_width], whole[:, q_width:q_width + kv_width], whole[:, q_width + kv_width:])
-    # [ranks, B, S, q_width, D]: rank r's sequence slice first
-    outputs = out.transpose(1, 2).reshape(batch, ranks, length, q_width, dim).transpose(0, 1).contiguous()
+    mine = return_heads(out, comm)
+    return mine if beside is None else (mine, beside_result)
+
+
+def whole_heads(received: torch.Tensor) -> torch.Tensor:
+    """What an exchange received, [ranks, B, S, width, D] (received[r]: rank r's sequence slice of this rank's
+    heads), as [B, width, ranks * S, D] (a view with one sample)."""
+    ranks, batch, length, width, dim = received.shape
+    return received.transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
+
+
+def return_heads(out: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The attention output of this rank's heads over the whole sequence, out [B, heads, ranks * S, D], exchanged
+    back: this rank's sequence slice of every head, [B, ranks * heads, S, D] (a view of [B, S, H, D] memory)."""
+    ranks = comm.ulysses_size
+    batch, width, whole_length, dim = out.shape
+    length = whole_length // ranks
+    # [ranks, B, S, width, D]: rank r's sequence slice first
+    outputs = out.transpose(1, 2).reshape(batch, ranks, length, width, dim).transpose(0, 1).contiguous()
     returned = torch.empty_like(outputs)  # returned[r]: this rank's sequence slice of rank r's heads
     comm.ulysses_all_to_all(returned, outputs).wait()
-    mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * q_width, dim).transpose(1, 2)
-    return mine if beside is None else (mine, beside_result)
+    return returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)
+
+
+class HeadExchange:
+    """Ulysses' exchange of q, k and v sent one at a time, each as soon as the block has made it, so that it travels
+    while the block makes the next; then the attention over the whole sequence and the exchange back. One per model,
+    shared by its blocks (which run one after another): `send` each of q, k and v, packed as pack_heads packs one of
+    them ([ranks, B, S, heads / ranks, D]), then `attention`. attend(q, k, v, comm, valid_len) attends the received
+    heads over the whole sequence (exchange_heads' attend, with the length of the real tokens)."""
+
+    def __init__(self, comm: Communicator, attend: Callable[..., torch.Tensor]):
+        self.comm, self.attend = comm, attend
+        self.sent: dict[str, tuple[torch.Tensor, object]] = {}
+
+    @torch.compiler.disable
+    def send(self, part: str, packed: torch.Tensor) -> None:
+        """Start sending part ("q", "k" or "v") of this rank's sequence slice, packed."""
+        received = torch.empty_like(packed)
+        self.sent[part] = received, self.comm.ulysses_all_to_all(received, packed)
+
+    @torch.compiler.disable
+    def attention(self, valid_len: int) -> torch.Tensor:
+        """The attention of what was sent, as attention() returns it ([B, H, S, D], a view of [B, S, H, D] memory)."""
+        if sorted(self.sent) != ["k", "q", "v"]:
+            raise RuntimeError(f"HeadExchange.attention needs q, k and v sent; got {sorted(self.sent)}")
+        parts = []
+        for part in ("q", "k", "v"):
+            received, arrival = self.sent.pop(part)
+            arrival.wait()
+            parts.append(whole_heads(received))
+        return return_heads(self.attend(*parts, self.comm, valid_len), self.comm)

@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mdtriton.engine.attention import PackedAttention, attention_for, packed_attention_for
+from mdtriton.engine.attention import attention_for, head_exchange_for
+from mdtriton.engine.attention.ulysses import HeadExchange
 from mdtriton.engine.attention.local import attention as local_attention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.embeddings import MLPEmbedder, timestep_embedding
 from mdtriton.engine.layers import (ColumnParallelLinear, ColumnParallelRMSNorm, RowParallelLinear, fuse_columns,
                                     sums_of_squares)
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families.wan.qkv import packed_qkv, qk
+from mdtriton.families.wan.qkv import norm_rotate_heads, packed_heads
 
 # Wan 2.1 T2V 14B's transformer, as its diffusers config.
 WAN_14B_CONFIG = {
@@ -104,14 +105,14 @@ class ConditionEmbedder(nn.Module):
 
 class SelfAttention(nn.Module):
     """attn1 and its residual: x plus the gated attention of x's modulated norm. q, k, v of this rank's heads and
-    tokens, normalised across all heads, rotated (one kernel: mdtriton.families.wan.qkv), attended over the whole
-    sequence by the plan's method, projected back (AllReduce). Methods that exchange heads (Ulysses) get q, k and v
-    written where their exchange sends them (packed_attention)."""
+    tokens, normalised across all heads, rotated (one kernel each: mdtriton.families.wan.qkv), attended over the
+    whole sequence by the plan's method, projected back (AllReduce). With a method that exchanges heads (Ulysses),
+    v, k and q are each sent as soon as they are made, in the exchange's layout, while the next is made."""
 
     def __init__(self, dim: int, heads: int, eps: float, comm: Communicator, attention,
-                 packed_attention: PackedAttention | None, fp8: bool):
+                 exchange: HeadExchange | None, fp8: bool):
         super().__init__()
-        self.comm, self.attention, self.packed_attention = comm, attention, packed_attention
+        self.comm, self.attention, self.exchange = comm, attention, exchange
         self.head_dim, self.eps = dim // heads, eps
         self.to_q = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
         self.to_k = ColumnParallelLinear(dim, dim, comm, fp8=fp8)
@@ -125,16 +126,24 @@ class SelfAttention(nn.Module):
         # Three GEMMs, not one fused q|k|v GEMM as FLUX's: its output would stay alive until the rotated q and k are
         # written beside it (0.3 GiB more peak memory at 720p on an H100, and no faster).
         normed = modulated_norm(x, shift, scale, self.eps)
-        q, k, v = self.to_q(normed), self.to_k(normed), self.to_v(normed)
-        q_squares, k_squares = sums_of_squares(self.comm, q, k)
-        norms = (self.norm_q.weight, self.norm_k.weight, cos, sin, self.norm_q.features, self.eps, self.head_dim)
-        # The attention call stays here, not in a helper: a graph break inside a helper would split the helper
-        # into a region of its own.
-        if self.packed_attention is not None:
-            send = packed_qkv(q, k, v, q_squares, k_squares, *norms, self.comm.ulysses_size)
-            out = self.packed_attention(send, self.comm, valid_len)
+        rotary = (cos, sin, self.norm_q.features, self.eps, self.head_dim)
+        # The sends and the attention call stay here, not in a helper: a graph break inside a helper would split the
+        # helper into a region of its own.
+        if self.exchange is not None:
+            ranks = self.comm.ulysses_size
+            self.exchange.send("v", packed_heads(self.to_v(normed), self.head_dim, ranks))
+            k = self.to_k(normed)
+            (k_squares,) = sums_of_squares(self.comm, k)
+            self.exchange.send("k", norm_rotate_heads(k, k_squares, self.norm_k.weight, *rotary, ranks))
+            q = self.to_q(normed)
+            (q_squares,) = sums_of_squares(self.comm, q)
+            self.exchange.send("q", norm_rotate_heads(q, q_squares, self.norm_q.weight, *rotary, ranks))
+            out = self.exchange.attention(valid_len)
         else:
-            q, k = qk(q, k, q_squares, k_squares, *norms)
+            q, k, v = self.to_q(normed), self.to_k(normed), self.to_v(normed)
+            q_squares, k_squares = sums_of_squares(self.comm, q, k)
+            q = norm_rotate_heads(q, q_squares, self.norm_q.weight, *rotary, 1)[0]
+            k = norm_rotate_heads(k, k_squares, self.norm_k.weight, *rotary, 1)[0]
             v = v.unflatten(-1, (-1, self.head_dim))
             out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.comm, valid_len)
         out = self.to_out[0](out.transpose(1, 2).flatten(2).type_as(x))
@@ -192,12 +201,11 @@ class WanBlock(nn.Module):
     feed-forward; norms, modulations and gated residuals in float32 as diffusers computes them. Each sub-layer takes
     x and returns the new x (its norm and residual inside); Wan.forward runs them in turn (see there why)."""
 
-    def __init__(self, config: dict, comm: Communicator, attention, packed_attention: PackedAttention | None,
-                 fp8: bool):
+    def __init__(self, config: dict, comm: Communicator, attention, exchange: HeadExchange | None, fp8: bool):
         super().__init__()
         heads, eps = config["num_attention_heads"], config["eps"]
         dim = heads * config["attention_head_dim"]
-        self.attn1 = SelfAttention(dim, heads, eps, comm, attention, packed_attention, fp8)
+        self.attn1 = SelfAttention(dim, heads, eps, comm, attention, exchange, fp8)
         self.attn2 = CrossAttention(dim, heads, eps, comm, fp8)
         self.norm2 = nn.LayerNorm(dim, eps) if config["cross_attn_norm"] else None
         self.ffn = FeedForward(dim, config["ffn_dim"], comm, eps, fp8)
@@ -238,9 +246,9 @@ class Wan(nn.Module):
         self.out_channels = config["out_channels"] or config["in_channels"]
         self.patch_embedding = nn.Conv3d(config["in_channels"], dim, self.patch_size, self.patch_size)
         self.condition_embedder = ConditionEmbedder(dim, config["freq_dim"], config["text_dim"])
-        attention, packed_attention = attention_for(comm.plan), packed_attention_for(comm.plan)
-        self.blocks = nn.ModuleList(WanBlock(config, comm, attention, packed_attention, fp8)
-                                    for _ in range(config["num_layers"]))
+        # One exchange for all blocks (they run one after another), as one attention function.
+        attention, exchange = attention_for(comm.plan), head_exchange_for(comm)
+        self.blocks = nn.ModuleList(WanBlock(config, comm, attention, exchange, fp8) for _ in range(config["num_layers"]))
         self.proj_out = nn.Linear(dim, self.out_channels * math.prod(self.patch_size))
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
         self.head_dim = head_dim
