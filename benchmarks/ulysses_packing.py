@@ -20,7 +20,8 @@ import statistics
 import torch
 
 from mdtriton.engine.attention.ulysses import pack_heads
-from mdtriton.families.wan.qkv import norm_rotate_heads, packed_heads, rotate
+from mdtriton.families.wan.qkv import norm_rotate as wan_norm_rotate
+from mdtriton.families.wan.qkv import norm_rotate_heads, packed_heads
 from mdtriton.harness import device_name, markdown_table, time_calls
 
 EPS = 1e-6
@@ -28,13 +29,11 @@ EPS = 1e-6
 
 def norm_rotate(q, k, v, q_weight, k_weight, cos, sin, heads: int):
     """Wan's self-attention q, k, v [B, S, H, D] from its projections [B, S, dim] (tp 1): q and k RMS-normed over
-    all heads, rotated."""
-    def norm(x, weight):
-        squares = x.float().pow(2).sum(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(squares / x.shape[-1] + EPS)).to(x.dtype) * weight
-
-    q, k, v = (part.unflatten(-1, (heads, -1)) for part in (norm(q, q_weight), norm(k, k_weight), v))
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+    all heads, rotated (the engine's PyTorch implementation, compiled here by Inductor)."""
+    head_dim = q.shape[-1] // heads
+    q, k = (wan_norm_rotate(x, x.float().pow(2).sum(-1, keepdim=True), weight, x.shape[-1], EPS, cos, sin, head_dim)
+            for x, weight in ((q, q_weight), (k, k_weight)))
+    return q, k, v.unflatten(-1, (heads, -1))
 
 
 def packed(q, k, v, q_weight, k_weight, cos, sin, heads: int, ranks: int):
