@@ -10,6 +10,7 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
+from mdtriton.families.flux.layers import joined, modulation_shares
 from mdtriton.families.flux.transformer import Flux, JointSlice
 from tests.distributed import run_ranks
 from tests.engine.plans import PLANS
@@ -74,3 +75,23 @@ def test_joint_slices_cover_the_sequence_once(text_len, image_len, cp_size):
         assert held == tokens.local_len
     assert text == list(range(text_len)) and image == list(range(image_len))
     assert padding == -(text_len + image_len) % cp_size
+
+
+def modulations_on_rank(rank: int, world_size: int, widths: list[int]) -> list[torch.Tensor]:
+    comm = Communicator(ParallelPlan(cp_size=world_size, cp_method="ring"), rank, torch.device("cpu"))
+    comm.join_groups()
+    torch.manual_seed(0)  # the same linears and temb on every rank
+    linears = [torch.nn.Linear(6, width) for width in widths]
+    temb = torch.randn(2, 6)
+    with torch.no_grad():
+        shares = modulation_shares(temb, linears, comm)
+        return [(joined(share, linear.out_features), linear(torch.nn.functional.silu(temb)))
+                for share, linear in zip(shares, linears)]
+
+
+def test_modulations_computed_in_shares_equal_each_linear_whole():
+    """Each of 3 ranks computes a third of every modulation (7 and 8 entries: the last shares padded) and gathers."""
+    for rank_results in run_ranks(3, modulations_on_rank, [7, 8, 3]):
+        for got, want in rank_results:
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the GEMM of a share may round otherwise

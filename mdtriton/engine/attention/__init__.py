@@ -25,7 +25,8 @@ from mdtriton.engine.plan import ParallelPlan
 
 # attention(q, k, v, comm, valid_len, beside=None) -> out, or (out, beside()) with beside.
 Attention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
-# packed_attention(send, comm, valid_len, beside=None): the same, of q, k and v packed as Ulysses sends them.
+# packed_attention(send, comm, valid_len, beside=None, after=None): the same, of q, k and v packed as Ulysses sends
+# them; after, a function of beside's result, runs while the output travels back, and its result replaces beside's.
 PackedAttention = Callable[..., torch.Tensor | tuple[torch.Tensor, Any]]
 
 CP_ATTENTION = {
@@ -51,11 +52,16 @@ def attention_for(plan: ParallelPlan) -> Attention:
 
 def head_exchange_for(comm: Communicator) -> ulysses.HeadExchange | None:
     """For the methods that exchange heads (ulysses, ulysses_ring), the exchange that sends q, k and v one at a time
-    (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank."""
+    (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank.
+    Ulysses' attends by query slices, each slice's output travelling back while the next is attended."""
     if comm.plan.cp_size == 1:
         return None
-    attend = {"ulysses": ulysses.attend_whole_sequence, "ulysses_ring": ring.ring_attention}.get(comm.plan.cp_method)
-    return ulysses.HeadExchange(comm, attend) if attend is not None else None
+    match comm.plan.cp_method:
+        case "ulysses":
+            return ulysses.HeadExchange(comm, ulysses.attend_whole_sequence, by_query_slices=True)
+        case "ulysses_ring":
+            return ulysses.HeadExchange(comm, ring.ring_attention, by_query_slices=False)
+    return None
 
 
 def packed_attention_for(plan: ParallelPlan) -> PackedAttention | None:

@@ -24,6 +24,8 @@ LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 # Work beside the attention (the package's docstring): a function of no arguments, or None.
 Beside = Callable[[], Any] | None
+# Work on beside's result, beside the transfer of the attention's output (the packed attention of Ulysses' methods).
+After = Callable[[Any], Any] | None
 # Multiprocessors that the GEMMs beside a transfer leave to NCCL's kernels. cuBLAS's Hopper GEMMs otherwise take every
 # multiprocessor, and the transfer's kernel starts only once they end. On 2 H200s at FLUX's 4,096+512 tokens, 8 made
 # the forward 2% faster (ring and Ulysses), 24 no faster than 8 (docs/benchmarks.md).

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from mdtriton.engine.attention.local import Beside, beside_transfer, expand_heads, plain_attention
+from mdtriton.engine.attention.local import After, Beside, beside_transfer, expand_heads, plain_attention
 from mdtriton.engine.comm import Communicator
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,10 +32,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
 
 
 @torch.compiler.disable
-def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None):
+def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None,
+                     after: After = None):
     """attention() of queries, keys and values that come packed as the exchange sends them (pack_heads' layout, as
-    many key/value heads as query heads): FLUX's q/k/v kernel writes them there, which saves the packing copies."""
-    return exchange_packed(send, send.shape[3] // 3, comm, whole_sequence(valid_len), beside)
+    many key/value heads as query heads): FLUX's q/k/v kernel writes them there, which saves the packing copies.
+    after: exchange_packed's."""
+    return exchange_packed(send, send.shape[3] // 3, comm, whole_sequence(valid_len), beside, after)
 
 
 def whole_sequence(valid_len: int) -> Attend:
@@ -78,9 +80,11 @@ def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     return exchange_packed(pack_heads(q, k, v, ranks), heads // ranks, comm, attend, beside)
 
 
-def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend: Attend, beside: Beside = None):
+def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend: Attend, beside: Beside = None,
+                    after: After = None):
     """exchange_heads of q, k and v packed in send ([ranks, B, S, width, D], pack_heads' layout, q_width query heads
-    per rank, then as many key heads as value heads)."""
+    per rank, then as many key heads as value heads). after, with beside: a function of beside's result, run while
+    the attention's output travels back; its result is returned in place of beside's."""
     kv_width = (send.shape[3] - q_width) // 2
     received = torch.empty_like(send)
     arrival = comm.ulysses_all_to_all(received, send)
@@ -88,7 +92,10 @@ def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend
     arrival.wait()
     whole = whole_heads(received)
     out = attend(whole[:, :q_width], whole[:, q_width:q_width + kv_width], whole[:, q_width + kv_width:])
-    mine = return_heads(out, comm)
+    if after is None:
+        mine = return_heads(out, comm)
+    else:
+        mine, beside_result = return_heads(out, comm, lambda: after(beside_result))
     return mine if beside is None else (mine, beside_result)
 
 
@@ -99,17 +106,21 @@ def whole_heads(received: torch.Tensor) -> torch.Tensor:
     return received.transpose(0, 1).reshape(batch, ranks * length, width, dim).transpose(1, 2)
 
 
-def return_heads(out: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def return_heads(out: torch.Tensor, comm: Communicator, beside: Beside = None):
     """The attention output of this rank's heads over the whole sequence, out [B, heads, ranks * S, D], exchanged
-    back: this rank's sequence slice of every head, [B, ranks * heads, S, D] (a view of [B, S, H, D] memory)."""
+    back: this rank's sequence slice of every head, [B, ranks * heads, S, D] (a view of [B, S, H, D] memory); with
+    beside (run while it travels), (that, beside's result)."""
     ranks = comm.ulysses_size
     batch, width, whole_length, dim = out.shape
     length = whole_length // ranks
     # [ranks, B, S, width, D]: rank r's sequence slice first
     outputs = out.transpose(1, 2).reshape(batch, ranks, length, width, dim).transpose(0, 1).contiguous()
     returned = torch.empty_like(outputs)  # returned[r]: this rank's sequence slice of rank r's heads
-    comm.ulysses_all_to_all(returned, outputs).wait()
-    return returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)
+    arrival = comm.ulysses_all_to_all(returned, outputs)
+    beside_result = beside_transfer(beside, out.device)
+    arrival.wait()
+    mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)
+    return mine if beside is None else (mine, beside_result)
 
 
 class HeadExchange:
@@ -117,26 +128,54 @@ class HeadExchange:
     while the block makes the next; then the attention over the whole sequence and the exchange back. One per model,
     shared by its blocks (which run one after another): `send` each of q, k and v, packed as pack_heads packs one of
     them ([ranks, B, S, heads / ranks, D]), then `attention`. attend(q, k, v, comm, valid_len) attends the received
-    heads over the whole sequence (exchange_heads' attend, with the length of the real tokens)."""
+    heads over the whole sequence (exchange_heads' attend, with the length of the real tokens).
 
-    def __init__(self, comm: Communicator, attend: Callable[..., torch.Tensor]):
-        self.comm, self.attend = comm, attend
-        self.sent: dict[str, tuple[torch.Tensor, object]] = {}
+    by_query_slices: attend the queries one rank's sequence slice at a time, each slice's output sent to its rank
+    while the next slice is attended (an attend over all keys at once: not ring attention, which would pass the keys
+    around the ring once per slice). This rank's own slice, whose queries it holds, comes first, while q's exchange
+    is in flight; so only the last slice's transfer is not beside an attention."""
+
+    def __init__(self, comm: Communicator, attend: Callable[..., torch.Tensor], by_query_slices: bool):
+        self.comm, self.attend, self.by_query_slices = comm, attend, by_query_slices
+        self.sent: dict[str, tuple[torch.Tensor, torch.Tensor, object]] = {}
 
     @torch.compiler.disable
     def send(self, part: str, packed: torch.Tensor) -> None:
         """Start sending part ("q", "k" or "v") of this rank's sequence slice, packed."""
         received = torch.empty_like(packed)
-        self.sent[part] = received, self.comm.ulysses_all_to_all(received, packed)
+        self.sent[part] = packed, received, self.comm.ulysses_all_to_all(received, packed)
 
     @torch.compiler.disable
     def attention(self, valid_len: int) -> torch.Tensor:
         """The attention of what was sent, as attention() returns it ([B, H, S, D], a view of [B, S, H, D] memory)."""
         if sorted(self.sent) != ["k", "q", "v"]:
             raise RuntimeError(f"HeadExchange.attention needs q, k and v sent; got {sorted(self.sent)}")
-        parts = []
-        for part in ("q", "k", "v"):
-            received, arrival = self.sent.pop(part)
-            arrival.wait()
-            parts.append(whole_heads(received))
-        return return_heads(self.attend(*parts, self.comm, valid_len), self.comm)
+        if self.by_query_slices:
+            return self.attention_by_query_slices(valid_len)
+        q, k, v = (self.arrived(part) for part in ("q", "k", "v"))
+        return return_heads(self.attend(q, k, v, self.comm, valid_len), self.comm)
+
+    def arrived(self, part: str) -> torch.Tensor:
+        """What was received of part, as [B, heads / ranks, ranks * S, D] (whole_heads), once it has arrived."""
+        _, received, arrival = self.sent.pop(part)
+        arrival.wait()
+        return whole_heads(received)
+
+    def attention_by_query_slices(self, valid_len: int) -> torch.Tensor:
+        comm = self.comm
+        ranks, place = comm.ulysses_size, comm.ulysses_rank
+        keys, values = self.arrived("k"), self.arrived("v")
+        q_sent, q_received, q_arrival = self.sent.pop("q")  # [ranks, B, S, heads / ranks, D]
+        returned = torch.empty_like(q_sent)  # returned[r]: this rank's sequence slice of rank r's heads
+        own = self.attend(q_sent[place].transpose(1, 2), keys, values, comm, valid_len)
+        returned[place].copy_(own.transpose(1, 2))
+        q_arrival.wait()
+        transfers = []
+        for step in range(1, ranks):
+            to, source = (place + step) % ranks, (place - step) % ranks
+            out = self.attend(q_received[to].transpose(1, 2), keys, values, comm, valid_len)
+            transfers.append(comm.ulysses_send_receive(out.transpose(1, 2).contiguous(), to, returned[source], source))
+        for transfer in transfers:
+            transfer.wait()
+        batch, length, width, dim = returned.shape[1:]
+        return returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)

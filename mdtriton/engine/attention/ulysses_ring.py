@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import Beside
+from mdtriton.engine.attention.local import After, Beside
 from mdtriton.engine.attention.ring import ring_attention
 from mdtriton.engine.attention.ulysses import exchange_heads, exchange_packed
 from mdtriton.engine.comm import Communicator
@@ -23,7 +23,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
 
 
 @torch.compiler.disable
-def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None):
+def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None,
+                     after: After = None):
     """attention() of queries, keys and values packed as the Ulysses exchange sends them (ulysses.packed_attention)."""
     return exchange_packed(send, send.shape[3] // 3, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len),
-                           beside)
+                           beside, after)

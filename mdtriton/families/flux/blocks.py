@@ -21,6 +21,7 @@ from mdtriton.families.flux.qkv import joint_qkv, packed_qkv
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]
+Modulation = tuple[torch.Tensor, ...]  # a block's modulation_linears() outputs, as layers.modulation_shares gives them
 NOT_FUSED = "FLUX blocks run with fused projections: call fuse_projections() once the weights are loaded"
 
 
@@ -103,16 +104,21 @@ class FluxTransformerBlock(nn.Module):
     def fuse_projections(self) -> None:
         self.attn.fuse_projections()
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
+    def modulation_linears(self) -> list[nn.Linear]:
+        """The linears whose outputs of silu(temb) the block takes as its modulation, in its order."""
+        return [self.norm1.linear, self.norm1_context.linear]
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor, modulation: Modulation, rope: Rope, valid_len: int,
                 attention: tuple[torch.Tensor, torch.Tensor] | None = None, keep_attention: bool = False):
         """image [B, S_img_local, dim] and text [B, S_txt_local, dim] -> both updated; text comes first in the
-        joint sequence, so this rank's text tokens (if any) precede its image tokens.
+        joint sequence, so this rank's text tokens (if any) precede its image tokens. modulation: the ranks' shares
+        of each of modulation_linears()' outputs (layers.modulation_shares).
 
         TaylorSeer (mdtriton.engine.step_cache): `attention`, the attention's outputs (image's and text's, after their
         output projections: what diffusers' FluxAttention returns) given instead of computed; keep_attention returns
         them too, as (image, text, (image_attention, text_attention))."""
-        norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, temb)
-        norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, temb)
+        norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, modulation[0])
+        norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, modulation[1])
         if attention is None:
             # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
             # break inside a helper would split the helper into a region of its own. Ulysses gets q, k and v packed
@@ -171,21 +177,33 @@ class FluxSingleTransformerBlock(nn.Module):
         """The block's MLP, which does not depend on its attention: in bf16 the MLP's first layer (GELU in its
         epilogue) and the output projection's MLP part, bias included (the attention part is added into it); in FP8
         the first layer alone (its GELU is applied as it is quantized together with the attention output)."""
-        if self.fp8:
-            return self.proj_mlp(norm_x)
-        return self.proj_out.segment_product(1, self.proj_mlp.forward_gelu(norm_x))
+        return self.mlp_out(self.mlp_in(norm_x))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
+    def mlp_in(self, norm_x: torch.Tensor) -> torch.Tensor:
+        """mlp's first layer: in bf16 with its GELU."""
+        return self.proj_mlp(norm_x) if self.fp8 else self.proj_mlp.forward_gelu(norm_x)
+
+    def mlp_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rest of mlp, of mlp_in's output."""
+        return hidden if self.fp8 else self.proj_out.segment_product(1, hidden)
+
+    def modulation_linears(self) -> list[nn.Linear]:
+        """The linear whose output of silu(temb) the block takes as its modulation."""
+        return [self.norm.linear]
+
+    def forward(self, x: torch.Tensor, modulation: Modulation, rope: Rope, valid_len: int,
                 attention: torch.Tensor | None = None, keep_attention: bool = False):
-        """x [B, S_local, dim] -> updated x. TaylorSeer: `attention`, the attention's output (before the output
+        """x [B, S_local, dim] -> updated x; modulation as FluxTransformerBlock's. TaylorSeer: `attention`, the attention's output (before the output
         projection: what diffusers' FluxAttention returns here) given instead of computed; keep_attention returns it
         too, as (x, attention)."""
-        norm_x, gate = self.norm(x, temb)
+        norm_x, gate = self.norm(x, modulation[0])
         if attention is None:
-            # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight.
+            # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight; with
+            # Ulysses its first layer then, and the rest while the attention's output travels back.
             if self.packed_attention is not None:
                 send = self.attn.packed_qkv(norm_x, None, rope, self.comm.ulysses_size)
-                attn, mlp = self.packed_attention(send, self.comm, valid_len, beside=lambda: self.mlp(norm_x))
+                attn, mlp = self.packed_attention(send, self.comm, valid_len, beside=lambda: self.mlp_in(norm_x),
+                                                  after=self.mlp_out)
             else:
                 q, k, v = self.attn.joint_qkv(norm_x, None, rope)
                 attn, mlp = self.attention(q, k, v, self.comm, valid_len, beside=lambda: self.mlp(norm_x))

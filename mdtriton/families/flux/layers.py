@@ -40,8 +40,35 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, fp8: boo
     return modulated_layer_norm_fp8(x, shift, scale) if fp8 else modulated_layer_norm(x, shift, scale)
 
 
+def modulation_shares(temb: torch.Tensor, linears: list[nn.Linear], comm: Communicator) -> list[torch.Tensor]:
+    """Each linear's output of silu(temb) (the blocks' modulations), as the context-parallel ranks' shares
+    [cp_size, B, width] (`joined` makes it [B, out_features]): each rank computes its share of every output, entries
+    cp_rank * width onwards, and the group gathers them in one all-gather. Every rank of the group has the same temb;
+    computed whole on each, every rank would read every modulation weight (6.5 GB a FLUX.1-dev forward, a third of
+    its weights, for a vector per block)."""
+    ranks, rank = comm.cp_size, comm.cp_rank
+    x = F.silu(temb)
+    shares, widths = [], []
+    for linear in linears:
+        width = -(-linear.out_features // ranks)
+        rows = slice(rank * width, (rank + 1) * width)
+        share = F.linear(x, linear.weight[rows], linear.bias[rows])
+        if share.shape[1] < width:  # the last ranks' shares of a width that ranks does not divide
+            share = F.pad(share, (0, width - share.shape[1]))
+        shares.append(share)
+        widths.append(width)
+    gathered = comm.cp_all_gather(torch.cat(shares, dim=1).unsqueeze(0), dim=0)
+    return list(gathered.split(widths, dim=2))
+
+
+def joined(shares: torch.Tensor, features: int) -> torch.Tensor:
+    """[B, features] of the ranks' shares [ranks, B, width] (modulation_shares)."""
+    return shares.transpose(0, 1).reshape(shares.shape[1], -1)[:, :features]
+
+
 class AdaLayerNormZero(nn.Module):
-    """Norm + shift/scale from temb, plus the gate/shift/scale/gate the rest of a double block uses.
+    """Norm + shift/scale from the modulation, plus the gate/shift/scale/gate the rest of a double block uses. The
+    modulation, its linear of silu(temb), is computed for every block at once (modulation_shares).
 
     fp8: the normed input is handed on quantized (its readers are the block's FP8 q/k/v GEMMs)."""
 
@@ -50,21 +77,23 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(dim, 6 * dim)
         self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, ...]:
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.linear(F.silu(temb)).chunk(6, dim=1)
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, ...]:
+        """modulation: the ranks' shares of self.linear(silu(temb)) (modulation_shares)."""
+        emb = joined(modulation, self.linear.out_features)
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         return modulate(x, shift, scale, self.fp8), gate, shift_mlp, scale_mlp, gate_mlp
 
 
 class AdaLayerNormZeroSingle(nn.Module):
-    """Norm + shift/scale from temb, and the gate of a single block's output (fp8: as AdaLayerNormZero)."""
+    """Norm + shift/scale from the modulation, and the gate of a single block's output (as AdaLayerNormZero)."""
 
     def __init__(self, dim: int, fp8: bool = False):
         super().__init__()
         self.linear = nn.Linear(dim, 3 * dim)
         self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-        shift, scale, gate = self.linear(F.silu(temb)).chunk(3, dim=1)
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        shift, scale, gate = joined(modulation, self.linear.out_features).chunk(3, dim=1)
         return modulate(x, shift, scale, self.fp8), gate
 
 

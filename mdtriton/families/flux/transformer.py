@@ -7,6 +7,7 @@ Parameter names equal diffusers' state-dict keys, so a diffusers checkpoint load
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,9 @@ from torch import nn
 from mdtriton.engine.attention import attention_for, packed_attention_for
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families.flux.blocks import FluxSingleTransformerBlock, FluxTransformerBlock
-from mdtriton.families.flux.layers import AdaLayerNormContinuous, TimeTextEmbedding, rotary_embedding
+from mdtriton.families.flux.blocks import FluxSingleTransformerBlock, FluxTransformerBlock, Modulation
+from mdtriton.families.flux.layers import (AdaLayerNormContinuous, TimeTextEmbedding, modulation_shares,
+                                           rotary_embedding)
 
 # FLUX.1-dev's transformer, as its diffusers config (out_channels None means in_channels).
 FLUX_DEV_CONFIG = {
@@ -132,12 +134,13 @@ class Flux(nn.Module):
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         image, text, temb, cos, sin = self.embed(tokens, hidden_states, encoder_hidden_states, pooled_projections,
                                                  timestep, img_ids, txt_ids, guidance)
-        for block in self.transformer_blocks:
-            image, text = block(image, text, temb, (cos, sin), tokens.valid_len)
+        modulations = self.modulations(temb, self.transformer_blocks, self.single_transformer_blocks)
+        for block, modulation in zip(self.transformer_blocks, modulations):
+            image, text = block(image, text, modulation, (cos, sin), tokens.valid_len)
         joint = torch.cat((text, image), dim=1)
         del image, text
-        for block in self.single_transformer_blocks:
-            joint = block(joint, temb, (cos, sin), tokens.valid_len)
+        for block, modulation in zip(self.single_transformer_blocks, modulations[len(self.transformer_blocks):]):
+            joint = block(joint, modulation, (cos, sin), tokens.valid_len)
         return self.finish_tokens(tokens, joint, temb)
 
     # First Block Cache (mdtriton.engine.step_cache) runs the forward in three parts, each taking the request's inputs
@@ -151,7 +154,9 @@ class Flux(nn.Module):
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
         image_in, text, temb, cos, sin = self.embed(tokens, hidden_states, encoder_hidden_states, pooled_projections,
                                                     timestep, img_ids, txt_ids, guidance)
-        image, text = self.transformer_blocks[0](image_in, text, temb, (cos, sin), tokens.valid_len)
+        first_block = self.transformer_blocks[0]
+        modulation, = self.modulations(temb, [first_block])
+        image, text = first_block(image_in, text, modulation, (cos, sin), tokens.valid_len)
         first, end = tokens.image_range()
         return {"image": image, "text": text, "temb": temb, "cos": cos, "sin": sin,
                 "hidden": torch.cat((text, image), dim=1), "residual": (image - image_in)[:, :end - first]}
@@ -162,11 +167,13 @@ class Flux(nn.Module):
         """Every block after the first, then the output: forward's outputs, and "hidden", the last block's output
         (joint [text; image])."""
         tokens = JointSlice.of(encoder_hidden_states.shape[1], hidden_states.shape[1], self.comm)
-        for block in self.transformer_blocks[1:]:
-            image, text = block(image, text, temb, (cos, sin), tokens.valid_len)
+        double_blocks = self.transformer_blocks[1:]
+        modulations = self.modulations(temb, double_blocks, self.single_transformer_blocks)
+        for block, modulation in zip(double_blocks, modulations):
+            image, text = block(image, text, modulation, (cos, sin), tokens.valid_len)
         joint = torch.cat((text, image), dim=1)
-        for block in self.single_transformer_blocks:
-            joint = block(joint, temb, (cos, sin), tokens.valid_len)
+        for block, modulation in zip(self.single_transformer_blocks, modulations[len(double_blocks):]):
+            joint = block(joint, modulation, (cos, sin), tokens.valid_len)
         return {**self.finish_tokens(tokens, joint, temb), "hidden": joint}
 
     def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
@@ -191,23 +198,27 @@ class Flux(nn.Module):
                        given: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
         tokens = JointSlice.of(inputs["encoder_hidden_states"].shape[1], inputs["hidden_states"].shape[1], self.comm)
         image, text, temb, cos, sin = self.embed(tokens, **inputs)
+        modulations = self.modulations(temb, self.transformer_blocks, self.single_transformer_blocks)
         kept = []
         for index, block in enumerate(self.transformer_blocks):
+            modulation = modulations[index]
             if given is None:
-                image, text, attention = block(image, text, temb, (cos, sin), tokens.valid_len, keep_attention=True)
+                image, text, attention = block(image, text, modulation, (cos, sin), tokens.valid_len,
+                                               keep_attention=True)
                 kept += attention
             else:
                 attention = (given[2 * index], given[2 * index + 1])
-                image, text = block(image, text, temb, (cos, sin), tokens.valid_len, attention=attention)
+                image, text = block(image, text, modulation, (cos, sin), tokens.valid_len, attention=attention)
         joint = torch.cat((text, image), dim=1)
         del image, text
         offset = 2 * len(self.transformer_blocks)
         for index, block in enumerate(self.single_transformer_blocks):
+            modulation = modulations[len(self.transformer_blocks) + index]
             if given is None:
-                joint, attention = block(joint, temb, (cos, sin), tokens.valid_len, keep_attention=True)
+                joint, attention = block(joint, modulation, (cos, sin), tokens.valid_len, keep_attention=True)
                 kept.append(attention)
             else:
-                joint = block(joint, temb, (cos, sin), tokens.valid_len, attention=given[offset + index])
+                joint = block(joint, modulation, (cos, sin), tokens.valid_len, attention=given[offset + index])
         return {**self.finish_tokens(tokens, joint, temb), **{f"attention.{i}": t for i, t in enumerate(kept)}}
 
     def embed(self, tokens: JointSlice, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
@@ -232,6 +243,14 @@ class Flux(nn.Module):
         if self.guidance_embeds:
             guidance = guidance.to(image.dtype) * 1000
         return image, text, self.time_text_embed(timestep, guidance, pooled_projections), cos, sin
+
+    def modulations(self, temb: torch.Tensor, *blocks: Iterable[nn.Module]) -> list[Modulation]:
+        """The modulation of each block of blocks (those of each iterable, in order), computed for all of them at
+        once, split across the context-parallel ranks (layers.modulation_shares)."""
+        blocks = [block for group in blocks for block in group]
+        shares = iter(modulation_shares(temb, [linear for block in blocks for linear in block.modulation_linears()],
+                                        self.comm))
+        return [tuple(next(shares) for _ in block.modulation_linears()) for block in blocks]
 
     def finish_tokens(self, tokens: JointSlice, joint: torch.Tensor, temb: torch.Tensor) -> dict[str, torch.Tensor]:
         # The final norm and projection are per token; doing them on the text tokens too costs little and
