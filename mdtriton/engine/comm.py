@@ -224,11 +224,6 @@ class Communicator:
         return len(self._ulysses_ranks)
 
     @property
-    def ulysses_rank(self) -> int:
-        """This rank's place in its Ulysses group (the all-to-all's order)."""
-        return self._ulysses_ranks.index(self.rank)
-
-    @property
     def ring_size(self) -> int:
         """Ranks that pass key/value blocks around a ring (attention.ring); 1 for the methods that do not."""
         return len(self._ring_ranks)
@@ -314,19 +309,6 @@ class Communicator:
         with self._collective("Ulysses all-to-all"):
             work = dist.all_to_all_single(out, x, group=self._ulysses_group, async_op=True)
         return Pending(self, "Ulysses all-to-all", [work])
-
-    def ulysses_send_receive(self, send: torch.Tensor, to: int, receive: torch.Tensor, source: int) -> "Pending":
-        """Start sending `send` to place `to` of this rank's Ulysses group and receiving from place `source` into
-        `receive` (one batched send/receive; places as ulysses_rank counts them). Read `receive`, or write `send`,
-        only after the returned Pending's wait()."""
-        if self._rehearsing:
-            return Pending(self, "Ulysses send/receive", [])
-        self.check_device("Ulysses send/receive", send, receive)
-        ops = [dist.P2POp(dist.isend, send, self._ulysses_ranks[to], group=self._ulysses_group),
-               dist.P2POp(dist.irecv, receive, self._ulysses_ranks[source], group=self._ulysses_group)]
-        with self._collective("Ulysses send/receive"):
-            works = dist.batch_isend_irecv(ops)
-        return Pending(self, "Ulysses send/receive", works)
 
     def ring_shift(self, send: torch.Tensor, receive: torch.Tensor) -> "Pending":
         """Start sending `send` to the next rank of this rank's ring and receiving the previous rank's into `receive`

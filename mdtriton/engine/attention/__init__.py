@@ -52,16 +52,11 @@ def attention_for(plan: ParallelPlan) -> Attention:
 
 def head_exchange_for(comm: Communicator) -> ulysses.HeadExchange | None:
     """For the methods that exchange heads (ulysses, ulysses_ring), the exchange that sends q, k and v one at a time
-    (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank.
-    Ulysses' attends by query slices, each slice's output travelling back while the next is attended."""
+    (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank."""
     if comm.plan.cp_size == 1:
         return None
-    match comm.plan.cp_method:
-        case "ulysses":
-            return ulysses.HeadExchange(comm, ulysses.attend_whole_sequence, by_query_slices=True)
-        case "ulysses_ring":
-            return ulysses.HeadExchange(comm, ring.ring_attention, by_query_slices=False)
-    return None
+    attend = {"ulysses": ulysses.attend_whole_sequence, "ulysses_ring": ring.ring_attention}.get(comm.plan.cp_method)
+    return ulysses.HeadExchange(comm, attend) if attend is not None else None
 
 
 def packed_attention_for(plan: ParallelPlan) -> PackedAttention | None:

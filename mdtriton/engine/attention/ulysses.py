@@ -128,54 +128,26 @@ class HeadExchange:
     while the block makes the next; then the attention over the whole sequence and the exchange back. One per model,
     shared by its blocks (which run one after another): `send` each of q, k and v, packed as pack_heads packs one of
     them ([ranks, B, S, heads / ranks, D]), then `attention`. attend(q, k, v, comm, valid_len) attends the received
-    heads over the whole sequence (exchange_heads' attend, with the length of the real tokens).
+    heads over the whole sequence (exchange_heads' attend, with the length of the real tokens)."""
 
-    by_query_slices: attend the queries one rank's sequence slice at a time, each slice's output sent to its rank
-    while the next slice is attended (an attend over all keys at once: not ring attention, which would pass the keys
-    around the ring once per slice). This rank's own slice, whose queries it holds, comes first, while q's exchange
-    is in flight; so only the last slice's transfer is not beside an attention."""
-
-    def __init__(self, comm: Communicator, attend: Callable[..., torch.Tensor], by_query_slices: bool):
-        self.comm, self.attend, self.by_query_slices = comm, attend, by_query_slices
-        self.sent: dict[str, tuple[torch.Tensor, torch.Tensor, object]] = {}
+    def __init__(self, comm: Communicator, attend: Callable[..., torch.Tensor]):
+        self.comm, self.attend = comm, attend
+        self.sent: dict[str, tuple[torch.Tensor, object]] = {}
 
     @torch.compiler.disable
     def send(self, part: str, packed: torch.Tensor) -> None:
         """Start sending part ("q", "k" or "v") of this rank's sequence slice, packed."""
         received = torch.empty_like(packed)
-        self.sent[part] = packed, received, self.comm.ulysses_all_to_all(received, packed)
+        self.sent[part] = received, self.comm.ulysses_all_to_all(received, packed)
 
     @torch.compiler.disable
     def attention(self, valid_len: int) -> torch.Tensor:
         """The attention of what was sent, as attention() returns it ([B, H, S, D], a view of [B, S, H, D] memory)."""
         if sorted(self.sent) != ["k", "q", "v"]:
             raise RuntimeError(f"HeadExchange.attention needs q, k and v sent; got {sorted(self.sent)}")
-        if self.by_query_slices:
-            return self.attention_by_query_slices(valid_len)
-        q, k, v = (self.arrived(part) for part in ("q", "k", "v"))
-        return return_heads(self.attend(q, k, v, self.comm, valid_len), self.comm)
-
-    def arrived(self, part: str) -> torch.Tensor:
-        """What was received of part, as [B, heads / ranks, ranks * S, D] (whole_heads), once it has arrived."""
-        _, received, arrival = self.sent.pop(part)
-        arrival.wait()
-        return whole_heads(received)
-
-    def attention_by_query_slices(self, valid_len: int) -> torch.Tensor:
-        comm = self.comm
-        ranks, place = comm.ulysses_size, comm.ulysses_rank
-        keys, values = self.arrived("k"), self.arrived("v")
-        q_sent, q_received, q_arrival = self.sent.pop("q")  # [ranks, B, S, heads / ranks, D]
-        returned = torch.empty_like(q_sent)  # returned[r]: this rank's sequence slice of rank r's heads
-        own = self.attend(q_sent[place].transpose(1, 2), keys, values, comm, valid_len)
-        returned[place].copy_(own.transpose(1, 2))
-        q_arrival.wait()
-        transfers = []
-        for step in range(1, ranks):
-            to, source = (place + step) % ranks, (place - step) % ranks
-            out = self.attend(q_received[to].transpose(1, 2), keys, values, comm, valid_len)
-            transfers.append(comm.ulysses_send_receive(out.transpose(1, 2).contiguous(), to, returned[source], source))
-        for transfer in transfers:
-            transfer.wait()
-        batch, length, width, dim = returned.shape[1:]
-        return returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)
+        parts = []
+        for part in ("q", "k", "v"):
+            received, arrival = self.sent.pop(part)
+            arrival.wait()
+            parts.append(whole_heads(received))
+        return return_heads(self.attend(*parts, self.comm, valid_len), self.comm)
