@@ -193,9 +193,9 @@ class FluxSingleTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, modulation: Modulation, rope: Rope, valid_len: int,
                 attention: torch.Tensor | None = None, keep_attention: bool = False):
-        """x [B, S_local, dim] -> updated x; modulation as FluxTransformerBlock's. TaylorSeer: `attention`, the attention's output (before the output
-        projection: what diffusers' FluxAttention returns here) given instead of computed; keep_attention returns it
-        too, as (x, attention)."""
+        """x [B, S_local, dim] -> updated x; modulation as FluxTransformerBlock's. TaylorSeer: `attention`, the
+        attention's output (before the output projection: what diffusers' FluxAttention returns here) given instead of
+        computed; keep_attention returns it too, as (x, attention)."""
         norm_x, gate = self.norm(x, modulation[0])
         if attention is None:
             # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight; with
