@@ -51,9 +51,13 @@ def cached(inputs: dict[str, torch.Tensor], cache: str) -> dict[str, torch.Tenso
     return {**inputs, "cache": torch.from_numpy(prompt_tensor([cache], "cache"))}
 
 
-def run_cached_then_uncached(rank: int, world_size: int, engine_dir: str) -> dict[str, list[tuple[np.ndarray, int]]]:
-    """On one rank, for each cache: the cached request, then the same request without a cache (image, full_steps)
-    each."""
+def run_cached_then_uncached(rank: int, world_size: int, engine_dirs: list[str]) -> list[dict]:
+    """On one rank, for each engine in turn (one set of rank processes for all) and each cache: the cached request,
+    then the same request without a cache (image, full_steps) each."""
+    return [cached_then_uncached(rank, engine_dir) for engine_dir in engine_dirs]
+
+
+def cached_then_uncached(rank: int, engine_dir: str) -> dict[str, list[tuple[np.ndarray, int]]]:
     manifest = Manifest.read(engine_dir)
     comm = Communicator(manifest.plan, rank, torch.device("cpu"))
     comm.join_groups()
@@ -91,18 +95,17 @@ def check_answers(results, expected, uncached) -> None:
 @pytest.mark.timeout(300)
 def test_one_rank_first_block_cache_equals_diffusers(pipeline):
     engines, expected, uncached = pipeline
-    check_answers(run_cached_then_uncached(0, 1, str(engines["one"])), expected, uncached)
+    check_answers(cached_then_uncached(0, str(engines["one"])), expected, uncached)
 
 
 @pytest.mark.timeout(600)
 def test_every_plan_takes_the_one_gpu_decisions(pipeline):
     engines, expected, uncached = pipeline
-    two_rank = [name for name, plan in PLANS.items() if plan.world_size == 2]
-    for name in two_rank:
-        for answers in run_ranks(2, run_cached_then_uncached, str(engines[name])):
-            check_answers(answers, expected, uncached)
-    for answers in run_ranks(4, run_cached_then_uncached, str(engines["tp2_ring2"])):
-        check_answers(answers, expected, uncached)
+    two_rank = [str(engines[name]) for name, plan in PLANS.items() if plan.world_size == 2]
+    for world_size, engine_dirs in ((2, two_rank), (4, [str(engines["tp2_ring2"])])):
+        for per_engine in run_ranks(world_size, run_cached_then_uncached, engine_dirs):
+            for answers in per_engine:
+                check_answers(answers, expected, uncached)
 
 
 def test_a_model_default_applies_to_requests_without_a_cache(pipeline):

@@ -10,18 +10,20 @@ projection by its two inputs (attention, MLP). The forward runs only on fused bl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mdtriton.engine.attention import Attention, PackedAttention
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.fused_activations import attention_and_gelu_to_fp8
 from mdtriton.engine.layers import ColumnParallelLinear, RowParallelLinear, fuse_columns
-from mdtriton.families.flux.layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, modulate
+from mdtriton.families.flux.layers import AdaLayerNormZero, AdaLayerNormZeroSingle, FeedForward, joined, modulate
 from mdtriton.families.flux.qkv import joint_qkv, packed_qkv
 
 RMS_EPS = 1e-6
 Rope = tuple[torch.Tensor, torch.Tensor]
-Modulation = tuple[torch.Tensor, ...]  # a block's modulation_linears() outputs, as layers.modulation_shares gives them
+# A block's modulation_linears() outputs as the context-parallel ranks' shares (layers.modulation_shares), or None
+Modulation = tuple[torch.Tensor, ...] | None
 NOT_FUSED = "FLUX blocks run with fused projections: call fuse_projections() once the weights are loaded"
 
 
@@ -81,6 +83,15 @@ class FluxAttention(nn.Module):
         return self.to_qkv(x), self.norm_q.weight, self.norm_k.weight, text_qkv, text_q_weight, text_k_weight
 
 
+def modulation_vectors(linears: list[nn.Linear], temb: torch.Tensor, modulation: Modulation) -> list[torch.Tensor]:
+    """Each linear's output of silu(temb) [B, out_features]: joined from the ranks' shares where given, else
+    computed."""
+    if modulation is None:
+        silu = F.silu(temb)
+        return [linear(silu) for linear in linears]
+    return [joined(share, linear.out_features) for share, linear in zip(modulation, linears)]
+
+
 def tokens_first(out: torch.Tensor) -> torch.Tensor:
     """The attention output [B, H, S, D] as [B, S, H*D]."""
     return out.transpose(1, 2).flatten(2)
@@ -108,17 +119,20 @@ class FluxTransformerBlock(nn.Module):
         """The linears whose outputs of silu(temb) the block takes as its modulation, in its order."""
         return [self.norm1.linear, self.norm1_context.linear]
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, modulation: Modulation, rope: Rope, valid_len: int,
-                attention: tuple[torch.Tensor, torch.Tensor] | None = None, keep_attention: bool = False):
+    def forward(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int,
+                modulation: Modulation = None, attention: tuple[torch.Tensor, torch.Tensor] | None = None,
+                keep_attention: bool = False):
         """image [B, S_img_local, dim] and text [B, S_txt_local, dim] -> both updated; text comes first in the
-        joint sequence, so this rank's text tokens (if any) precede its image tokens. modulation: the ranks' shares
-        of each of modulation_linears()' outputs (layers.modulation_shares).
+        joint sequence, so this rank's text tokens (if any) precede its image tokens. modulation: the shares of its
+        modulation_linears()' outputs of silu(temb) where the context-parallel ranks computed them together
+        (Flux.modulations); None: computed here.
 
         TaylorSeer (mdtriton.engine.step_cache): `attention`, the attention's outputs (image's and text's, after their
         output projections: what diffusers' FluxAttention returns) given instead of computed; keep_attention returns
         them too, as (image, text, (image_attention, text_attention))."""
-        norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, modulation[0])
-        norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, modulation[1])
+        image_emb, text_emb = modulation_vectors(self.modulation_linears(), temb, modulation)
+        norm_image, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(image, image_emb)
+        norm_text, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(text, text_emb)
         if attention is None:
             # The attention function is called here, not in a helper: compiled, the graph breaks at that call, and a
             # break inside a helper would split the helper into a region of its own. Ulysses gets q, k and v packed
@@ -191,12 +205,13 @@ class FluxSingleTransformerBlock(nn.Module):
         """The linear whose output of silu(temb) the block takes as its modulation."""
         return [self.norm.linear]
 
-    def forward(self, x: torch.Tensor, modulation: Modulation, rope: Rope, valid_len: int,
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: Rope, valid_len: int, modulation: Modulation = None,
                 attention: torch.Tensor | None = None, keep_attention: bool = False):
         """x [B, S_local, dim] -> updated x; modulation as FluxTransformerBlock's. TaylorSeer: `attention`, the
         attention's output (before the output projection: what diffusers' FluxAttention returns here) given instead of
         computed; keep_attention returns it too, as (x, attention)."""
-        norm_x, gate = self.norm(x, modulation[0])
+        (emb,) = modulation_vectors(self.modulation_linears(), temb, modulation)
+        norm_x, gate = self.norm(x, emb)
         if attention is None:
             # The MLP runs beside the attention: on the GPU while the attention's first transfer is in flight; with
             # Ulysses its first layer then, and the rest while the attention's output travels back.

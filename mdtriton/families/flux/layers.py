@@ -68,7 +68,7 @@ def joined(shares: torch.Tensor, features: int) -> torch.Tensor:
 
 class AdaLayerNormZero(nn.Module):
     """Norm + shift/scale from the modulation, plus the gate/shift/scale/gate the rest of a double block uses. The
-    modulation, its linear of silu(temb), is computed for every block at once (modulation_shares).
+    modulation, its linear of silu(temb), is computed by the block (blocks.modulation_vectors).
 
     fp8: the normed input is handed on quantized (its readers are the block's FP8 q/k/v GEMMs)."""
 
@@ -77,9 +77,8 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(dim, 6 * dim)
         self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, ...]:
-        """modulation: the ranks' shares of self.linear(silu(temb)) (modulation_shares)."""
-        emb = joined(modulation, self.linear.out_features)
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, ...]:
+        """emb: self.linear(silu(temb)), [B, 6 * dim]."""
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         return modulate(x, shift, scale, self.fp8), gate, shift_mlp, scale_mlp, gate_mlp
 
@@ -92,8 +91,8 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.linear = nn.Linear(dim, 3 * dim)
         self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-        shift, scale, gate = joined(modulation, self.linear.out_features).chunk(3, dim=1)
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        shift, scale, gate = emb.chunk(3, dim=1)
         return modulate(x, shift, scale, self.fp8), gate
 
 

@@ -136,11 +136,11 @@ class Flux(nn.Module):
                                                  timestep, img_ids, txt_ids, guidance)
         modulations = self.modulations(temb, self.transformer_blocks, self.single_transformer_blocks)
         for block, modulation in zip(self.transformer_blocks, modulations):
-            image, text = block(image, text, modulation, (cos, sin), tokens.valid_len)
+            image, text = block(image, text, temb, (cos, sin), tokens.valid_len, modulation)
         joint = torch.cat((text, image), dim=1)
         del image, text
         for block, modulation in zip(self.single_transformer_blocks, modulations[len(self.transformer_blocks):]):
-            joint = block(joint, modulation, (cos, sin), tokens.valid_len)
+            joint = block(joint, temb, (cos, sin), tokens.valid_len, modulation)
         return self.finish_tokens(tokens, joint, temb)
 
     # First Block Cache (mdtriton.engine.step_cache) runs the forward in three parts, each taking the request's inputs
@@ -156,7 +156,7 @@ class Flux(nn.Module):
                                                     timestep, img_ids, txt_ids, guidance)
         first_block = self.transformer_blocks[0]
         modulation, = self.modulations(temb, [first_block])
-        image, text = first_block(image_in, text, modulation, (cos, sin), tokens.valid_len)
+        image, text = first_block(image_in, text, temb, (cos, sin), tokens.valid_len, modulation)
         first, end = tokens.image_range()
         return {"image": image, "text": text, "temb": temb, "cos": cos, "sin": sin,
                 "hidden": torch.cat((text, image), dim=1), "residual": (image - image_in)[:, :end - first]}
@@ -170,10 +170,10 @@ class Flux(nn.Module):
         double_blocks = self.transformer_blocks[1:]
         modulations = self.modulations(temb, double_blocks, self.single_transformer_blocks)
         for block, modulation in zip(double_blocks, modulations):
-            image, text = block(image, text, modulation, (cos, sin), tokens.valid_len)
+            image, text = block(image, text, temb, (cos, sin), tokens.valid_len, modulation)
         joint = torch.cat((text, image), dim=1)
         for block, modulation in zip(self.single_transformer_blocks, modulations[len(double_blocks):]):
-            joint = block(joint, modulation, (cos, sin), tokens.valid_len)
+            joint = block(joint, temb, (cos, sin), tokens.valid_len, modulation)
         return {**self.finish_tokens(tokens, joint, temb), "hidden": joint}
 
     def finish(self, hidden: torch.Tensor, temb: torch.Tensor, hidden_states: torch.Tensor,
@@ -203,22 +203,22 @@ class Flux(nn.Module):
         for index, block in enumerate(self.transformer_blocks):
             modulation = modulations[index]
             if given is None:
-                image, text, attention = block(image, text, modulation, (cos, sin), tokens.valid_len,
+                image, text, attention = block(image, text, temb, (cos, sin), tokens.valid_len, modulation,
                                                keep_attention=True)
                 kept += attention
             else:
                 attention = (given[2 * index], given[2 * index + 1])
-                image, text = block(image, text, modulation, (cos, sin), tokens.valid_len, attention=attention)
+                image, text = block(image, text, temb, (cos, sin), tokens.valid_len, modulation, attention=attention)
         joint = torch.cat((text, image), dim=1)
         del image, text
         offset = 2 * len(self.transformer_blocks)
         for index, block in enumerate(self.single_transformer_blocks):
             modulation = modulations[len(self.transformer_blocks) + index]
             if given is None:
-                joint, attention = block(joint, modulation, (cos, sin), tokens.valid_len, keep_attention=True)
+                joint, attention = block(joint, temb, (cos, sin), tokens.valid_len, modulation, keep_attention=True)
                 kept.append(attention)
             else:
-                joint = block(joint, modulation, (cos, sin), tokens.valid_len, attention=given[offset + index])
+                joint = block(joint, temb, (cos, sin), tokens.valid_len, modulation, attention=given[offset + index])
         return {**self.finish_tokens(tokens, joint, temb), **{f"attention.{i}": t for i, t in enumerate(kept)}}
 
     def embed(self, tokens: JointSlice, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
@@ -246,8 +246,11 @@ class Flux(nn.Module):
 
     def modulations(self, temb: torch.Tensor, *blocks: Iterable[nn.Module]) -> list[Modulation]:
         """The modulation of each block of blocks (those of each iterable, in order), computed for all of them at
-        once, split across the context-parallel ranks (layers.modulation_shares)."""
+        once, split across the context-parallel ranks (layers.modulation_shares). On one context-parallel rank there
+        is nothing to split: None for each, and each block computes its own in its compiled code."""
         blocks = [block for group in blocks for block in group]
+        if self.comm.cp_size == 1:
+            return [None] * len(blocks)
         shares = iter(modulation_shares(temb, [linear for block in blocks for linear in block.modulation_linears()],
                                         self.comm))
         return [tuple(next(shares) for _ in block.modulation_linears()) for block in blocks]
