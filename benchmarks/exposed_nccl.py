@@ -16,7 +16,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-PROFILED_CALL = "mdtriton.bench.profiled_call"  # mdtriton.bench's annotation of the profiled forward
+from mdtriton.bench import PROFILED_CALL
+from mdtriton.harness import kind_of
+
 NAME_WIDTH = 60
 
 
@@ -58,7 +60,7 @@ def subtract(intervals: list[tuple[float, float]], cut: list[tuple[float, float]
 
 
 def is_nccl(name: str) -> bool:
-    return "nccl" in name.lower()
+    return kind_of(name) == "NCCL"
 
 
 def stretches(kernels: list[tuple[float, float, str]]) -> dict[str, list[tuple[float, float]]]:

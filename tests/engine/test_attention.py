@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mdtriton.engine.attention import (CP_ATTENTION, PACKED_CP_ATTENTION, attention_for, head_exchange_for, local,
                                        packed_attention_for)
-from mdtriton.engine.attention.ulysses import pack_heads
+from mdtriton.engine.attention.ulysses import heads_by_rank, pack_heads
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
@@ -69,15 +69,9 @@ def run_methods(rank: int, world_size: int, cases: list) -> dict[str, list]:
                     # sent one at a time (Wan's blocks), in the order they are made: the same outputs
                     exchange = head_exchange_for(comm)
                     for part, x in (("v", v), ("k", k), ("q", q)):
-                        exchange.send(part, send_layout(x[:, :, mine], comm.ulysses_size))
+                        exchange.send(part, heads_by_rank(x[:, :, mine].transpose(1, 2), comm.ulysses_size))
                     assert torch.equal(exchange.attention(valid_len), torch.from_numpy(out)), name
     return results
-
-
-def send_layout(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """x [B, H, S, D] as the Ulysses exchange sends one of q, k, v: [ranks, B, S, H / ranks, D]."""
-    batch, heads, length, dim = x.shape
-    return x.view(batch, ranks, heads // ranks, length, dim).permute(1, 0, 3, 2, 4).contiguous()
 
 
 def with_beside(method, q, k, v, comm: Communicator, valid_len: int) -> torch.Tensor:

@@ -62,6 +62,13 @@ def pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: int) ->
     return send
 
 
+def heads_by_rank(heads: torch.Tensor, ranks: int) -> torch.Tensor:
+    """One of q, k and v, heads [B, S, H, D], as HeadExchange.send takes it: [ranks, B, S, H / ranks, D]
+    (contiguous), rank r's heads at [r]."""
+    batch, length, count, dim = heads.shape
+    return heads.view(batch, length, ranks, count // ranks, dim).permute(2, 0, 1, 3, 4).contiguous()
+
+
 def exchange_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, attend: Attend,
                    beside: Beside = None):
     """attend(q, k, v) over the Ulysses group's sequence slices, one slice of the heads per rank: q, k, v

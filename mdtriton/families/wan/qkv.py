@@ -15,6 +15,7 @@ again), then the rotary step in float32, rounded once more.
 
 import torch
 
+from mdtriton.engine.attention.ulysses import heads_by_rank
 from mdtriton.engine.layers import rms_norm_of_squares
 
 try:
@@ -49,7 +50,7 @@ def norm_rotate_heads(x: torch.Tensor, squares: torch.Tensor, weight: torch.Tens
     the weight, rotated by cos and sin [S, D] (each pair of channels alike, as Wan.rotary makes them): its heads as
     the Ulysses exchange of `ranks` ranks sends them, [ranks, B, S, H / ranks, D]."""
     if not (x.is_cuda and triton is not None):
-        return by_rank(norm_rotate(x, squares, weight, features, eps, cos, sin, head_dim), ranks)
+        return heads_by_rank(norm_rotate(x, squares, weight, features, eps, cos, sin, head_dim), ranks)
     return _launch(x, (squares, weight, cos, sin, 1.0 / features, eps), head_dim, ranks)
 
 
@@ -63,19 +64,13 @@ def packed_heads(x: torch.Tensor, head_dim: int, ranks: int) -> torch.Tensor:
     """x [B, S, H * D] (v): its heads as the Ulysses exchange of `ranks` ranks sends them, [ranks, B, S, H / ranks,
     D]."""
     if not (x.is_cuda and triton is not None):
-        return by_rank(x.unflatten(-1, (-1, head_dim)), ranks)
+        return heads_by_rank(x.unflatten(-1, (-1, head_dim)), ranks)
     return _launch(x, None, head_dim, ranks)
 
 
 @packed_heads.register_fake
 def _(x, head_dim, ranks):
     return _empty_heads(x, head_dim, ranks)
-
-
-def by_rank(heads: torch.Tensor, ranks: int) -> torch.Tensor:
-    """heads [B, S, H, D] as [ranks, B, S, H / ranks, D] (contiguous): rank r's heads at [r]."""
-    batch, length, count, dim = heads.shape
-    return heads.view(batch, length, ranks, count // ranks, dim).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def _empty_heads(x: torch.Tensor, head_dim: int, ranks: int) -> torch.Tensor:
