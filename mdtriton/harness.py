@@ -13,8 +13,9 @@ time, run and report; each of them keeps only what it measures.
   took to be ready.
 - **One timer**: `time_calls` (CUDA events on GPUs, ranks lined up by a barrier first; wall time on CPU), in
   milliseconds, and `timing` for the median and minimum of its times.
-- **One way to start ranks**: `run_ranks` starts one process per rank on this host and `init_rank` begins each
-  (its device, its process group: NCCL on GPUs, gloo on CPU).
+- **One way to start ranks**: `run_ranks` starts one process per rank on this host, forked from a fork server that
+  has imported torch once (`RANK_PROCESSES`), and `init_rank` begins each (its device, its process group: NCCL on
+  GPUs, gloo on CPU).
 - **One table format**: `markdown_table` (a Markdown table from a header and rows of cells), titled with
   `device_name`, written with the rows' JSON by `write_results`.
 - What every benchmark measures with: random weights (`bench_weights`; FLUX's with trained-like modulation scales),
@@ -53,6 +54,12 @@ from mdtriton.families.family import AttentionShape
 from mdtriton.families.flux.transformer import example_inputs
 from mdtriton.server import TritonServer, free_port
 
+# Rank processes are forked from multiprocessing's fork server, which imports these once (diffusers where installed:
+# the families' references and pipelines import it) and never touches CUDA: a rank starts in well under a second,
+# where a spawned one imported torch again (seconds each on 2 CPU cores). A rank takes its parent's environment as it
+# was when the rank was started (rank_environment), not the fork server's.
+RANK_PROCESSES = mp.get_context("forkserver")
+RANK_PROCESSES.set_forkserver_preload(["torch", "torch.distributed", "diffusers"])
 # Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
 # O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
 MODULATION_SCALE = 0.1
@@ -270,12 +277,19 @@ def init_rank(rank: int, world_size: int, port: int, cuda: bool, group_of_one: b
     return device
 
 
+def rank_environment(rank: int, environment: dict[str, str], entry, *args) -> None:
+    """entry(rank, *args) in a rank process whose environment is `environment` (its parent's as the rank started)."""
+    os.environ.clear()
+    os.environ.update(environment)
+    entry(rank, *args)
+
+
 def run_ranks(entry, world_size: int, args: tuple, time_limit: float = 0) -> str | None:
-    """Run entry(rank, world_size, port, *args) in world_size new processes (spawned: CUDA cannot fork), which begin
-    with init_rank(rank, world_size, port, ...); stop them all after time_limit seconds (0: no limit). Returns what went
+    """Run entry(rank, world_size, port, *args) in world_size new processes (RANK_PROCESSES), which begin with
+    init_rank(rank, world_size, port, ...); stop them all after time_limit seconds (0: no limit). Returns what went
     wrong, or None."""
-    context = mp.start_processes(entry, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(rank_environment, args=(dict(os.environ), entry, world_size, free_port(), *args),
+                                 nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + time_limit if time_limit else None
     try:
         while not context.join(timeout=5):
