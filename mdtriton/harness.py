@@ -54,12 +54,12 @@ from mdtriton.families.family import AttentionShape
 from mdtriton.families.flux.transformer import example_inputs
 from mdtriton.server import TritonServer, free_port
 
-# Rank processes are forked from multiprocessing's fork server, which imports these once (diffusers where installed:
-# the families' references and pipelines import it) and never touches CUDA: a rank starts in well under a second,
-# where a spawned one imported torch again (seconds each on 2 CPU cores). A rank takes its parent's environment as it
-# was when the rank was started (rank_environment), not the fork server's.
+# Rank processes are forked from multiprocessing's fork server, which imports torch once and never touches CUDA: a rank
+# starts in well under a second, where a spawned one imported torch again (seconds each on 2 CPU cores). Nothing that
+# asks for the GPUs at import may be preloaded (diffusers does: a forked rank could then not use CUDA). A rank takes its
+# parent's environment as it was when the rank was started (rank_environment), not the fork server's.
 RANK_PROCESSES = mp.get_context("forkserver")
-RANK_PROCESSES.set_forkserver_preload(["torch", "torch.distributed", "diffusers"])
+RANK_PROCESSES.set_forkserver_preload(["torch", "torch.distributed"])
 # Trained FLUX models keep their modulation gates small; random N(0, 1/fan_in) modulation weights make them
 # O(1), and 57 blocks then amplify any rounding difference (docs/benchmarks.md, "Accuracy").
 MODULATION_SCALE = 0.1

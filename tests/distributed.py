@@ -1,7 +1,7 @@
 """Run a function on N real ranks (separate processes, gloo process group) and collect results.
 
 The ranks start as the harness's do (mdtriton.harness.RANK_PROCESSES: forked from a fork server that has imported
-torch and diffusers once for the whole session), each with its parent's environment at the call."""
+torch once for the whole session), each with its parent's environment at the call."""
 
 from __future__ import annotations
 
