@@ -45,7 +45,7 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.messages import EndGeneration, Leave, ProtocolError, Run, Submit
+from mdtriton.backend.messages import EndGeneration, Leave, ProtocolError, RanksUnavailable, Run, Submit
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import CommunicationError, Communicator
@@ -55,10 +55,6 @@ from mdtriton.engine.job_control import JobControl, JobFailed, JobStopped, contr
 from mdtriton.engine.request_check import RequestError, check_finite
 
 log = logging.getLogger("mdtriton.backend")
-
-
-class RanksUnavailable(Exception):
-    """The ranks are not (or no longer) together, so no job can run now."""
 
 
 # The rank whose outputs answer every request, whichever rank received it (JobRunner._answer_of_rank_0).

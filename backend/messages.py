@@ -24,6 +24,11 @@ class ProtocolError(RuntimeError):
     """A message this end does not know: the stub and its worker run different code."""
 
 
+class RanksUnavailable(Exception):
+    """The ranks are not (or no longer) together, so no job can run now (raised by a worker's job runner and by its
+    stub's keeper alike)."""
+
+
 # --- from the stub to its worker ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
-from mdtriton.backend.job_runner import RanksUnavailable
+from mdtriton.backend.messages import RanksUnavailable
 from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
-from mdtriton.backend.rank_worker import WorkerSpec
 from mdtriton.backend.rendezvous import rendezvous_dir
 from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
+from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.engine.job_control import JobFailed
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError

@@ -20,18 +20,19 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
-from mdtriton.backend.job_runner import JobRunner, RanksUnavailable
+from mdtriton.backend.job_runner import JobRunner
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
-                                       ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
+                                       ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
+                                       receive, send)
 from mdtriton.backend.process_state import end_with_parent
+from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.engine.comm import Communicator
@@ -43,24 +44,6 @@ from mdtriton.serving import load_engine
 from mdtriton.lora.directory import AdapterSettings
 
 log = logging.getLogger("mdtriton.backend")
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to know, from its stub."""
-
-    engine_dir: str
-    rank: int
-    device: str  # "cpu" or "cuda:N"
-    rendezvous_dir: str  # the area of this model version in this server (the stub knows the server's pid)
-    request_timeout: float  # the longest a collective waits for its peers (each job brings its own deadline)
-    adapters_dir: str  # where a pipeline's LoRA adapters are kept (mdtriton.lora)
-    lora_cache_mib: int  # how much of them the rank keeps loaded
-    join_timeout: float
-    threads: int | None  # torch threads on CPU; None: torch's default (OMP_NUM_THREADS is set)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
 
 class RankWorker:
     def __init__(self, spec: WorkerSpec, link: TensorLink):

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from mdtriton.backend.job_runner import RanksUnavailable
 from mdtriton.backend.process_state import ProcessState, process_state
-from mdtriton.backend.rank_worker import WorkerSpec
+from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
-                                       ProtocolError, Refused, Serving, Started, Stop, Stopped, receive, send)
+                                       ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
+                                       receive, send)
 from mdtriton.engine.job_control import JobFailed, JobStopped, ProgressListener
 from mdtriton.engine.request_check import RequestError
 
