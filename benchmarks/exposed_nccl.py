@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from mdtriton.bench import PROFILED_CALL
+from mdtriton.bench import PROFILED_CALL, union
 from mdtriton.harness import kind_of
 
 NAME_WIDTH = 60
@@ -30,16 +30,6 @@ def gpu_kernels(trace: dict) -> list[tuple[float, float, str]]:
     kernels = [(event["ts"], event["ts"] + event["dur"], event["name"]) for event in events
                if event.get("cat") == "kernel" and (begin is None or event["ts"] >= begin)]
     return sorted(kernels)
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
 
 
 def subtract(intervals: list[tuple[float, float]], cut: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -122,14 +122,20 @@ def kernel_timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float
             "idle_ms": (span - anything) / 1000}
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, as disjoint intervals in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
 def covered(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals."""
-    length, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            length += end - max(start, reach)
-            reach = end
-    return length
+    return sum(end - start for start, end in union(intervals))
 
 
 def attention_inputs(shape: AttentionShape, plan: ParallelPlan, tokens: int,

@@ -17,7 +17,7 @@ from tests.backend.load_clients import CONFIG, Clients, Reference, ask
 from tests.backend.triton_processes import (files_under, rank_workers, rss_bytes, still_running, thread_count,
                                             wait_for_stubs)
 
-CYCLES = int(os.environ.get("MDTRITON_RELOAD_CYCLES", "10"))
+CYCLES = int(os.environ.get("MDTRITON_RELOAD_CYCLES", "6"))
 # Server memory growing by this much a cycle after the first fails the test (it grew by 1 MiB in 20 cycles).
 LEAK_PER_CYCLE = 2 * 2**20
 

@@ -37,10 +37,13 @@ CP_ATTENTION = {
 }
 
 
-PACKED_CP_ATTENTION = {
-    "ulysses": ulysses.packed_attention,
-    "ulysses_ring": ulysses_ring.packed_attention,
+# The methods that exchange heads (Ulysses' all-to-all): what attends the received heads over the whole sequence
+# (HeadExchange's attend), and their attention of q, k and v packed as the exchange sends them.
+HEAD_EXCHANGING = {
+    "ulysses": (ulysses.attend_whole_sequence, ulysses.packed_attention),
+    "ulysses_ring": (ring.ring_attention, ulysses_ring.packed_attention),
 }
+PACKED_CP_ATTENTION = {method: packed for method, (_, packed) in HEAD_EXCHANGING.items()}
 
 
 def attention_for(plan: ParallelPlan) -> Attention:
@@ -53,10 +56,10 @@ def attention_for(plan: ParallelPlan) -> Attention:
 def head_exchange_for(comm: Communicator) -> ulysses.HeadExchange | None:
     """For the methods that exchange heads (ulysses, ulysses_ring), the exchange that sends q, k and v one at a time
     (ulysses.HeadExchange), for blocks that make them one after another; None for the others, and on one CP rank."""
-    if comm.plan.cp_size == 1:
+    if comm.plan.cp_size == 1 or comm.plan.cp_method not in HEAD_EXCHANGING:
         return None
-    attend = {"ulysses": ulysses.attend_whole_sequence, "ulysses_ring": ring.ring_attention}.get(comm.plan.cp_method)
-    return ulysses.HeadExchange(comm, attend) if attend is not None else None
+    attend, _ = HEAD_EXCHANGING[comm.plan.cp_method]
+    return ulysses.HeadExchange(comm, attend)
 
 
 def packed_attention_for(plan: ParallelPlan) -> PackedAttention | None:
