@@ -32,9 +32,9 @@ from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job
                                        ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
                                        receive, send)
 from mdtriton.backend.process_state import end_with_parent
-from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine
 from mdtriton.engine.job_control import JobFailed, JobStopped

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from mdtriton.backend.process_state import ProcessState, process_state
-from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
                                        ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
                                        receive, send)

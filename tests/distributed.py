@@ -14,12 +14,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mdtriton.harness import RANK_PROCESSES
+from mdtriton.harness import RANK_PROCESSES, rank_environment
 
 
-def _rank_main(rank, world_size, work_dir, environment, fn, args):
-    os.environ.clear()
-    os.environ.update(environment)
+def _rank_main(rank, world_size, work_dir, fn, args):
     try:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(work_dir, "store"), world_size),
                                 rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -39,7 +37,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300):
     fn must be importable (a module-level function). Raises if any rank fails or times out.
     """
     with tempfile.TemporaryDirectory() as work_dir:
-        procs = [RANK_PROCESSES.Process(target=_rank_main, args=(rank, world_size, work_dir, dict(os.environ), fn, args))
+        procs = [RANK_PROCESSES.Process(target=rank_environment,
+                                     args=(rank, dict(os.environ), _rank_main, world_size, work_dir, fn, args))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()
