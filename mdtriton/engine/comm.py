@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -312,17 +313,18 @@ class Communicator:
             work = dist.all_to_all_single(out, x, group=self._ulysses_group, async_op=True)
         return Pending(self, "Ulysses all-to-all", [work])
 
-    def ring_shift(self, send: torch.Tensor, receive: torch.Tensor) -> "Pending":
-        """Start sending `send` to the next rank of this rank's ring and receiving the previous rank's into `receive`
-        (one batched send/receive). Read `receive`, or write `send`, only after the returned Pending's wait()."""
+    def ring_shift(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> "Pending":
+        """Start sending each of `sends` to the next rank of this rank's ring and receiving the previous rank's into
+        the receive at its place (one batched send/receive; each tensor contiguous). Read the receives, or write the
+        sends, only after the returned Pending's wait()."""
         if self._rehearsing:
             return Pending(self, "ring shift", [])
-        self.check_device("ring shift", send, receive)
+        self.check_device("ring shift", *sends, *receives)
         position = self.ring_rank
         send_to = self._ring_ranks[(position + 1) % self.ring_size]
         receive_from = self._ring_ranks[(position - 1) % self.ring_size]
-        ops = [dist.P2POp(dist.isend, send, send_to, group=self._ring_group),
-               dist.P2POp(dist.irecv, receive, receive_from, group=self._ring_group)]
+        ops = [dist.P2POp(dist.isend, send, send_to, group=self._ring_group) for send in sends]
+        ops += [dist.P2POp(dist.irecv, receive, receive_from, group=self._ring_group) for receive in receives]
         with self._collective("ring shift"):
             works = dist.batch_isend_irecv(ops)
         return Pending(self, "ring shift", works)

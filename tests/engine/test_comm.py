@@ -28,7 +28,7 @@ def _collectives_of_two_ranks(comm: Communicator, x: torch.Tensor) -> dict:
     if comm.ulysses_size == 2:
         collectives["ulysses_all_to_all"] = lambda: comm.ulysses_all_to_all(torch.empty_like(x), x)
     if comm.ring_size == 2:
-        collectives["ring_shift"] = lambda: comm.ring_shift(x, torch.empty_like(x))
+        collectives["ring_shift"] = lambda: comm.ring_shift([x], [torch.empty_like(x)])
     if comm.cfg_size == 2:
         collectives["cfg_all_gather"] = lambda: comm.cfg_all_gather(x)
     return collectives

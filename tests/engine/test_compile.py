@@ -60,7 +60,7 @@ def test_a_rehearsal_communicates_nothing_and_keeps_every_shape():
         assert comm.tp_all_reduce(x.clone()).shape == x.shape
         assert comm.cp_all_gather(x, dim=2).shape == (2, 6, 8, 3)
         received = torch.full_like(x, 7.0)
-        comm.ring_shift(x, received).wait()
+        comm.ring_shift([x], [received]).wait()
         gathered = torch.full((2, *x.shape), 7.0)
         comm.cp_all_gather_into(gathered, x).wait()
         assert bool((received == 7).all()) and bool((gathered == 7).all())  # nothing was sent or received

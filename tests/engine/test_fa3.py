@@ -1,6 +1,7 @@
 """FlashAttention-3 as the engine's attention on Hopper (mdtriton.engine.attention.fa3): the engine's attention
 functions give float32 attention's answer to bf16 rounding, in the layouts the blocks and the CP methods pass
-(views of the q/k/v kernel's [B, S, H, D] output, key slices cut at valid_len), with the right log-sum-exp; and
+(views of the q/k/v kernel's [B, S, H, D] output, key slices cut at valid_len), with the right log-sum-exp, also
+written into given memory with multiprocessors left to a transfer; and
 where it cannot run, the engine says why and keeps cuDNN's SDPA."""
 
 from __future__ import annotations
@@ -40,3 +41,9 @@ def test_engine_attention_on_hopper_is_fa3_and_right(batch, tokens, valid_len, h
     out, lse = local.attention_with_lse(q, k[:, :, :valid_len], v[:, :, :valid_len])
     assert torch.equal(out, got)
     assert relative_error(lse, expected_lse) < 1e-4
+    # As a ring step calls it: written into given memory, with multiprocessors left to a transfer beside it.
+    memory = torch.full((batch, tokens, heads, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    written, written_lse = local.attention_with_lse(q, k[:, :, :valid_len], v[:, :, :valid_len], out=memory,
+                                                    beside_a_transfer=True)
+    assert written.data_ptr() == memory.data_ptr()
+    assert torch.equal(written, got) and torch.equal(written_lse, lse)

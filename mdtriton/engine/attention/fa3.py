@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 try:
-    from fa3_fwd_interface import _flash_attn_forward
+    import fa3_fwd_interface  # registers torch.ops.fa3_fwd
     IMPORT_ERROR = None
 except (ImportError, OSError) as error:  # not installed, or its library does not load with this torch
-    _flash_attn_forward = None
+    fa3_fwd_interface = None
     IMPORT_ERROR = error
 
 # FlashAttention-3's kernels are Hopper's (wgmma, TMA).
@@ -29,7 +29,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     """Why FlashAttention-3 cannot run on device, or None if it can."""
     if device.type != "cuda":
         return f"it runs on CUDA GPUs, not on {device.type}"
-    if _flash_attn_forward is None:
+    if fa3_fwd_interface is None:
         return f"the fa3-fwd wheel is not importable ({IMPORT_ERROR}); pip install 'mdtriton[hopper]'"
     capability = torch.cuda.get_device_capability(device)
     if capability != CAPABILITY:
@@ -42,13 +42,17 @@ def available(device: torch.device) -> bool:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       out: torch.Tensor | None = None, sm_margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, Sq, H, D] (bf16) of q [B, Sq, H, D] over k, v [B, Sk, H, D], and the log-sum-exp of
-    each query's scaled scores [B, H, Sq] (float32). FP8 inputs need descales (q's, k's, v's: [B, H] each)."""
+    each query's scaled scores [B, H, Sq] (float32). FP8 inputs need descales (q's, k's, v's: [B, H] each). out: where
+    to write the output (contiguous [B, Sq, H, D]), else a new tensor. sm_margin: multiprocessors the kernel leaves
+    free (its persistent grid is that much smaller), for a transfer that runs beside it."""
     q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
-    out, lse, *_ = _flash_attn_forward(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                       softmax_scale=q.shape[-1] ** -0.5)
+    # The kernel's own op (not the wrapper's custom op, which declares that it writes no input).
+    out, lse, *_ = torch.ops.fa3_fwd.fwd(q, k, v, out=out, q_descale=q_descale, k_descale=k_descale,
+                                         v_descale=v_descale, softmax_scale=q.shape[-1] ** -0.5, num_splits=1,
+                                         sm_margin=sm_margin)
     return out, lse
 
 

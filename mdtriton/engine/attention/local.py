@@ -26,9 +26,11 @@ LSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 Beside = Callable[[], Any] | None
 # Work on beside's result, beside the transfer of the attention's output (the packed attention of Ulysses' methods).
 After = Callable[[Any], Any] | None
-# Multiprocessors that the GEMMs beside a transfer leave to NCCL's kernels. cuBLAS's Hopper GEMMs otherwise take every
-# multiprocessor, and the transfer's kernel starts only once they end. On 2 H200s at FLUX's 4,096+512 tokens, 8 made
-# the forward 2% faster (ring and Ulysses), 24 no faster than 8 (docs/benchmarks.md).
+# Multiprocessors that the GEMMs and FlashAttention-3 beside a transfer leave to NCCL's kernels. cuBLAS's Hopper GEMMs
+# and FlashAttention-3 run persistent grids that otherwise take every multiprocessor, and the transfer's kernel starts
+# only once they end (or the attention's last programs wait for the transfer's). On 2 H200s at FLUX's 4,096+512
+# tokens, 8 made the forward 2% faster (ring and Ulysses; the GEMMs' carve-out), 24 no faster than 8; the ring's
+# attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md).
 NCCL_SMS = 8
 
 
@@ -97,23 +99,32 @@ def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                       beside_a_transfer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32); k and v
-    may have fewer heads than q (expand_heads).
+    may have fewer heads than q (expand_heads). out: contiguous [B, Sq, H, D] memory the output is written to (and
+    returned a view of), else new. beside_a_transfer: a transfer runs beside it, so the kernel leaves NCCL_SMS
+    multiprocessors to NCCL (FlashAttention-3 only; its persistent grid would otherwise wait for them).
 
     On CUDA in fp16/bf16 this is one kernel: FlashAttention-3 where available, else cuDNN's (flash attention where
     cuDNN refuses the shape); elsewhere it is computed explicitly in float32.
     """
     if uses_fa3(q):
-        out, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return out.transpose(1, 2), lse
+        result, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=out,
+                                             sm_margin=NCCL_SMS if beside_a_transfer else 0)
+        return result.transpose(1, 2), lse
     k, v = expand_heads(q, k, v)
     if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:
         try:
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+            result, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
         except RuntimeError:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
-        return out, lse.reshape(out.shape[:-1])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    lse = scores.logsumexp(dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+            result, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+        lse = lse.reshape(result.shape[:-1])
+    else:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        lse = scores.logsumexp(dim=-1)
+        result = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    if out is None:
+        return result, lse
+    out.copy_(result.transpose(1, 2))
+    return out.transpose(1, 2), lse

@@ -1,7 +1,9 @@
 """Ring attention: key/value blocks travel around the ring while each rank attends its queries to the block it
-holds; nobody holds more than two blocks. Each step starts the next block's transfer (one batched send/receive into
-the second of two buffers, reused step after step) before attending the block it holds, so the transfer runs under
-that attention; the steps' outputs are combined once, at the end, by their log-sum-exps (attention.merge).
+holds; nobody holds more than three blocks (its own and two buffers). Each step starts the next block's transfer (one
+batched send/receive into one of two buffers, used in turn; the rank's own block is sent from where it is) before
+attending the block it holds, so the transfer runs under that attention, which leaves NCCL its multiprocessors; the
+steps' outputs, each written where the merge reads it, are combined once, at the end, by their log-sum-exps
+(attention.merge).
 
 With cp_method ring the ring is the whole context-parallel group; with ulysses_ring each ring passes the blocks of
 its Ulysses groups (attention.ulysses_ring).
@@ -32,30 +34,34 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     ranks = comm.ring_size
     batch, heads, queries, dim = q.shape
     kv_heads, length = k.shape[1:3]
-    buffers = k.new_empty(2, 2, batch, length, kv_heads, dim)  # [buffer, k or v, B, L, key/value heads, D]
-    buffers[0, 0].copy_(k.transpose(1, 2))
-    buffers[0, 1].copy_(v.transpose(1, 2))
+    # Blocks as [B, L, key/value heads, D]: this rank's own is sent from where it is (no copy where k and v are views
+    # of such memory, as the blocks make them); those that arrive land in two buffers, used in turn.
+    held = [x.transpose(1, 2).contiguous() for x in (k, v)]
+    buffers = k.new_empty(min(ranks - 1, 2), 2, batch, length, kv_heads, dim)  # [buffer, k or v, B, L, heads, D]
     outputs = q.new_empty(ranks, batch, queries, heads, dim)
     lses = q.new_empty(ranks, batch, queries, heads, dtype=torch.float32)
     for step in range(ranks):
-        held, arriving = buffers[step % 2], buffers[(step + 1) % 2]
         last = step == ranks - 1
         if not last:
-            transfer = comm.ring_shift(held, arriving)
+            arriving = buffers[step % 2]
+            transfer = comm.ring_shift(held, arriving.unbind(0))
         if step == 0:
             beside_result = beside_transfer(beside, q.device)
         # At step s this rank holds the block of the rank s places before it in the ring.
         source = (comm.ring_rank - step) % ranks
         keys = min(max(valid_len - source * length, 0), length)
         if keys:
-            out, lse = attention_with_lse(q, held[0, :, :keys].transpose(1, 2), held[1, :, :keys].transpose(1, 2))
-            outputs[step].copy_(out.transpose(1, 2))
+            # The output is written where the merge reads it; the kernel leaves NCCL its multiprocessors while the
+            # next block is in flight.
+            lse = attention_with_lse(q, held[0][:, :keys].transpose(1, 2), held[1][:, :keys].transpose(1, 2),
+                                     out=outputs[step], beside_a_transfer=not last)[1]
             lses[step].copy_(lse.transpose(1, 2))
         else:  # a block of padding only: no weight in the merge
             outputs[step].zero_()
             lses[step].fill_(float("-inf"))
         if not last:
             transfer.wait()
+            held = arriving.unbind(0)
     out = merge_blocks(outputs, lses).transpose(1, 2)
     if beside is None:
         return out
