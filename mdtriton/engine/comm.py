@@ -92,10 +92,6 @@ class Communicator:
         # backend's metrics time them with it).
         self.collective_timer = None
         self._rehearsing = False
-        # Eager inside compiled regions (a graph break): the regions between collectives are what compiles. Made here,
-        # not by a decorator: importing this module then imports none of torch's compiler (a stub, which imports it
-        # through job_control and never compiles, starts 2 s sooner on CPU).
-        self._tp_all_reduce = torch.compiler.disable(self._tp_all_reduce_eagerly)
 
     @contextmanager
     def rehearsal(self):
@@ -256,7 +252,10 @@ class Communicator:
             self._tp_all_reduce(x)
         return x
 
-    def _tp_all_reduce_eagerly(self, x: torch.Tensor) -> None:
+    # Eager inside compiled regions (a graph break): the regions between collectives are what compiles. (The attention
+    # package's docstring says why torch._disable_dynamo.)
+    @torch._disable_dynamo
+    def _tp_all_reduce(self, x: torch.Tensor) -> None:
         if self._rehearsing:
             return
         self.check_device("tensor-parallel all-reduce", x)

@@ -9,8 +9,11 @@ with key/value head h // (q heads / k heads); the methods move the fewer heads a
 `beside`, if given, is work that does not depend on the attention (a FLUX single block's MLP): a function of no
 arguments that each method calls once its first transfer is in flight, so that the work runs on the GPU while the
 transfer does; the method then returns (out, beside's result). On one rank beside just runs before the attention.
-Each runs eagerly also when called from compiled code (`torch.compiler.disable`): its collectives cannot be
-traced, and its kernel choice (cuDNN first, local.KERNEL_PRIORITY) is the eager dispatcher's.
+Each runs eagerly also when called from compiled code (a graph break): its collectives cannot be traced, and its
+kernel choice (cuDNN first, local.KERNEL_PRIORITY) is the eager dispatcher's. The methods are marked with
+`torch._disable_dynamo`, torch's own form of `torch.compiler.disable` that imports torch's compiler at the first call
+rather than at import: a stub (whose family lookup imports these modules) and a CPU rank's worker (which never
+compiles) then skip that import, 1.5 s of CPU each (docs/architecture.md).
 """
 
 from __future__ import annotations

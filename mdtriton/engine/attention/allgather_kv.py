@@ -14,7 +14,7 @@ from mdtriton.engine.attention.local import Beside, beside_transfer, plain_atten
 from mdtriton.engine.comm import Communicator
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Local queries over the whole sequence's keys and values (padding keys cut off; k and v may have fewer heads

@@ -80,7 +80,7 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         return F.scaled_dot_product_attention(q, k, v)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Attention when this rank holds the whole sequence (cp_size 1); keys from valid_len on are dropped."""

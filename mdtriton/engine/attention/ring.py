@@ -18,7 +18,7 @@ from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Local queries over every rank's keys and values, one block per ring step; beside runs while the first

@@ -24,14 +24,14 @@ from mdtriton.engine.comm import Communicator
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Attention of this rank's sequence slice, computed head-split over the whole sequence."""
     return exchange_heads(q, k, v, comm, whole_sequence(valid_len), beside)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None,
                      after: After = None):
     """attention() of queries, keys and values that come packed as the exchange sends them (pack_heads' layout, as
@@ -141,13 +141,13 @@ class HeadExchange:
         self.comm, self.attend = comm, attend
         self.sent: dict[str, tuple[torch.Tensor, object]] = {}
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def send(self, part: str, packed: torch.Tensor) -> None:
         """Start sending part ("q", "k" or "v") of this rank's sequence slice, packed."""
         received = torch.empty_like(packed)
         self.sent[part] = received, self.comm.ulysses_all_to_all(received, packed)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def attention(self, valid_len: int) -> torch.Tensor:
         """The attention of what was sent, as attention() returns it ([B, H, S, D], a view of [B, S, H, D] memory)."""
         if sorted(self.sent) != ["k", "q", "v"]:

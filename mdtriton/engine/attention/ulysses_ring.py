@@ -15,14 +15,14 @@ from mdtriton.engine.attention.ulysses import exchange_heads, exchange_packed
 from mdtriton.engine.comm import Communicator
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, valid_len: int,
               beside: Beside = None):
     """Attention of this rank's sequence slice: heads exchanged in its Ulysses group, blocks passed around its ring."""
     return exchange_heads(q, k, v, comm, lambda q, k, v: ring_attention(q, k, v, comm, valid_len), beside)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def packed_attention(send: torch.Tensor, comm: Communicator, valid_len: int, beside: Beside = None,
                      after: After = None):
     """attention() of queries, keys and values packed as the Ulysses exchange sends them (ulysses.packed_attention)."""
