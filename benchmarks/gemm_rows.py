@@ -2,7 +2,8 @@
 token forward), one GPU: cuBLAS as the engine runs them (torch.mm / addmm, GELU in the epilogue where the engine has
 it), with each BLAS library torch can prefer (--blas), and against Inductor's max-autotune choice (--autotune: Triton
 templates beside cuBLAS). Prints each GEMM's time and its rate against the 4,608-row rate (docs/benchmarks.md,
-session 21: at 1,152 rows 0.81-0.83 of it, and neither cuBLASLt nor a Triton template does better).
+session 21: at 1,152 rows 0.81-0.83 of it, and neither cuBLASLt nor a Triton template does better; timed then as
+the mean of back-to-back calls, now by the harness's timer, the median of calls timed one at a time).
 
     python benchmarks/gemm_rows.py --blas cublas,cublaslt --rows 4608,1152
     python benchmarks/gemm_rows.py --autotune
@@ -13,23 +14,16 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from mdtriton.harness import time_calls, timing
+
 SHAPES = {  # name: (N, K, gelu) for x [M, K] @ W^T [K, N]
     "qkv": (9216, 3072, False), "out": (3072, 3072, False), "mlp_up_gelu": (12288, 3072, True),
     "mlp_down": (3072, 12288, False)}
 
 
-def time_ms(fn, reps: int = 10) -> float:
-    """Milliseconds per call of fn, over reps calls back to back after 3."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def time_ms(fn, reps: int) -> float:
+    """The median milliseconds of reps calls of fn after 3 (the harness's timer: CUDA events around each call)."""
+    return timing(time_calls(fn, True, 3, reps)[0])["median_ms"]
 
 
 def main() -> None:
