@@ -1,7 +1,7 @@
 """FLUX's q/k/v step (mdtriton.families.flux.qkv): the Triton kernel on a GPU computes what the PyTorch
 implementation does, for double blocks (text first) and single blocks, tensor- and context-parallel shapes
-alike (any heads, any split of the tokens, none of a stream on this rank); packed for the Ulysses exchange, it is
-the same q, k and v where ulysses.pack_heads would copy them."""
+alike (any heads, any split of the tokens, none of a stream on this rank); packed for the Ulysses exchange, the
+kernel writes the same q, k and v where ulysses.pack_heads would copy them (on CPU the op is pack_heads itself)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ def projections(device: str, dtype: torch.dtype, batch: int, text_len: int, imag
     return qkv, text_qkv, weights, *rotary_embedding(ids, AXES)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_packed_for_ulysses_they_are_what_the_exchange_would_copy(device, ranks):
-    if device == "cuda" and not torch.cuda.is_available():
+def test_packed_for_ulysses_they_are_what_the_exchange_would_copy(ranks):
+    """(On CPU the op is pack_heads of joint_qkv's output.)"""
+    if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    qkv, text_qkv, weights, cos, sin = projections(device, torch.float32, 2, 7, 61, 12)
+    qkv, text_qkv, weights, cos, sin = projections("cuda", torch.float32, 2, 7, 61, 12)
     for text, w_text, first in ((text_qkv, weights[2:], 0), (None, [None, None], 7)):
         q, k, v = torch.ops.mdtriton.joint_qkv(qkv, weights[0], weights[1], text, *w_text, cos[first:], sin[first:],
                                                1e-6)

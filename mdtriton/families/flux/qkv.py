@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mdtriton.engine.attention.ulysses import pack_heads
+
 try:
     import triton
     import triton.language as tl
@@ -110,15 +112,13 @@ def packed_qkv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     """joint_qkv's q, k and v written as the Ulysses exchange of `ranks` ranks sends them
     (mdtriton.engine.attention.ulysses.pack_heads: [ranks, B, S_text + S, 3 * H / ranks, D]), so that it sends them
     with no copy."""
+    if not (qkv.is_cuda and triton is not None):
+        q, k, v = joint_qkv(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps)
+        return pack_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ranks)
     head_dim = q_weight.shape[0]
     batch, heads = qkv.shape[0], qkv.shape[2] // (3 * head_dim)
     group = heads // ranks
     send = qkv.new_empty(ranks, batch, joint_length(qkv, text_qkv), 3 * group, head_dim)
-    if not (qkv.is_cuda and triton is not None):
-        q, k, v = joint_qkv(qkv, q_weight, k_weight, text_qkv, text_q_weight, text_k_weight, cos, sin, eps)
-        for index, x in enumerate((q, k, v)):
-            send[..., index * group:(index + 1) * group, :].copy_(x.unflatten(2, (ranks, group)).permute(2, 0, 1, 3, 4))
-        return send
     # [B, S, ranks, 3 * group, D] views of send, then q's, k's and v's heads of each group
     by_token = send.permute(1, 2, 0, 3, 4)
     outputs = tuple(by_token[..., index * group:(index + 1) * group, :] for index in range(3))
