@@ -19,6 +19,7 @@ from mdtriton.engine.attention import fa3
 from mdtriton.harness import markdown_table, time_calls, timing
 
 HEAD_DIM = 128
+QUERY_TILE = 128  # the queries of one of its tiles at this head dim
 # (what the shape is, queries, heads, keys): FLUX.1-dev at 4,096+512 and 16,384+512 tokens, Wan 2.1 14B at 720p.
 SHAPES = [("FLUX 4k, 1 GPU", 4608, 24, 4608), ("FLUX 4k, allgather_kv 2", 2304, 24, 4608),
           ("FLUX 4k, a ring step of 2", 2304, 24, 2304), ("FLUX 4k, ulysses 2", 4608, 12, 4608),
@@ -43,7 +44,7 @@ def main() -> None:
         q = torch.randn(1, queries, heads, HEAD_DIM, generator=generator, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, keys, heads, HEAD_DIM, generator=generator, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        tiles = -(-queries // 128) * heads
+        tiles = -(-queries // QUERY_TILE) * heads
         cells = [name, str(tiles)]
         for margin in margins:
             times, _ = time_calls(lambda: fa3.attention_with_lse(q, k, v, sm_margin=margin), True, 5, args.iterations)

@@ -289,7 +289,7 @@ def run_ranks(entry, world_size: int, args: tuple, time_limit: float = 0) -> str
     init_rank(rank, world_size, port, ...); stop them all after time_limit seconds (0: no limit). Returns what went
     wrong, or None."""
     context = mp.start_processes(rank_environment, args=(dict(os.environ), entry, world_size, free_port(), *args),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+                                 nprocs=world_size, join=False, start_method=RANK_PROCESSES.get_start_method())
     deadline = time.monotonic() + time_limit if time_limit else None
     try:
         while not context.join(timeout=5):
