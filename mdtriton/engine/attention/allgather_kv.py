@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import Beside, beside_transfer, plain_attention
+from mdtriton.engine.attention.local import NCCL_SMS, Beside, beside_transfer, plain_attention
 from mdtriton.engine.comm import Communicator
 
 
@@ -26,7 +26,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communica
     sent = [x.transpose(1, 2).contiguous() for x in (k, v)]
     gathered = [x.new_empty(ranks, *x.shape) for x in sent]
     arrivals = [comm.cp_all_gather_into(out, x) for out, x in zip(gathered, sent)]
-    beside_result = beside_transfer(beside, q.device)
+    beside_result = beside_transfer(beside, q.device, NCCL_SMS)
     for arrival in arrivals:
         arrival.wait()
     k_all, v_all = (x.transpose(0, 1).reshape(batch, ranks * length, kv_heads, dim)[:, :valid_len].transpose(1, 2)

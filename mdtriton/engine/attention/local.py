@@ -32,6 +32,11 @@ After = Callable[[Any], Any] | None
 # tokens, 8 made the forward 2% faster (ring and Ulysses; the GEMMs' carve-out), 24 no faster than 8; the ring's
 # attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md).
 NCCL_SMS = 8
+# The GEMMs beside Ulysses' all-to-all leave more: NCCL's all-to-all kernel runs 32 CTAs, at most two to a
+# multiprocessor, and the transfer ends only once all have run. On 4 H200s 24 made ulysses 4 at 4,096+512 tokens 5%
+# faster than 8 (the exposed transfers halved), and left 16,384+512 tokens and Wan at 720p as they were
+# (docs/benchmarks.md, sessions 24 and 26).
+ALL_TO_ALL_NCCL_SMS = 24
 
 
 def uses_fa3(q: torch.Tensor) -> bool:
@@ -53,15 +58,15 @@ def expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
-def beside_transfer(beside: Beside, device: torch.device) -> Any:
-    """beside(), called while a transfer is in flight: on a GPU its cuBLASLt GEMMs leave NCCL_SMS multiprocessors
-    free, so that the transfer runs beside them."""
+def beside_transfer(beside: Beside, device: torch.device, nccl_sms: int) -> Any:
+    """beside(), called while a transfer is in flight: on a GPU its cuBLASLt GEMMs leave nccl_sms multiprocessors
+    free (NCCL_SMS, or ALL_TO_ALL_NCCL_SMS beside an all-to-all), so that the transfer runs beside them."""
     if beside is None:
         return None
     if device.type != "cuda":
         return beside()
     previous = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(NCCL_SMS)
+    torch._C._set_sm_carveout_experimental(nccl_sms)
     try:
         return beside()
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import Beside, attention_with_lse, beside_transfer
+from mdtriton.engine.attention.local import NCCL_SMS, Beside, attention_with_lse, beside_transfer
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 
@@ -46,7 +46,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
             arriving = buffers[step % 2]
             transfer = comm.ring_shift(held, arriving.unbind(0))
         if step == 0:
-            beside_result = beside_transfer(beside, q.device)
+            beside_result = beside_transfer(beside, q.device, NCCL_SMS)
         # At step s this rank holds the block of the rank s places before it in the ring.
         source = (comm.ring_rank - step) % ranks
         keys = min(max(valid_len - source * length, 0), length)

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from mdtriton.engine.attention.local import After, Beside, beside_transfer, expand_heads, plain_attention
+from mdtriton.engine.attention.local import (ALL_TO_ALL_NCCL_SMS, After, Beside, beside_transfer, expand_heads,
+                                             plain_attention)
 from mdtriton.engine.comm import Communicator
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,7 +96,7 @@ def exchange_packed(send: torch.Tensor, q_width: int, comm: Communicator, attend
     kv_width = (send.shape[3] - q_width) // 2
     received = torch.empty_like(send)
     arrival = comm.ulysses_all_to_all(received, send)
-    beside_result = beside_transfer(beside, send.device)
+    beside_result = beside_transfer(beside, send.device, ALL_TO_ALL_NCCL_SMS)
     arrival.wait()
     whole = whole_heads(received)
     out = attend(whole[:, :q_width], whole[:, q_width:q_width + kv_width], whole[:, q_width + kv_width:])
@@ -124,7 +125,7 @@ def return_heads(out: torch.Tensor, comm: Communicator, beside: Beside = None):
     outputs = out.transpose(1, 2).reshape(batch, ranks, length, width, dim).transpose(0, 1).contiguous()
     returned = torch.empty_like(outputs)  # returned[r]: this rank's sequence slice of rank r's heads
     arrival = comm.ulysses_all_to_all(returned, outputs)
-    beside_result = beside_transfer(beside, out.device)
+    beside_result = beside_transfer(beside, out.device, ALL_TO_ALL_NCCL_SMS)
     arrival.wait()
     mine = returned.permute(1, 2, 0, 3, 4).reshape(batch, length, ranks * width, dim).transpose(1, 2)
     return mine if beside is None else (mine, beside_result)
