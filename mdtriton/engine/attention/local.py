@@ -34,8 +34,8 @@ After = Callable[[Any], Any] | None
 NCCL_SMS = 8
 # The GEMMs beside Ulysses' all-to-all leave more: NCCL's all-to-all kernel runs 32 CTAs, at most two to a
 # multiprocessor, and the transfer ends only once all have run. On 4 H200s 24 made ulysses 4 at 4,096+512 tokens 5%
-# faster than 8 (the exposed transfers halved), and left 16,384+512 tokens and Wan at 720p as they were
-# (docs/benchmarks.md, sessions 24 and 26).
+# faster than 8 (the exposed transfers halved), and left 16,384+512 tokens as it was (docs/benchmarks.md, sessions 24
+# and 26).
 ALL_TO_ALL_NCCL_SMS = 24
 
 
