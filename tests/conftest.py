@@ -48,10 +48,11 @@ def log_tail(log_file: Path) -> str:
     return log_file.read_text(errors="replace")[-6000:] if log_file.exists() else "(no log)"
 
 
-def start_server(repository: Path, log_file: Path, **kwargs) -> TritonServer:
-    """Start a server on free ports; on failure, show the end of its log in the error."""
+def start_server(repository: Path, log_file: Path, ready_within: float = 180, **kwargs) -> TritonServer:
+    """Start a server on free ports, ready within ready_within seconds; on failure, show the end of its log in the
+    error."""
     try:
-        server = TritonServer(repository, log_file=log_file, **kwargs).start(timeout=180)
+        server = TritonServer(repository, log_file=log_file, **kwargs).start(timeout=ready_within)
     except Exception as error:
         raise RuntimeError(f"{error}\n--- server log tail ---\n{log_tail(log_file)[-4000:]}") from error
     STARTED.append((server, log_file))
