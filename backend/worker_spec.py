@@ -1,5 +1,4 @@
-"""What a rank's worker needs to know, from its stub: a module of its own, so that a stub (which never runs the
-engine) imports none of the engine's modules, torch's compiler among them."""
+"""What a rank's worker needs to know, from its stub: what both ends read, apart from either."""
 
 from __future__ import annotations
 

@@ -10,13 +10,13 @@ pipeline engine with its family's PipelinePart. The backend, the build tools and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from mdtriton.engine import request_check
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
+from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import family, pipeline_part
@@ -24,9 +24,6 @@ from mdtriton.lora.adapter_file import AdapterError, check_adapter
 from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
 from mdtriton.pipeline.prompts import text_rows
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
-
-if TYPE_CHECKING:
-    from mdtriton.engine.engine import Engine
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s; the build writes it, a pipeline's
 # longer: PipelinePart.request_timeout_s) when a config does not say.
@@ -44,10 +41,6 @@ def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
                 adapters: AdapterSettings | None = None) -> Engine:
     """This rank's engine of engine_dir, whose manifest the caller has read; a pipeline's requests may name the
     adapters kept where `adapters` says (mdtriton.lora)."""
-    # Imported here: the engine's modules (torch's compiler among them) are for a rank's worker; a stub, which imports
-    # this module for the request checks, never loads an engine.
-    from mdtriton.engine.engine import TorchEngine
-
     part = pipeline_part(manifest.architecture)
     if part is None:
         return TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)

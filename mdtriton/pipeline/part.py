@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
-
-if TYPE_CHECKING:  # the stubs import the parts' request inputs, never an engine (mdtriton.serving)
-    from mdtriton.engine.engine import TorchEngine
 
 
 # What every pipeline takes and answers beside its own inputs and outputs: the step cache (a JSON object as text:
