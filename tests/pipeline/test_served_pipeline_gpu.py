@@ -3,7 +3,8 @@ pipelines built for GPUs, two requests per rank sent at once so that every rank 
 its answer to the receiving rank), then 20 in a row, each image or clip equal to the same pipeline's on one GPU; the
 VAE decode split across the ranks. Before the device contract (mdtriton.engine.comm) the answers were host tensors,
 which NCCL cannot broadcast: every request another rank than 0 received failed and hung to its deadline. Each GPU
-count has its own server; a machine with fewer GPUs skips its tests (`-k "4gpus"` runs the 4-GPU ones alone)."""
+count and family has its own server; a machine with fewer GPUs skips its tests (`-k "4gpus and flux"` runs the
+4-GPU FLUX one alone)."""
 
 from __future__ import annotations
 
@@ -63,23 +64,27 @@ def needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs")
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS), ids=lambda gpus: f"{gpus}gpus")
+@pytest.fixture(scope="module", params=[(gpus, family) for gpus in sorted(MODELS) for family in MODELS[gpus]],
+                ids=lambda param: f"{param[0]}gpus-{param[1]}")
 def served(request, tmp_path_factory):
-    """A server of the tiny pipelines on one GPU and on every plan of this many GPUs, and the GPU count."""
-    gpus = request.param
+    """A server of one family's tiny pipeline on one GPU and on every plan of this many GPUs, the GPU count and the
+    family."""
+    gpus, family = request.param
     needs_gpus(gpus)
-    root = tmp_path_factory.mktemp(f"gpu_pipelines_{gpus}")
-    weights = {"flux": save_pipelines(root)["dev"], "wan": save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1),
-               "cosmos3": save_tiny_cosmos3_pipeline(root / "cosmos3")}
+    root = tmp_path_factory.mktemp(f"gpu_pipelines_{gpus}_{family}")
+    save = {"flux": lambda: save_pipelines(root)["dev"],
+            "wan": lambda: save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1),
+            "cosmos3": lambda: save_tiny_cosmos3_pipeline(root / "cosmos3")}
+    weights = save[family]()
     repository = root / "repository"
-    for family, plans in MODELS[gpus].items():
-        for name, plan in {f"{family}_1gpu": ParallelPlan(), **plans}.items():
-            build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
-                                weights_path=weights[family], limits=EngineLimits(max_batch_size=1, max_tokens=600))
-    # Every family's models in one server (on 4 GPUs 14 models, 47 rank workers, each starting CUDA and warming up):
-    # on 4 x H200 ready within 180 s in session 23, its set-up failing after 208 s in session 26 (docs/benchmarks.md).
+    for name, plan in {f"{family}_1gpu": ParallelPlan(), **MODELS[gpus][family]}.items():
+        build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
+                            weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+    # One family's models a server (on 4 GPUs up to 6 models, 21 rank workers, each starting CUDA and warming up).
+    # Every family's in one server (14 models, 47 rank workers) was ready within 180 s on 4 x H200 in session 23 and
+    # failed its set-up after 208 s in session 26 (docs/benchmarks.md).
     server = start_server(repository, root / "server.log", ready_within=600)
-    yield server, gpus
+    yield server, gpus, family
     server.stop()
 
 
@@ -98,9 +103,8 @@ def answers(server, model: str, seeds: range) -> list:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["flux", "wan", "cosmos3"])
-def test_every_rank_receives_requests_and_every_answer_equals_one_gpu(served, family):
-    server, gpus = served
+def test_every_rank_receives_requests_and_every_answer_equals_one_gpu(served):
+    server, gpus, family = served
     seeds = range(2 * gpus)
     expected = answers(server, f"{family}_1gpu", seeds)
     assert expected[0].std() > 10  # a real picture
