@@ -312,18 +312,22 @@ class Communicator:
             work = dist.all_to_all_single(out, x, group=self._ulysses_group, async_op=True)
         return Pending(self, "Ulysses all-to-all", [work])
 
-    def ring_shift(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> "Pending":
+    def ring_shift(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor],
+                   sends_back: Sequence[torch.Tensor] = (), receives_back: Sequence[torch.Tensor] = ()) -> "Pending":
         """Start sending each of `sends` to the next rank of this rank's ring and receiving the previous rank's into
-        the receive at its place (one batched send/receive; each tensor contiguous). Read the receives, or write the
-        sends, only after the returned Pending's wait()."""
+        the receive at its place, and each of `sends_back` to the previous rank, receiving the next rank's into
+        `receives_back` (one batched send/receive; each tensor contiguous). Read the receives, or write the sends,
+        only after the returned Pending's wait()."""
         if self._rehearsing:
             return Pending(self, "ring shift", [])
-        self.check_device("ring shift", *sends, *receives)
+        self.check_device("ring shift", *sends, *receives, *sends_back, *receives_back)
         position = self.ring_rank
-        send_to = self._ring_ranks[(position + 1) % self.ring_size]
-        receive_from = self._ring_ranks[(position - 1) % self.ring_size]
-        ops = [dist.P2POp(dist.isend, send, send_to, group=self._ring_group) for send in sends]
-        ops += [dist.P2POp(dist.irecv, receive, receive_from, group=self._ring_group) for receive in receives]
+        following = self._ring_ranks[(position + 1) % self.ring_size]
+        preceding = self._ring_ranks[(position - 1) % self.ring_size]
+        ops = [dist.P2POp(dist.isend, send, following, group=self._ring_group) for send in sends]
+        ops += [dist.P2POp(dist.irecv, receive, preceding, group=self._ring_group) for receive in receives]
+        ops += [dist.P2POp(dist.isend, send, preceding, group=self._ring_group) for send in sends_back]
+        ops += [dist.P2POp(dist.irecv, receive, following, group=self._ring_group) for receive in receives_back]
         with self._collective("ring shift"):
             works = dist.batch_isend_irecv(ops)
         return Pending(self, "ring shift", works)

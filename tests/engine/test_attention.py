@@ -18,13 +18,14 @@ from tests.engine.flux_cases import max_relative_error
 BATCH, HEADS, LOCAL_LEN, HEAD_DIM = 2, 4, 5, 8
 
 
-def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int, kv_heads: int = HEADS) -> tuple[torch.Tensor, ...]:
+def qkv_with_loud_padding(world_size: int, valid_len: int, seed: int, kv_heads: int = HEADS,
+                          batch: int = BATCH) -> tuple[torch.Tensor, ...]:
     """Random q [B, H, world_size * LOCAL_LEN, D], k and v with kv_heads heads; keys and values past valid_len are
     huge, so any leak of padding into a real token's output would be plain to see."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (BATCH, HEADS, world_size * LOCAL_LEN, HEAD_DIM)
+    shape = (batch, HEADS, world_size * LOCAL_LEN, HEAD_DIM)
     q = torch.randn(shape, generator=generator)
-    k, v = (torch.randn((BATCH, kv_heads, *shape[2:]), generator=generator) for _ in range(2))
+    k, v = (torch.randn((batch, kv_heads, *shape[2:]), generator=generator) for _ in range(2))
     k[:, :, valid_len:] *= 30
     v[:, :, valid_len:] *= 1000
     return q, k, v
@@ -89,10 +90,11 @@ def with_beside(method, q, k, v, comm: Communicator, valid_len: int) -> torch.Te
 def test_methods_match_plain_attention(world_size):
     """Every method on 2, 3 and 4 ranks (Ulysses x Ring on 4), with no padding, padding inside the last rank's slice,
     and whole ranks of padding; with as many key/value heads as query heads and with fewer (grouped-query attention:
-    on 4 ranks Ulysses has fewer key/value heads than ranks)."""
+    on 4 ranks Ulysses has fewer key/value heads than ranks); with two samples and one (the ring then attends the two
+    blocks a step brings, one from each way round, in one call where the first is whole)."""
     valid_lens = [world_size * LOCAL_LEN, world_size * LOCAL_LEN - 3, LOCAL_LEN - 1]
-    cases = [(*qkv_with_loud_padding(world_size, n, seed, kv_heads), n)
-             for kv_heads in (HEADS, 2) for seed, n in enumerate(valid_lens)]
+    cases = [(*qkv_with_loud_padding(world_size, n, seed, kv_heads, batch), n)
+             for kv_heads, batch in ((HEADS, BATCH), (2, BATCH), (2, 1)) for seed, n in enumerate(valid_lens)]
     per_rank = run_ranks(world_size, run_methods, cases)
     expected_methods = {name for name in plans(world_size) if not (name == "ulysses" and HEADS % world_size)}
     assert set(per_rank[0]) == expected_methods
