@@ -4,7 +4,7 @@ forwards, the one that came backwards passed on backwards, each into one of two 
 rank's own block is sent both ways from where it is) before attending what it holds, so the transfer runs under that
 attention, which leaves NCCL its multiprocessors. Both ways, a ring of N ranks takes N // 2 transfer steps instead of
 N - 1, and (with one sample) the two blocks a step brings are attended by one call over both: on 4 ranks three calls
-instead of four, two transfers instead of three. The calls' outputs, each written where the merge reads it, are
+instead of four, two transfers instead of three, the second of half a block each way. The calls' outputs, each written where the merge reads it, are
 combined once, at the end, by their log-sum-exps (attention.merge).
 
 With cp_method ring the ring is the whole context-parallel group; with ulysses_ring each ring passes the blocks of
@@ -61,14 +61,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     def keys_of(source: int) -> int:
         return min(max(valid_len - source * length, 0), length)
 
+    # In a ring of an even number of ranks (over 2) both neighbours hold the block that comes last (that of
+    # position + ranks // 2) at the last transfer: half of it comes each way, the first half of its memory forwards,
+    # the second backwards, into one buffer.
+    meets = ranks % 2 == 0 and ranks > 2
     held_forward = held_backward = own
     for step in range(steps + 1):
         in_flight = step < steps
         if in_flight:
             arriving = buffers[step % 2]
-            sends_back = held_backward if step + 1 <= backward_steps else ()
-            transfer = comm.ring_shift(held_forward, arriving[:, 0].unbind(0), sends_back,
-                                       arriving[:, 1].unbind(0) if sends_back else ())
+            brings_back = step + 1 <= backward_steps
+            if meets and step == steps - 1:
+                halves = [x.view(2, -1) for x in arriving[:, 0].unbind(0)]
+                transfer = comm.ring_shift([x.view(2, -1)[0] for x in held_forward], [x[0] for x in halves],
+                                           [x.view(2, -1)[1] for x in held_backward], [x[1] for x in halves])
+            else:
+                transfer = comm.ring_shift(held_forward, arriving[:, 0].unbind(0),
+                                           held_backward if brings_back else (),
+                                           arriving[:, 1].unbind(0) if brings_back else ())
         if step == 0:
             beside_result = beside_transfer(beside, q.device, NCCL_SMS)
             if keys_of(position):
@@ -89,7 +99,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         if in_flight:
             transfer.wait()
             held_forward = arriving[:, 0].unbind(0)
-            held_backward = arriving[:, 1].unbind(0) if sends_back else ()
+            held_backward = arriving[:, 1].unbind(0) if brings_back else ()
     out = merge_blocks(outputs[:attended], lses[:attended]).transpose(1, 2)
     if beside is None:
         return out
