@@ -1,5 +1,5 @@
 """FlashAttention-3's time by the multiprocessors it leaves free (`sm_margin`), at the shapes the context-parallel
-methods hand it: the cost of leaving NCCL room beside a transfer (attention/local.py, NCCL_SMS).
+methods hand it: the cost of leaving NCCL room beside a transfer (attention/local.py, NCCL_SMS, RING_NCCL_SMS).
 
 FlashAttention-3 runs a persistent grid of one program per multiprocessor left, each taking its share of the tiles
 (128 queries of one head each, at head dim 128), so its time follows the rounds, ceil(tiles / programs), more than

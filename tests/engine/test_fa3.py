@@ -44,6 +44,6 @@ def test_engine_attention_on_hopper_is_fa3_and_right(batch, tokens, valid_len, h
     # As a ring step calls it: written into given memory, with multiprocessors left to a transfer beside it.
     memory = torch.full((batch, tokens, heads, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     written, written_lse = local.attention_with_lse(q, k[:, :, :valid_len], v[:, :, :valid_len], out=memory,
-                                                    beside_a_transfer=True)
+                                                    nccl_sms=local.RING_NCCL_SMS)
     assert written.data_ptr() == memory.data_ptr()
     assert torch.equal(written, got) and torch.equal(written_lse, lse)

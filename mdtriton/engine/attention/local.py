@@ -30,8 +30,13 @@ After = Callable[[Any], Any] | None
 # and FlashAttention-3 run persistent grids that otherwise take every multiprocessor, and the transfer's kernel starts
 # only once they end (or the attention's last programs wait for the transfer's). On 2 H200s at FLUX's 4,096+512
 # tokens, 8 made the forward 2% faster (ring and Ulysses; the GEMMs' carve-out), 24 no faster than 8; the ring's
-# attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md).
+# attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md). allgather_kv leaves 8.
 NCCL_SMS = 8
+# The ring's GEMMs and attention beside its transfers leave more: on 4 ranks a step sends to both neighbours. On 4
+# H200s 16 made ring 4 7% faster than 8 at FLUX's 4,096+512 tokens and 6% at 16,384+512, though at 16k a margin of 16
+# adds a round to FlashAttention-3's grid (16 for the GEMMs alone: 4% at 16k). On 2 H200s an attention margin of 16
+# and a GEMM carve-out of 24 were as fast as 8 (docs/benchmarks.md, sessions 24, 25 and 27).
+RING_NCCL_SMS = 16
 # The GEMMs beside Ulysses' all-to-all leave more: NCCL's all-to-all kernel runs 32 CTAs, at most two to a
 # multiprocessor, and the transfer ends only once all have run. On 4 H200s 24 made ulysses 4 at 4,096+512 tokens 5%
 # faster than 8 (the exposed transfers halved), and left 16,384+512 tokens as it was (docs/benchmarks.md, sessions 24
@@ -105,18 +110,18 @@ def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
-                       beside_a_transfer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       nccl_sms: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, H, Sq, D] and the log-sum-exp of each query's scaled scores [B, H, Sq] (float32); k and v
     may have fewer heads than q (expand_heads). out: contiguous [B, Sq, H, D] memory the output is written to (and
-    returned a view of), else new. beside_a_transfer: a transfer runs beside it, so the kernel leaves NCCL_SMS
-    multiprocessors to NCCL (FlashAttention-3 only; its persistent grid would otherwise wait for them).
+    returned a view of), else new. nccl_sms: multiprocessors the kernel leaves to NCCL, where a transfer runs beside
+    it (FlashAttention-3 only; its persistent grid would otherwise take them, and the transfer wait).
 
     On CUDA in fp16/bf16 this is one kernel: FlashAttention-3 where available, else cuDNN's (flash attention where
     cuDNN refuses the shape); elsewhere it is computed explicitly in float32.
     """
     if uses_fa3(q):
         result, lse = fa3.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=out,
-                                             sm_margin=NCCL_SMS if beside_a_transfer else 0)
+                                             sm_margin=nccl_sms)
         return result.transpose(1, 2), lse
     k, v = expand_heads(q, k, v)
     if q.device.type == "cuda" and q.dtype in LSE_KERNEL_DTYPES:

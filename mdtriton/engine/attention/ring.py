@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mdtriton.engine.attention.local import NCCL_SMS, Beside, attention_with_lse, beside_transfer
+from mdtriton.engine.attention.local import RING_NCCL_SMS, Beside, attention_with_lse, beside_transfer
 from mdtriton.engine.attention.merge import merge_blocks
 from mdtriton.engine.comm import Communicator
 
@@ -54,7 +54,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         # blocks are in flight.
         nonlocal attended
         lse = attention_with_lse(q, keys[:, :count].transpose(1, 2), values[:, :count].transpose(1, 2),
-                                 out=outputs[attended], beside_a_transfer=in_flight)[1]
+                                 out=outputs[attended], nccl_sms=RING_NCCL_SMS if in_flight else 0)[1]
         lses[attended].copy_(lse.transpose(1, 2))
         attended += 1
 
@@ -80,7 +80,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
                                            held_backward if brings_back else (),
                                            arriving[:, 1].unbind(0) if brings_back else ())
         if step == 0:
-            beside_result = beside_transfer(beside, q.device, NCCL_SMS)
+            beside_result = beside_transfer(beside, q.device, RING_NCCL_SMS)
             if keys_of(position):
                 attend(*own, keys_of(position), in_flight)
         else:
