@@ -2,10 +2,11 @@
 blocks it holds. Each step starts the next transfer (one batched send/receive: the block that came forwards passed on
 forwards, the one that came backwards passed on backwards, each into one of two sets of buffers, used in turn; the
 rank's own block is sent both ways from where it is) before attending what it holds, so the transfer runs under that
-attention, which leaves NCCL its multiprocessors. Both ways, a ring of N ranks takes N // 2 transfer steps instead of
-N - 1, and (with one sample) the two blocks a step brings are attended by one call over both: on 4 ranks three calls
-instead of four, two transfers instead of three, the second of half a block each way. The calls' outputs, each written where the merge reads it, are
-combined once, at the end, by their log-sum-exps (attention.merge).
+attention, which leaves NCCL its multiprocessors (RING_NCCL_SMS). Both ways, a ring of N ranks takes N // 2 transfer
+steps instead of N - 1, and (with one sample) the two blocks a step brings are attended by one call over both: on 4
+ranks three calls instead of four, two transfers instead of three, the second of half a block each way. The calls'
+outputs, each written where the merge reads it, are combined once, at the end, by their log-sum-exps
+(attention.merge).
 
 With cp_method ring the ring is the whole context-parallel group; with ulysses_ring each ring passes the blocks of
 its Ulysses groups (attention.ulysses_ring).
