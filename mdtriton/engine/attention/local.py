@@ -34,8 +34,8 @@ After = Callable[[Any], Any] | None
 NCCL_SMS = 8
 # The ring's GEMMs and attention beside its transfers leave more: on 4 ranks a step sends to both neighbours. On 4
 # H200s 16 made ring 4 7% faster than 8 at FLUX's 4,096+512 tokens and 6% at 16,384+512, though at 16k a margin of 16
-# adds a round to FlashAttention-3's grid (16 for the GEMMs alone: 4% at 16k). On 2 H200s an attention margin of 16
-# and a GEMM carve-out of 24 were as fast as 8 (docs/benchmarks.md, sessions 24, 25 and 27).
+# adds a round to FlashAttention-3's grid (16 for the GEMMs alone: 4% at 16k). On 2 H200s 16 was within 1% of 8
+# (docs/benchmarks.md, session 27).
 RING_NCCL_SMS = 16
 # The GEMMs beside Ulysses' all-to-all leave more: NCCL's all-to-all kernel runs 32 CTAs, at most two to a
 # multiprocessor, and the transfer ends only once all have run. On 4 H200s 24 made ulysses 4 at 4,096+512 tokens 5%
