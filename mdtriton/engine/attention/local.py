@@ -30,7 +30,8 @@ After = Callable[[Any], Any] | None
 # and FlashAttention-3 run persistent grids that otherwise take every multiprocessor, and the transfer's kernel starts
 # only once they end (or the attention's last programs wait for the transfer's). On 2 H200s at FLUX's 4,096+512
 # tokens, 8 made the forward 2% faster (ring and Ulysses; the GEMMs' carve-out), 24 no faster than 8; the ring's
-# attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md). allgather_kv leaves 8.
+# attention with 8 left, 2% faster again, with 16 no faster than with 8 (docs/benchmarks.md). allgather_kv's now; the
+# ring and Ulysses leave more (below).
 NCCL_SMS = 8
 # The ring's GEMMs and attention beside its transfers leave more: on 4 ranks a step sends to both neighbours. On 4
 # H200s 16 made ring 4 7% faster than 8 at FLUX's 4,096+512 tokens and 6% at 16,384+512, though at 16k a margin of 16
@@ -65,7 +66,7 @@ def expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
 
 def beside_transfer(beside: Beside, device: torch.device, nccl_sms: int) -> Any:
     """beside(), called while a transfer is in flight: on a GPU its cuBLASLt GEMMs leave nccl_sms multiprocessors
-    free (NCCL_SMS, or ALL_TO_ALL_NCCL_SMS beside an all-to-all), so that the transfer runs beside them."""
+    free (the method's: NCCL_SMS, RING_NCCL_SMS or ALL_TO_ALL_NCCL_SMS), so that the transfer runs beside them."""
     if beside is None:
         return None
     if device.type != "cuda":
