@@ -14,6 +14,7 @@ weights left unclipped (what the comparison can see).
     python benchmarks/vae_decode.py                               # FLUX and Wan, 1, 2 and 4 GPUs, bf16
     python benchmarks/vae_decode.py --models wan --dtype float32  # Wan's VAE as the served pipeline runs it
     python benchmarks/vae_decode.py --tiny                        # tiny VAEs on 1, 2, 3 CPU ranks (gloo), float32
+    python benchmarks/vae_decode.py --models flux --compile       # FLUX's decoder compiled, 1, 2 and 4 GPUs
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def levels(image: torch.Tensor) -> torch.Tensor:
 
 
 def float32_levels(vae: torch.nn.Module, latent: torch.Tensor) -> torch.Tensor:
-    """The whole decode in float32 with TF32 off, as uint8 levels on the CPU (vae is left in float32)."""
-    with torch.inference_mode(), torch.backends.cudnn.flags(allow_tf32=False):
+    """The whole decode in float32 with TF32 off, eager (a compiled decoder too), as uint8 levels on the CPU (vae is
+    left in float32)."""
+    with (torch.inference_mode(), torch.backends.cudnn.flags(allow_tf32=False),
+          torch.compiler.set_stance("force_eager")):
         return levels(vae.float().decode(latent.float()).sample).cpu().contiguous()
 
 
@@ -72,6 +75,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         torch.manual_seed(0)
         vae = vae_class(**config).to(device, DTYPES[args.dtype]).eval()
         split = split_decode(vae, comm)
+        if args.compile:
+            vae.decoder.compile()
         latent = torch.randn(latent_shape, generator=torch.Generator().manual_seed(1)).to(device, DTYPES[args.dtype])
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -104,6 +109,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="the VAE's (default bfloat16; the served Wan pipeline runs its VAE in float32)")
     parser.add_argument("--iterations", type=int, default=3, help="timed decodes after one warm-up (default 3)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoder (torch.compile, static shapes; split, it breaks at each exchange "
+                             "between the ranks), in the warm-up decode; the float32 reference stays eager")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny VAEs on CPU ranks, float32 (checks the "
                                                             "script)")
     args = parser.parse_args()
@@ -130,7 +138,7 @@ def main() -> None:
     single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
     device = torch.device("cpu" if args.tiny else "cuda:0")
     ranks = "gloo" if args.tiny else "NCCL"
-    print(f"\nVAE decode, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of {args.iterations} "
+    print(f"\nVAE decode{', the decoder compiled' if args.compile else ''}, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of {args.iterations} "
           "decodes after one warm-up\n")
     print(markdown_table(
         ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",
