@@ -35,11 +35,9 @@ from random_pipelines import CLIP_L, FLUX_PROMPT, FLUX_VAE, T5_XXL, UMT5_XXL, WA
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
 from mdtriton.harness import device_name, markdown_table, relative_error, time_calls, timing
-from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer
+from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline
+from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline
 
-TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-TINY_VAE = dict(block_out_channels=(8, 8, 16, 16), norm_num_groups=4)
 PARTS = ("flux_text", "wan_text", "vae")
 TEXT_VARIANTS = ("eager", "blocks", "whole")
 VAE_VARIANTS = ("eager", "channels_last", "compiled", "compiled_channels_last")
@@ -50,20 +48,29 @@ def text_encoders(pipeline) -> list[torch.nn.Module]:
 
 
 def text_part(part: str, variant: str, tiny: bool, device: torch.device):
-    """encode_prompt of the part's pipeline (its text encoders and tokenizers only), prepared as variant says."""
-    with torch.device(device):
-        if part == "flux_text":
-            pipeline = FluxPipeline(
-                scheduler=None, vae=None, transformer=None, tokenizer=clip_tokenizer(), tokenizer_2=t5_tokenizer(),
-                text_encoder=CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **(TINY_CLIP if tiny else {})})),
-                text_encoder_2=T5EncoderModel(T5Config(**{**T5_XXL, **(TINY_T5 if tiny else {})})))
-            arguments = dict(prompt=[FLUX_PROMPT], prompt_2=None, device=device, max_sequence_length=512)
+    """encode_prompt of the part's pipeline (its text encoders and tokenizers only; tiny: the tests' tiny pipeline's),
+    prepared as variant says."""
+    if part == "flux_text":
+        if tiny:
+            source = tiny_flux_pipeline()
+            encoders = dict(text_encoder=source.text_encoder, text_encoder_2=source.text_encoder_2)
         else:
-            pipeline = WanPipeline(scheduler=None, vae=None, transformer=None, tokenizer=t5_tokenizer(),
-                                   text_encoder=UMT5EncoderModel(UMT5Config(**{**UMT5_XXL,
-                                                                               **(TINY_T5 if tiny else {})})))
-            arguments = dict(prompt=[WAN_PROMPT], negative_prompt=[""], do_classifier_free_guidance=True,
-                             max_sequence_length=512, device=device)
+            with torch.device(device):
+                encoders = dict(text_encoder=CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+                                text_encoder_2=T5EncoderModel(T5Config(**T5_XXL)))
+        pipeline = FluxPipeline(scheduler=None, vae=None, transformer=None, tokenizer=clip_tokenizer(),
+                                tokenizer_2=t5_tokenizer(), **encoders)
+        arguments = dict(prompt=[FLUX_PROMPT], prompt_2=None, device=device, max_sequence_length=512)
+    else:
+        if tiny:
+            text_encoder = tiny_wan_pipeline().text_encoder
+        else:
+            with torch.device(device):
+                text_encoder = UMT5EncoderModel(UMT5Config(**UMT5_XXL))
+        pipeline = WanPipeline(scheduler=None, vae=None, transformer=None, tokenizer=t5_tokenizer(),
+                               text_encoder=text_encoder)
+        arguments = dict(prompt=[WAN_PROMPT], negative_prompt=[""], do_classifier_free_guidance=True,
+                         max_sequence_length=512, device=device)
     pipeline.to(device, torch.bfloat16)
     for encoder in text_encoders(pipeline):
         encoder.eval()  # as from_pretrained leaves it: no dropout
@@ -77,11 +84,16 @@ def text_part(part: str, variant: str, tiny: bool, device: torch.device):
 
 
 def vae_part(variant: str, tiny: bool, device: torch.device):
-    """FLUX's VAE decode of a 1024x1024 image's latent (tiny: 64x64), prepared as variant says."""
-    with torch.device(device):
-        vae = AutoencoderKL(**{**FLUX_VAE, **(TINY_VAE if tiny else {})}).to(torch.bfloat16).eval()
-        latent = torch.randn(1, FLUX_VAE["latent_channels"], 8 if tiny else 128, 8 if tiny else 128,
-                             generator=torch.Generator(device).manual_seed(0), dtype=torch.bfloat16)
+    """FLUX's VAE decode of a 1024x1024 image's latent (tiny: the tests' tiny VAE, 64x64), prepared as variant says."""
+    if tiny:
+        vae = tiny_flux_pipeline().vae
+    else:
+        with torch.device(device):
+            vae = AutoencoderKL(**FLUX_VAE)
+    vae = vae.to(device, torch.bfloat16).eval()
+    side = 8 if tiny else 128  # the latent's, 8x smaller than the image's
+    latent = torch.randn(1, vae.config.latent_channels, side, side, generator=torch.Generator(device).manual_seed(0),
+                         device=device, dtype=torch.bfloat16)
     if "channels_last" in variant:
         vae, latent = vae.to(memory_format=torch.channels_last), latent.to(memory_format=torch.channels_last)
     if variant.startswith("compiled"):

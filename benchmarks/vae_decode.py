@@ -138,8 +138,9 @@ def main() -> None:
     single = {row["model"]: row["median_ms"] for row in rows if row["gpus"] == 1}
     device = torch.device("cpu" if args.tiny else "cuda:0")
     ranks = "gloo" if args.tiny else "NCCL"
-    print(f"\nVAE decode{', the decoder compiled' if args.compile else ''}, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of {args.iterations} "
-          "decodes after one warm-up\n")
+    compiled = ", the decoder compiled" if args.compile else ""
+    print(f"\nVAE decode{compiled}, batch 1, {args.dtype}, {device_name(device)}, {ranks} ranks; median of "
+          f"{args.iterations} decodes after one warm-up\n")
     print(markdown_table(
         ["VAE", "size", "GPUs", "decode", "median ms", "speed-up over 1 GPU", "peak GiB per GPU",
          "max uint8 difference vs 1 GPU", "vs float32 on 1 GPU", "unclipped levels"],

@@ -72,10 +72,12 @@ def served(request, tmp_path_factory):
     gpus, family = request.param
     needs_gpus(gpus)
     root = tmp_path_factory.mktemp(f"gpu_pipelines_{gpus}_{family}")
-    save = {"flux": lambda: save_pipelines(root)["dev"],
-            "wan": lambda: save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1),
-            "cosmos3": lambda: save_tiny_cosmos3_pipeline(root / "cosmos3")}
-    weights = save[family]()
+    if family == "flux":
+        weights = save_pipelines(root)["dev"]
+    elif family == "wan":
+        weights = save_tiny_wan_pipeline(root / "wan", "wan2.1", seed=1)
+    else:
+        weights = save_tiny_cosmos3_pipeline(root / "cosmos3")
     repository = root / "repository"
     for name, plan in {f"{family}_1gpu": ParallelPlan(), **MODELS[gpus][family]}.items():
         build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
