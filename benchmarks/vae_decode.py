@@ -15,6 +15,8 @@ weights left unclipped (what the comparison can see).
     python benchmarks/vae_decode.py --models wan --dtype float32  # Wan's VAE as the served pipeline runs it
     python benchmarks/vae_decode.py --tiny                        # tiny VAEs on 1, 2, 3 CPU ranks (gloo), float32
     python benchmarks/vae_decode.py --models flux --compile       # FLUX's decoder compiled, 1, 2 and 4 GPUs
+    python benchmarks/vae_decode.py --models flux --profile       # and where one decode's GPU time goes, by kernel
+    python benchmarks/vae_decode.py --models flux --graphs        # each decode replayed as a CUDA graph
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from safetensors.torch import load_file, save_file
 
 from random_pipelines import FLUX_VAE
 
+from mdtriton.bench import communication_timeline
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.cuda_graphs import CudaGraphForward
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks, time_calls, timing
 from mdtriton.pipeline.split_vae import split_decode
@@ -48,6 +52,7 @@ MODELS = {"flux": (AutoencoderKL, FLUX_VAE, (1, 16, 128, 128), "1024x1024"),
           "wan": (AutoencoderKLWan, WAN_VAE, (1, 16, 21, 90, 160), "1280x720 x 81")}
 TINY_MODELS = {"flux": (AutoencoderKL, TINY_FLUX_VAE, (1, 2, 7, 5), "40x56"),
                "wan": (AutoencoderKLWan, TINY_WAN_VAE, (1, 4, 3, 5, 6), "48x40 x 9")}
+PROFILE_ROWS = 15  # kernels listed by --profile
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -64,6 +69,31 @@ def float32_levels(vae: torch.nn.Module, latent: torch.Tensor) -> torch.Tensor:
         return levels(vae.float().decode(latent.float()).sample).cpu().contiguous()
 
 
+def decoder_call(vae: torch.nn.Module, graphs: bool):
+    """latent -> image: vae.decode, or (graphs) its CUDA graph, captured at the first call, replayed."""
+    if not graphs:
+        return lambda latent: vae.decode(latent).sample
+    graphed = CudaGraphForward(lambda latent: {"sample": vae.decode(latent).sample}, max_graphs=1)
+    return lambda latent: graphed({"latent": latent})["sample"]
+
+
+def profile_decode(decode, rank: int, title: str) -> None:
+    """One decode under the profiler on every rank (its collectives need them all); rank 0 prints its GPU kernels'
+    milliseconds by name (the most first) and the timeline's NCCL alone, idle and compute milliseconds, by rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        timeline = communication_timeline(decode)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            decode()
+            torch.cuda.synchronize()
+    if rank == 0:
+        print(f"\n{title}: NCCL alone ms by rank {[round(ms, 2) for ms in timeline['exposed_ms']]}, idle "
+              f"{[round(ms, 2) for ms in timeline['idle_ms']]}, compute {[round(ms, 2) for ms in timeline['compute_ms']]}")
+        print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS,
+                                            max_name_column_width=70), flush=True)
+
+
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
     cuda = not args.tiny
     device = init_rank(rank, world_size, port, cuda)
@@ -78,10 +108,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         if args.compile:
             vae.decoder.compile()
         latent = torch.randn(latent_shape, generator=torch.Generator().manual_seed(1)).to(device, DTYPES[args.dtype])
+        decode = decoder_call(vae, args.graphs and cuda)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         with torch.inference_mode():
-            times, image = time_calls(lambda: vae.decode(latent).sample, cuda, 1, args.iterations)
+            times, image = time_calls(lambda: decode(latent), cuda, 1, args.iterations)
         peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
         if world_size > 1:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
@@ -90,6 +121,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             rows.append({"model": name, "size": size, "gpus": world_size, "split": split, **timing(times),
                          "peak_gib": float(peak)})
             print(json.dumps(rows[-1]), flush=True)
+        if args.profile and cuda:
+            profile_decode(lambda: decode(latent), rank, f"{name}, {world_size} GPU(s)")
         if world_size == 1:
             image = None
             save_file({"levels": float32_levels(vae, latent)}, Path(work_dir) / f"{name}-float32.safetensors")
@@ -112,6 +145,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile the decoder (torch.compile, static shapes; split, it breaks at each exchange "
                              "between the ranks), in the warm-up decode; the float32 reference stays eager")
+    parser.add_argument("--graphs", action="store_true",
+                        help="replay each decode as a CUDA graph (captured in the warm-up decode; GPUs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed decodes, one more under the profiler: rank 0 prints its GPU kernels' "
+                             "time by name, and every rank's NCCL alone, idle and compute milliseconds (GPUs)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny VAEs on CPU ranks, float32 (checks the "
                                                             "script)")
     args = parser.parse_args()
