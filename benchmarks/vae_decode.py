@@ -126,7 +126,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         if world_size == 1:
             image = None
             save_file({"levels": float32_levels(vae, latent)}, Path(work_dir) / f"{name}-float32.safetensors")
-        vae = image = None
+        vae = image = decode = None  # a CUDA graph holding NCCL work goes before the process group (seen to hang)
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0:
