@@ -83,7 +83,8 @@ def rendezvous_root(monkeypatch):
 
 @pytest.fixture
 def server_factory(tmp_path):
-    """Start servers for one test; each is stopped at the end of the test."""
+    """Start servers for one test; each is stopped at the end of the test, and no later test's report shows its log
+    (its own test's does, if it fails): a test may kill its server on purpose."""
     servers = []
 
     def start(repository: Path, **kwargs) -> TritonServer:
@@ -94,6 +95,7 @@ def server_factory(tmp_path):
     yield start
     for server in servers:
         server.stop()
+    STARTED[:] = [(server, log_file) for server, log_file in STARTED if server not in servers]
 
 
 @pytest.fixture(scope="session")
