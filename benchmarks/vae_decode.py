@@ -78,8 +78,9 @@ def decoder_call(vae: torch.nn.Module, graphs: bool):
 
 
 def profile_decode(decode, rank: int, title: str) -> None:
-    """One decode under the profiler on every rank (its collectives need them all); rank 0 prints its GPU kernels'
-    milliseconds by name (the most first) and the timeline's NCCL alone, idle and compute milliseconds, by rank."""
+    """Two decodes under the profiler on every rank (their collectives need them all): one for the timeline's NCCL
+    alone, idle and compute milliseconds by rank (mdtriton.bench.communication_timeline), one for rank 0's GPU
+    kernels' milliseconds by name (the most first); rank 0 prints both."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
@@ -148,8 +149,8 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="replay each decode as a CUDA graph (captured in the warm-up decode; GPUs)")
     parser.add_argument("--profile", action="store_true",
-                        help="after the timed decodes, one more under the profiler: rank 0 prints its GPU kernels' "
-                             "time by name, and every rank's NCCL alone, idle and compute milliseconds (GPUs)")
+                        help="after the timed decodes, two more under the profiler: every rank's NCCL alone, idle and "
+                             "compute milliseconds, and rank 0's GPU kernels' time by name (GPUs)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny VAEs on CPU ranks, float32 (checks the "
                                                             "script)")
     args = parser.parse_args()
