@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import tempfile
 from pathlib import Path
 
@@ -31,27 +32,20 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 from safetensors.torch import load_file, save_file
 
 from random_pipelines import FLUX_VAE
+from tests.pipeline.tiny_flux_pipeline import tiny_flux_pipeline
+from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline
 
-from mdtriton.bench import communication_timeline
+from mdtriton.bench import kernels_summary, profiled_kernels
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.cuda_graphs import CudaGraphForward
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks, time_calls, timing
 from mdtriton.pipeline.split_vae import split_decode
 
-WAN_VAE = {}  # Wan 2.1's VAE is AutoencoderKLWan's default config
-# The tests' tiny VAEs (tests/pipeline/tiny_*_pipeline.py), for --tiny.
-TINY_FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=2, block_out_channels=(4, 8, 8, 8),
-                     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                     layers_per_block=1, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False)
-TINY_WAN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                    temperal_downsample=[False, True, True])
-# model: (VAE class, config, latent shape, size label), real and tiny. Latent rows 128 and 90 (7 and 5 tiny) split
-# unevenly over 3 or 4 ranks.
-MODELS = {"flux": (AutoencoderKL, FLUX_VAE, (1, 16, 128, 128), "1024x1024"),
-          "wan": (AutoencoderKLWan, WAN_VAE, (1, 16, 21, 90, 160), "1280x720 x 81")}
-TINY_MODELS = {"flux": (AutoencoderKL, TINY_FLUX_VAE, (1, 2, 7, 5), "40x56"),
-               "wan": (AutoencoderKLWan, TINY_WAN_VAE, (1, 4, 3, 5, 6), "48x40 x 9")}
+# model: (latent shape, size label), real and tiny (the tests' tiny pipelines' VAEs: make_vae). Latent rows 128 and
+# 90 (7 and 5 tiny) split unevenly over 3 or 4 ranks.
+MODELS = {"flux": ((1, 16, 128, 128), "1024x1024"), "wan": ((1, 16, 21, 90, 160), "1280x720 x 81")}
+TINY_MODELS = {"flux": ((1, 2, 7, 5), "40x56"), "wan": ((1, 4, 3, 5, 6), "48x40 x 9")}
 PROFILE_ROWS = 15  # kernels listed by --profile
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -78,21 +72,32 @@ def decoder_call(vae: torch.nn.Module, graphs: bool):
 
 
 def profile_decode(decode, rank: int, title: str) -> None:
-    """Two decodes under the profiler on every rank (their collectives need them all): one for the timeline's NCCL
-    alone, idle and compute milliseconds by rank (mdtriton.bench.communication_timeline), one for rank 0's GPU
-    kernels' milliseconds by name (the most first); rank 0 prints both."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """One decode under the profiler on every rank (their collectives need them all): rank 0 prints every rank's NCCL
+    alone, idle and compute milliseconds (mdtriton.bench.kernels_summary) and its own GPU kernels' milliseconds by
+    name, the most first."""
     with torch.inference_mode():
-        timeline = communication_timeline(decode)
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            decode()
-            torch.cuda.synchronize()
+        kernels = profiled_kernels(decode)
+    timeline = kernels_summary(kernels)
     if rank == 0:
+        by_name = Counter()
+        for name, start, end in kernels:
+            by_name[name] += (end - start) / 1000
+        total = sum(by_name.values())
         print(f"\n{title}: NCCL alone ms by rank {[round(ms, 2) for ms in timeline['exposed_ms']]}, idle "
-              f"{[round(ms, 2) for ms in timeline['idle_ms']]}, compute {[round(ms, 2) for ms in timeline['compute_ms']]}")
-        print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS,
-                                            max_name_column_width=70), flush=True)
+              f"{[round(ms, 2) for ms in timeline['idle_ms']]}, compute {[round(ms, 2) for ms in timeline['compute_ms']]}"
+              f"; rank 0's kernels, {total:.1f} ms in all:\n")
+        print(markdown_table(["kernel", "ms", "share"], [[name[:90], f"{ms:.2f}", f"{100 * ms / total:.1f}%"]
+                                                         for name, ms in by_name.most_common(PROFILE_ROWS)]),
+              flush=True)
+
+
+def make_vae(name: str, tiny: bool):
+    """The model's VAE, the same on every rank (made on the CPU from one seed): at the real VAE's config (Wan 2.1's is
+    AutoencoderKLWan's default), or the tests' tiny pipeline's."""
+    if tiny:
+        return tiny_flux_pipeline().vae if name == "flux" else tiny_wan_pipeline().vae
+    torch.manual_seed(0)
+    return AutoencoderKL(**FLUX_VAE) if name == "flux" else AutoencoderKLWan()
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
@@ -102,9 +107,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     comm.join_groups()
     rows = []
     for name in args.models:
-        vae_class, config, latent_shape, size = (TINY_MODELS if args.tiny else MODELS)[name]
-        torch.manual_seed(0)
-        vae = vae_class(**config).to(device, DTYPES[args.dtype]).eval()
+        latent_shape, size = (TINY_MODELS if args.tiny else MODELS)[name]
+        vae = make_vae(name, args.tiny).to(device, DTYPES[args.dtype]).eval()
         split = split_decode(vae, comm)
         if args.compile:
             vae.decoder.compile()
@@ -149,7 +153,7 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="replay each decode as a CUDA graph (captured in the warm-up decode; GPUs)")
     parser.add_argument("--profile", action="store_true",
-                        help="after the timed decodes, two more under the profiler: every rank's NCCL alone, idle and "
+                        help="after the timed decodes, one more under the profiler: every rank's NCCL alone, idle and "
                              "compute milliseconds, and rank 0's GPU kernels' time by name (GPUs)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny VAEs on CPU ranks, float32 (checks the "
                                                             "script)")

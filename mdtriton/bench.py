@@ -63,11 +63,14 @@ def benchmarked_architectures() -> list[str]:
 
 
 def communication_timeline(call, trace: Path | None = None) -> dict:
-    """One call's GPU kernels under the profiler on every rank (a collective of the default group, where there is
-    one), as kernel_timeline sums them: this rank's NCCL share, every rank's exposed, idle and compute (kernels other
-    than NCCL's) milliseconds in rank order (where one rank computes longer than the others, theirs wait for it in
-    NCCL kernels), and this rank's kernel milliseconds by kind (harness.kind_of; kernels that overlap each count
-    whole). trace: where to write this rank's profile as a gzipped Chrome trace (chrome://tracing, Perfetto), if given.
+    """One call's GPU kernels under the profiler on every rank (profiled_kernels), summed by kernels_summary."""
+    return kernels_summary(profiled_kernels(call, trace))
+
+
+def profiled_kernels(call, trace: Path | None = None) -> list[tuple[str, float, float]]:
+    """This rank's GPU kernels of one call under the profiler, on every rank (a collective of the default group, where
+    there is one): each kernel's name, start and end in microseconds. trace: where to write this rank's profile as a
+    gzipped Chrome trace (chrome://tracing, Perfetto), if given.
 
     The ranks start their profilers at different times (tens of milliseconds apart); a barrier after the start lines
     them up again, and only the kernels that start after it count (a first collective would otherwise wait out that
@@ -75,9 +78,8 @@ def communication_timeline(call, trace: Path | None = None) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        if ranks > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         torch.cuda.synchronize()
         with record_function(PROFILED_CALL):
@@ -87,17 +89,24 @@ def communication_timeline(call, trace: Path | None = None) -> dict:
         profiler.export_chrome_trace(str(trace))  # gzipped: the name ends in .gz
     events = profiler.events()
     begin = min(event.time_range.start for event in events if event.name == PROFILED_CALL)
-    kernels = [event for event in events if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
-               and event.name != PROFILED_CALL]  # the region's own span on the GPU's timeline
-    mine = kernel_timeline([(event.time_range.start, event.time_range.end, "nccl" in event.name.lower())
-                            for event in kernels])
+    return [(event.name, event.time_range.start, event.time_range.end) for event in events
+            if event.device_type == DeviceType.CUDA and event.time_range.start >= begin
+            and event.name != PROFILED_CALL]  # the region's own span on the GPU's timeline
+
+
+def kernels_summary(kernels: list[tuple[str, float, float]]) -> dict:
+    """From every rank's profiled_kernels (a collective of the default group, where there is one), as kernel_timeline
+    sums them: this rank's NCCL share, every rank's exposed, idle and compute (kernels other than NCCL's)
+    milliseconds in rank order (where one rank computes longer than the others, theirs wait for it in NCCL kernels),
+    and this rank's kernel milliseconds by kind (harness.kind_of; kernels that overlap each count whole)."""
+    mine = kernel_timeline([(start, end, "nccl" in name.lower()) for name, start, end in kernels])
     by_kind = dict.fromkeys(KERNEL_KIND_NAMES, 0.0)
-    for event in kernels:
-        by_kind[kind_of(event.name)] += (event.time_range.end - event.time_range.start) / 1000
+    for name, start, end in kernels:
+        by_kind[kind_of(name)] += (end - start) / 1000
     mine["compute_ms"] = sum(ms for kind, ms in by_kind.items() if kind != "NCCL")
     every_rank = [mine]
-    if ranks > 1:
-        every_rank = [None] * ranks
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, mine)
     return {"communication_share": mine["communication_share"],
             "exposed_ms": [rank["exposed_ms"] for rank in every_rank],

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mdtriton.bench import benchmarked_architectures, kernel_timeline, kinds_table
+from mdtriton.bench import benchmarked_architectures, kernel_timeline, kernels_summary, kinds_table
 from mdtriton.cli import main
 
 # (architecture, sizes as --height --width --frames, the tokens each becomes)
@@ -65,6 +65,16 @@ def test_the_kernel_timeline_counts_communication_no_compute_hid_and_time_no_ker
     assert timeline["idle_ms"] == pytest.approx(0.005)
     assert kernel_timeline(kernels[::-1]) == timeline  # as the profiler lists them, in any order
     assert kernel_timeline([]) == {"communication_share": 0.0, "exposed_ms": 0.0, "idle_ms": 0.0}
+
+
+def test_the_kernels_summary_sums_a_ranks_kernels_by_kind_and_its_timeline():
+    # (name, start, end in microseconds), one rank: a transfer half beside a GEMM, then a Triton kernel after a gap
+    kernels = [("ncclDevKernel_SendRecv", 0, 100), ("sm90_xmma_gemm_bf16", 50, 250), ("triton_poi_fused_add", 300, 350)]
+    summary = kernels_summary(kernels)
+    assert summary["exposed_ms"] == [pytest.approx(0.05)] and summary["idle_ms"] == [pytest.approx(0.05)]
+    assert summary["compute_ms"] == [pytest.approx(0.25)]
+    assert summary["kernel_ms_by_kind"] == pytest.approx(
+        {"NCCL": 0.1, "attention": 0.0, "gemm": 0.2, "fused (Triton)": 0.05, "copy": 0.0, "other": 0.0})
 
 
 def test_the_kinds_table_holds_each_ranks_kernels_against_its_share_of_one_gpus():
