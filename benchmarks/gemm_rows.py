@@ -7,9 +7,15 @@ the mean of back-to-back calls, now by the harness's timer, the median of calls 
 
     python benchmarks/gemm_rows.py --blas cublas,cublaslt --rows 4608,1152
     python benchmarks/gemm_rows.py --autotune
+    python benchmarks/gemm_rows.py --cublaslt-search --rows 4608,1152
+
+--cublaslt-search times, without bias or GELU, torch's GEMM (x @ W^T) against every algorithm cuBLASLt's heuristic
+offers for the shape (up to 64, with their tiles and split-K; through nvmath-python, which must be installed), each
+call timed inside a CUDA graph so that no launch cost is counted.
 """
 
 import argparse
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +38,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--autotune", action="store_true", help="also Inductor max-autotune (compiles: ~1 min)")
     parser.add_argument("--blas", default="cublas", help="torch.backends.cuda.preferred_blas_library values, in turn")
+    parser.add_argument("--cublaslt-search", action="store_true",
+                        help="instead: every cuBLASLt algorithm for each shape, in CUDA graphs (needs nvmath-python)")
     args = parser.parse_args()
+    if args.cublaslt_search:
+        search_table(args)
+        return
     for blas in args.blas.split(","):
         torch.backends.cuda.preferred_blas_library(blas)
         print("blas:", torch.backends.cuda.preferred_blas_library())
@@ -72,6 +83,52 @@ def table(args) -> None:
             else:
                 cells += ["", ""]
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
+    """The median milliseconds of one call of fn, replayed `calls` at a time in a CUDA graph (no launch cost)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, reps) / calls
+
+
+def search_table(args) -> None:
+    from nvmath.linalg.advanced import Matmul, MatmulPlanPreferences
+
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), torch.__version__)
+    print("| GEMM | rows | torch mm ms | TFLOP/s | cuBLASLt first choice ms | best of N ms | TFLOP/s | best's tile, "
+          "stages, split-K, reduction |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (n, k, _) in SHAPES.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * rows * n * k
+            torch_ms = graph_ms(lambda: torch.mm(x, weight.t()))
+            mm = Matmul(x, weight.t())  # not freed: its free() fails once a CUDA graph has captured its calls
+            times = {}
+            for algorithm in mm.plan(preferences=MatmulPlanPreferences(limit=64)):
+                try:
+                    times[algorithm] = graph_ms(partial(mm.execute, algorithm=algorithm))
+                except Exception as error:  # noqa: BLE001 - an algorithm that cannot run in a graph: said, not timed
+                    print(f"  {name} {rows}: algorithm {algorithm.algorithm_id} failed: {error}", flush=True)
+            if not times:
+                continue
+            first = mm.algorithms[0]
+            best = min(times, key=times.get)
+            first_ms = f"{times[first]:.4f}" if first in times else "failed"
+            print(f"| {name} | {rows} | {torch_ms:.4f} | {flops / torch_ms / 1e9:.0f} | "
+                  f"{first_ms} | {times[best]:.4f} (of {len(times)}) | {flops / times[best] / 1e9:.0f} | "
+                  f"{best.tile}, {best.stages}, {best.split_k}, {best.reduction_scheme} |", flush=True)
 
 
 if __name__ == "__main__":
