@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
