@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from mdtriton.engine.cuda_graphs import CudaGraphForward
 from mdtriton.harness import time_calls, timing
 
 SHAPES = {  # name: (N, K, gelu) for x [M, K] @ W^T [K, N]
@@ -87,17 +88,14 @@ def table(args) -> None:
 
 def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
     """The median milliseconds of one call of fn, replayed `calls` at a time in a CUDA graph (no launch cost)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def repeated() -> dict:
         for _ in range(calls):
             fn()
-    return time_ms(graph.replay, reps) / calls
+        return {}
+
+    graphed = CudaGraphForward(repeated, max_graphs=1)
+    return time_ms(lambda: graphed({}), reps) / calls
 
 
 def search_table(args) -> None:
