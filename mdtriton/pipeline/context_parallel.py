@@ -1,0 +1,229 @@
+"""A diffusers transformer split by sequence across the context-parallel ranks as its class declares (`_cp_plan`),
+its attention run by our context-parallel methods through our Communicator: a model served on N GPUs with no model
+code of ours.
+
+diffusers declares, for each transformer class that can be split by sequence, which inputs of which submodules are
+split along the sequence and which outputs are gathered (`_cp_plan`: ContextParallelInput and ContextParallelOutput
+by module name; FLUX.1, FLUX.2, Qwen-Image, Wan, LTX, LTX-2 and others). diffusers' own `enable_parallelism` runs that
+plan with torch's functional collectives over a DeviceMesh and its own templated ring and Ulysses attention. Here the
+same plan runs with hooks of ours: each split keeps this rank's slice of the context-parallel group
+(Communicator.cp_rank), each gather is the Communicator's cp_all_gather, and each attention call that the model's
+processors make with the plan's config runs one of our methods (mdtriton.engine.attention: allgather_kv, ring,
+ulysses, ulysses_ring) with the same code, kernels and overlap as the hand-written families, every collective through
+the Communicator (its device contract, failure typing and timing).
+
+diffusers' attention backend registry takes only the backend names of its own enum, so our attention cannot be
+registered there under a name of ours. The call is routed where the processors make it instead: the
+`dispatch_attention_fn` that a processor's module imported is wrapped, once per module, so that a call whose
+parallel_config is a `RankAttention` runs our method, and every other call goes to diffusers' function unchanged.
+
+A split needs the split dimension to divide by the context-parallel ranks (diffusers' default plan has the same
+rule); a model's key padding mask (Qwen-Image's text mask, a batch of prompts of different lengths) is gathered with
+the keys, and such calls attend all the keys gathered (as allgather_kv does), whichever method the plan names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.context_parallel import ModuleForwardMetadata
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from torch import nn
+
+from mdtriton.engine.attention import CP_ATTENTION, Attention
+from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.comm import Communicator
+from mdtriton.engine.manifest import EngineError
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.engine.request_check import RequestError
+
+SPLIT_HOOK = "mdtriton_cp_split---{}"
+GATHER_HOOK = "mdtriton_cp_gather---{}"
+
+
+def context_parallel_plan(transformer_class: type) -> dict:
+    """The class's context-parallel plan; EngineError naming the class if it declares none."""
+    plan = getattr(transformer_class, "_cp_plan", None)
+    if not plan:
+        raise EngineError(f"{transformer_class.__name__} declares no context-parallel plan (diffusers' `_cp_plan`): "
+                          "it runs on one GPU per model (build it with --cp 1)")
+    return plan
+
+
+def check_plan(transformer_class: type, config: dict, plan: ParallelPlan) -> None:
+    """EngineError, before anything loads, if plan cannot split this transformer: no `_cp_plan`, tensor
+    parallelism, or Ulysses over heads that do not divide by its group."""
+    if plan.tp_size > 1:
+        raise EngineError(f"{transformer_class.__name__} is served by diffusers' own modules, which are not split by "
+                          "tensor parallelism here: build it with --tp 1 (context or guidance parallelism split it)")
+    if plan.cp_size == 1:
+        return
+    context_parallel_plan(transformer_class)
+    heads = config.get("num_attention_heads")
+    ulysses = plan.ulysses_size if plan.cp_method == "ulysses_ring" else plan.cp_size
+    if plan.cp_method in ("ulysses", "ulysses_ring") and heads is not None and heads % ulysses:
+        raise EngineError(f"{transformer_class.__name__} has {heads} attention heads, which Ulysses cannot share "
+                          f"among {ulysses} ranks; use --cp-method ring or allgather_kv, or a Ulysses group that "
+                          f"divides {heads}")
+
+
+def split_by_plan(transformer: nn.Module, comm: Communicator) -> None:
+    """Split transformer's forward across comm's context-parallel group as its class's `_cp_plan` says, its
+    attention run by comm's method. Nothing changes on one context-parallel rank."""
+    if comm.cp_size == 1:
+        return
+    for module_name, entry in context_parallel_plan(type(transformer)).items():
+        for module in submodules(transformer, module_name):
+            registry = HookRegistry.check_if_exists_or_initialize(module)
+            if isinstance(entry, dict):
+                registry.register_hook(SplitHook(entry, comm), SPLIT_HOOK.format(module_name))
+            else:
+                entries = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+                registry.register_hook(GatherHook(entries, comm), GATHER_HOOK.format(module_name))
+    attention = RankAttention(comm, CP_ATTENTION[comm.plan.cp_method])
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(type(processor), "_parallel_config"):
+            processor._parallel_config = attention
+            route_attention(type(processor).__call__.__globals__)
+
+
+def submodules(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules a plan's key names: a dotted path from model ("" is model itself), where one `*` stands for every
+    module of a ModuleList."""
+    found = [model]
+    for atom in name.split(".") if name else []:
+        if atom == "*":
+            found = [child for module in found for child in module]
+        else:
+            found = [getattr(module, atom) for module in found]
+    return found
+
+
+class SplitHook(ModelHook):
+    """Keeps this rank's slice of the module's planned inputs (or, for entries with split_output, of its outputs)."""
+
+    def __init__(self, entries: dict, comm: Communicator):
+        super().__init__()
+        self.entries = entries
+        self.comm = comm
+        self.metadata: ModuleForwardMetadata | None = None
+
+    def initialize_hook(self, module):
+        self.metadata = ModuleForwardMetadata(_cls=type(module))
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        args = list(args)
+        for name, entry in self.entries.items():
+            if isinstance(entry, ContextParallelInput) and entry.split_output:
+                continue
+            value, is_kwarg, index = self.metadata._get_parameter_from_args_kwargs(name, args, kwargs)
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                value = self.split(value, entry, name)
+            else:
+                value = [self.split(x, part, name) if isinstance(x, torch.Tensor) and not part.split_output else x
+                         for x, part in zip(value, entry, strict=True)]
+            if is_kwarg:
+                kwargs[name] = value
+            else:
+                args[index] = value
+        return tuple(args), kwargs
+
+    def post_forward(self, module, output):
+        single = isinstance(output, torch.Tensor)
+        output = [output] if single else list(output)
+        for index, entry in self.entries.items():
+            if isinstance(entry, ContextParallelInput) and entry.split_output:
+                output[index] = self.split(output[index], entry, f"output {index} of {type(module).__name__}")
+        return output[0] if single else tuple(output)
+
+    def split(self, x: torch.Tensor, entry: ContextParallelInput, name: str) -> torch.Tensor:
+        if entry.expected_dims is not None and x.dim() != entry.expected_dims:
+            return x  # as diffusers' plan runs: a tensor of another rank is not the one the plan splits
+        length, ranks = x.shape[entry.split_dim], self.comm.cp_size
+        if length % ranks:
+            raise RequestError(f"{name} has {length} tokens along its sequence, which do not split evenly among "
+                               f"{ranks} context-parallel ranks; send a size (image, text) whose token count "
+                               f"divides by {ranks}")
+        return x.narrow(entry.split_dim, self.comm.cp_rank * (length // ranks), length // ranks)
+
+
+class GatherHook(ModelHook):
+    """Gathers the module's planned outputs from every context-parallel rank, in rank order."""
+
+    def __init__(self, entries: list, comm: Communicator):
+        super().__init__()
+        self.entries = entries
+        self.comm = comm
+
+    def post_forward(self, module, output):
+        single = isinstance(output, torch.Tensor)
+        output = [output] if single else list(output)
+        for index, entry in enumerate(self.entries):
+            if entry is not None:
+                output[index] = self.comm.cp_all_gather(output[index], entry.gather_dim)
+        return output[0] if single else tuple(output)
+
+
+@dataclass(frozen=True)
+class RankAttention:
+    """The attention a split transformer's processors call (set as their parallel_config): this rank's slice of
+    the sequence attended over the whole context-parallel group's by `method` (an mdtriton.engine.attention method)."""
+
+    comm: Communicator
+    method: Attention
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+        """diffusers' layout in and out: [batch, local sequence, heads, head size]."""
+        if dropout_p or is_causal or (scale is not None and scale != query.shape[-1] ** -0.5):
+            raise NotImplementedError("context-parallel attention here is non-causal, without dropout, at the default "
+                                      "scale; this model's attention asks for another")
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        if attn_mask is None:
+            out = self.method(q, k, v, self.comm, q.shape[2] * self.comm.cp_size)
+        else:
+            out = self.masked(q, k, v, key_padding(attn_mask, query.shape[:2]))
+        return out.transpose(1, 2)
+
+    def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Attention over the keys the gathered mask keeps, sample by sample (their counts may differ)."""
+        keep = self.comm.cp_all_gather(keep, dim=1)
+        k, v = (self.comm.cp_all_gather(x, dim=2) for x in (k, v))
+        return torch.cat([plain_attention(q[b:b + 1], k[b:b + 1, :, keep[b]], v[b:b + 1, :, keep[b]])
+                          for b in range(q.shape[0])])
+
+
+def key_padding(attn_mask: torch.Tensor, batch_and_length: torch.Size) -> torch.Tensor:
+    """A boolean mask [batch, keys] of the keys to attend, from a processor's mask of those keys ([batch, keys] or
+    [batch, 1, 1, keys]); NotImplementedError for masks of another kind (per query, additive)."""
+    if attn_mask.dtype == torch.bool and attn_mask.dim() in (2, 4) and attn_mask.shape[-1] == batch_and_length[1]:
+        mask = attn_mask.reshape(attn_mask.shape[0], -1, attn_mask.shape[-1])
+        if mask.shape[1] == 1:
+            return mask[:, 0].expand(batch_and_length[0], -1).contiguous()
+    raise NotImplementedError(f"an attention mask of shape {tuple(attn_mask.shape)} and type {attn_mask.dtype} is "
+                              "not a key padding mask, the only kind split attention here takes")
+
+
+def route_attention(module_globals: dict[str, Any]) -> None:
+    """Wrap the `dispatch_attention_fn` a processor's module imported, once, so that calls with a RankAttention as
+    their parallel_config run it; others go to diffusers' function as before."""
+    original = module_globals.get("dispatch_attention_fn")
+    if original is None or getattr(original, "routes_rank_attention", False):
+        return
+
+    def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        if isinstance(parallel_config, RankAttention):
+            return parallel_config(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                        backend=backend, parallel_config=parallel_config)
+
+    dispatch_attention_fn.routes_rank_attention = True
+    module_globals["dispatch_attention_fn"] = dispatch_attention_fn
