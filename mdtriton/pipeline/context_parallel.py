@@ -17,9 +17,13 @@ registered there under a name of ours. The call is routed where the processors m
 `dispatch_attention_fn` that a processor's module imported is wrapped, once per module, so that a call whose
 parallel_config is a `RankAttention` runs our method, and every other call goes to diffusers' function unchanged.
 
-A split needs the split dimension to divide by the context-parallel ranks (diffusers' default plan has the same
-rule); a model's key padding mask (Qwen-Image's text mask, a batch of prompts of different lengths) is gathered with
-the keys, and such calls attend all the keys gathered (as allgather_kv does), whichever method the plan names.
+A split dimension need not divide by the ranks (Qwen-Image's 1328x1328 is 6,889 image tokens): each rank takes
+its share as torch.tensor_split cuts it, the first ranks one token more. A forward whose splits were all even runs
+as the hand-written families do; in one that was not (every rank knows it alike: the split lengths are the same
+everywhere), each attention call pads the ranks' sequences to the longest and masks the padding keys, and the
+planned gathers cut the padding out again. Masked keys (that padding, or a model's own key padding mask: Qwen-Image's
+text mask for a batch of prompts of different lengths) are gathered with the keys; Ulysses then attends the keys the
+mask keeps after its head exchange, and the other methods attend every key gathered, as allgather_kv does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 
 from mdtriton.engine.attention import CP_ATTENTION, Attention
 from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.attention.ulysses import exchange_heads
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
@@ -75,15 +80,17 @@ def split_by_plan(transformer: nn.Module, comm: Communicator) -> None:
     attention run by comm's method. Nothing changes on one context-parallel rank."""
     if comm.cp_size == 1:
         return
+    state = SplitState(comm)
+    transformer.register_forward_pre_hook(state.start)
     for module_name, entry in context_parallel_plan(type(transformer)).items():
         for module in submodules(transformer, module_name):
             registry = HookRegistry.check_if_exists_or_initialize(module)
             if isinstance(entry, dict):
-                registry.register_hook(SplitHook(entry, comm), SPLIT_HOOK.format(module_name))
+                registry.register_hook(SplitHook(entry, state), SPLIT_HOOK.format(module_name))
             else:
                 entries = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
-                registry.register_hook(GatherHook(entries, comm), GATHER_HOOK.format(module_name))
-    attention = RankAttention(comm, CP_ATTENTION[comm.plan.cp_method])
+                registry.register_hook(GatherHook(entries, state), GATHER_HOOK.format(module_name))
+    attention = RankAttention(state, CP_ATTENTION[comm.plan.cp_method])
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(type(processor), "_parallel_config"):
@@ -103,13 +110,59 @@ def submodules(model: nn.Module, name: str) -> list[nn.Module]:
     return found
 
 
-class SplitHook(ModelHook):
-    """Keeps this rank's slice of the module's planned inputs (or, for entries with split_output, of its outputs)."""
+class SplitState:
+    """What the split of one forward knows, alike on every rank: whether a split was uneven (the ranks' sequences
+    then differ in length by a token or a few)."""
 
-    def __init__(self, entries: dict, comm: Communicator):
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.uneven = False
+
+    def start(self, module: nn.Module, args: tuple) -> None:
+        """At each forward's start (the transformer's forward pre-hook)."""
+        self.uneven = False
+
+    def split(self, x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+        """This rank's share of x along dim, as torch.tensor_split cuts it."""
+        length, ranks, rank = x.shape[dim], self.comm.cp_size, self.comm.cp_rank
+        if length < ranks:
+            raise RequestError(f"{name} has {length} tokens along its sequence, fewer than the {ranks} "
+                               "context-parallel ranks it is split among; send a larger size")
+        size, extra = divmod(length, ranks)
+        self.uneven = self.uneven or extra > 0
+        return x.narrow(dim, rank * size + min(rank, extra), size + (rank < extra))
+
+    def lengths(self, local: int) -> list[int]:
+        """Every rank's length of a sequence this rank holds `local` tokens of, in rank order."""
+        mine = torch.tensor([local], dtype=torch.int64, device=self.comm.device)
+        return self.comm.cp_all_gather(mine, 0).tolist()
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's x concatenated along dim, in rank order."""
+        if not self.uneven:
+            return self.comm.cp_all_gather(x, dim)
+        sizes = self.lengths(x.shape[dim])
+        widest = max(sizes)
+        gathered = self.comm.cp_all_gather(pad(x, dim, widest), dim)
+        return torch.cat([gathered.narrow(dim, rank * widest, size) for rank, size in enumerate(sizes)], dim)
+
+
+def pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """x with zeros after it along dim up to length."""
+    if x.shape[dim] == length:
+        return x
+    shape = list(x.shape)
+    shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+class SplitHook(ModelHook):
+    """Keeps this rank's share of the module's planned inputs (or, for entries with split_output, of its outputs)."""
+
+    def __init__(self, entries: dict, state: SplitState):
         super().__init__()
         self.entries = entries
-        self.comm = comm
+        self.state = state
         self.metadata: ModuleForwardMetadata | None = None
 
     def initialize_hook(self, module):
@@ -146,37 +199,33 @@ class SplitHook(ModelHook):
     def split(self, x: torch.Tensor, entry: ContextParallelInput, name: str) -> torch.Tensor:
         if entry.expected_dims is not None and x.dim() != entry.expected_dims:
             return x  # as diffusers' plan runs: a tensor of another rank is not the one the plan splits
-        length, ranks = x.shape[entry.split_dim], self.comm.cp_size
-        if length % ranks:
-            raise RequestError(f"{name} has {length} tokens along its sequence, which do not split evenly among "
-                               f"{ranks} context-parallel ranks; send a size (image, text) whose token count "
-                               f"divides by {ranks}")
-        return x.narrow(entry.split_dim, self.comm.cp_rank * (length // ranks), length // ranks)
+        return self.state.split(x, entry.split_dim, name)
 
 
 class GatherHook(ModelHook):
     """Gathers the module's planned outputs from every context-parallel rank, in rank order."""
 
-    def __init__(self, entries: list, comm: Communicator):
+    def __init__(self, entries: list, state: SplitState):
         super().__init__()
         self.entries = entries
-        self.comm = comm
+        self.state = state
 
     def post_forward(self, module, output):
         single = isinstance(output, torch.Tensor)
         output = [output] if single else list(output)
         for index, entry in enumerate(self.entries):
             if entry is not None:
-                output[index] = self.comm.cp_all_gather(output[index], entry.gather_dim)
+                output[index] = self.state.gather(output[index], entry.gather_dim)
         return output[0] if single else tuple(output)
 
 
 @dataclass(frozen=True)
 class RankAttention:
-    """The attention a split transformer's processors call (set as their parallel_config): this rank's slice of
-    the sequence attended over the whole context-parallel group's by `method` (an mdtriton.engine.attention method)."""
+    """The attention a split transformer's processors call (set as their parallel_config): this rank's share of
+    the sequence attended over the whole context-parallel group's by `method` (an mdtriton.engine.attention
+    method)."""
 
-    comm: Communicator
+    state: SplitState
     method: Attention
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -185,28 +234,43 @@ class RankAttention:
         if dropout_p or is_causal or (scale is not None and scale != query.shape[-1] ** -0.5):
             raise NotImplementedError("context-parallel attention here is non-causal, without dropout, at the default "
                                       "scale; this model's attention asks for another")
+        comm = self.state.comm
+        batch, local = query.shape[:2]
+        keep = None if attn_mask is None else key_padding(attn_mask, batch, local)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        if attn_mask is None:
-            out = self.method(q, k, v, self.comm, q.shape[2] * self.comm.cp_size)
+        if self.state.uneven:  # padded to the longest rank's sequence, the padding keys masked
+            widest = max(self.state.lengths(local))
+            q, k, v = (pad(x, 2, widest) for x in (q, k, v))
+            real = torch.ones(batch, local, dtype=torch.bool, device=query.device) if keep is None else keep
+            keep = pad(real, 1, widest)
+        if keep is None:
+            out = self.method(q, k, v, comm, q.shape[2] * comm.cp_size)
         else:
-            out = self.masked(q, k, v, key_padding(attn_mask, query.shape[:2]))
-        return out.transpose(1, 2)
+            out = masked_attention(q, k, v, comm.cp_all_gather(keep, 1), comm)
+        return out[:, :, :local].transpose(1, 2)
 
-    def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Attention over the keys the gathered mask keeps, sample by sample (their counts may differ)."""
-        keep = self.comm.cp_all_gather(keep, dim=1)
-        k, v = (self.comm.cp_all_gather(x, dim=2) for x in (k, v))
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                     comm: Communicator) -> torch.Tensor:
+    """Attention over the keys that keep [batch, whole sequence] (every rank's mask, in rank order) keeps, sample
+    by sample (their counts may differ): after Ulysses' head exchange, else over every rank's keys gathered."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.cat([plain_attention(q[b:b + 1], k[b:b + 1, :, keep[b]], v[b:b + 1, :, keep[b]])
                           for b in range(q.shape[0])])
 
+    if comm.plan.cp_method == "ulysses":
+        return exchange_heads(q, k, v, comm, attend)
+    return attend(q, comm.cp_all_gather(k, 2), comm.cp_all_gather(v, 2))
 
-def key_padding(attn_mask: torch.Tensor, batch_and_length: torch.Size) -> torch.Tensor:
+
+def key_padding(attn_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """A boolean mask [batch, keys] of the keys to attend, from a processor's mask of those keys ([batch, keys] or
     [batch, 1, 1, keys]); NotImplementedError for masks of another kind (per query, additive)."""
-    if attn_mask.dtype == torch.bool and attn_mask.dim() in (2, 4) and attn_mask.shape[-1] == batch_and_length[1]:
-        mask = attn_mask.reshape(attn_mask.shape[0], -1, attn_mask.shape[-1])
+    if attn_mask.dtype == torch.bool and attn_mask.dim() in (2, 4) and attn_mask.shape[-1] == length:
+        mask = attn_mask.reshape(attn_mask.shape[0], -1, length)
         if mask.shape[1] == 1:
-            return mask[:, 0].expand(batch_and_length[0], -1).contiguous()
+            return mask[:, 0].expand(batch, -1).contiguous()
     raise NotImplementedError(f"an attention mask of shape {tuple(attn_mask.shape)} and type {attn_mask.dtype} is "
                               "not a key padding mask, the only kind split attention here takes")
 

@@ -36,24 +36,24 @@ def transformer(name: str) -> torch.nn.Module:
     return model_class(**config).eval()
 
 
-def request(name: str, text_tokens: int = TEXT_TOKENS, text_mask: bool = False) -> dict:
-    """A seeded call of the model as its pipeline makes it, batch 1 (batch 2 with text_mask: the second sample's text
-    two tokens shorter, padding masked)."""
+def request(name: str, text_tokens: int = TEXT_TOKENS, text_mask: bool = False, side: int = IMAGE_SIDE) -> dict:
+    """A seeded call of the model as its pipeline makes it for an image of side x side patches, batch 1 (batch 2 with
+    text_mask: the second sample's text two tokens shorter, padding masked)."""
     generator = torch.Generator().manual_seed(1)
     batch = 2 if text_mask else 1
-    tokens = IMAGE_SIDE * IMAGE_SIDE
+    tokens = side * side
     hidden = torch.randn(batch, tokens, 16, generator=generator)
     text = torch.randn(batch, text_tokens, 24, generator=generator)
     timestep = torch.full((batch,), 0.7)
     if name == "qwen-image":
         call = dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep,
-                    img_shapes=[[(1, IMAGE_SIDE, IMAGE_SIDE)]] * batch)
+                    img_shapes=[[(1, side, side)]] * batch)
         if text_mask:
             mask = torch.ones(batch, text_tokens, dtype=torch.bool)
             mask[1, -2:] = False
             call["encoder_hidden_states_mask"] = mask
         return call
-    rows, columns = torch.meshgrid(torch.arange(IMAGE_SIDE), torch.arange(IMAGE_SIDE), indexing="ij")
+    rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     if name == "flux2":
         img_ids = torch.stack([torch.zeros(tokens), torch.zeros(tokens), rows.flatten(), columns.flatten()], -1)
         txt_ids = torch.stack([torch.zeros(text_tokens)] * 3 + [torch.arange(text_tokens).float()], -1)
@@ -95,11 +95,24 @@ def one_process(name: str, call: dict) -> torch.Tensor:
 
 
 PLANS = [ParallelPlan(cp_size=2, cp_method=method) for method in ("allgather_kv", "ring", "ulysses")]
-# Every model on every method, a batch whose text padding is masked, and a text that does not split: one start of
-# the ranks for all.
+# Every model on every method; a batch whose text padding is masked; sequences that do not split evenly (a text of 5
+# tokens, an image of 3 x 3 patches, both with the masked batch); a text shorter than the ranks: one start of the ranks
+# for all.
 CASES = ([(name, plan, request(name)) for name in sorted(MODELS) for plan in PLANS]
          + [("qwen-image", plan, request("qwen-image", text_mask=True)) for plan in PLANS]
-         + [("flux2", PLANS[1], request("flux2", text_tokens=5))])
+         + [("flux2", plan, request("flux2", text_tokens=5)) for plan in PLANS]
+         + [("qwen-image", plan, request("qwen-image", text_tokens=5, side=3)) for plan in PLANS]
+         + [("qwen-image", PLANS[2], request("qwen-image", text_tokens=7, text_mask=True, side=3))]
+         + [("flux2", PLANS[1], request("flux2", text_tokens=1))])
+
+
+def image_tokens(call: dict) -> int:
+    return call["hidden_states"].shape[1]
+
+
+def case_id(name: str, plan: ParallelPlan, call: dict) -> str:
+    masked = "-masked" if "encoder_hidden_states_mask" in call else ""
+    return f"{name}-{plan.cp_method}-{call['encoder_hidden_states'].shape[1]}+{image_tokens(call)}{masked}"
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +122,23 @@ def two_ranks() -> dict:
 
 
 @pytest.mark.parametrize("index", range(len(CASES) - 1),
-                         ids=[f"{name}-{plan.cp_method}{'-masked' if 'encoder_hidden_states_mask' in call else ''}"
-                              for name, plan, call in CASES[:-1]])
+                         ids=[case_id(*case) for case in CASES[:-1]])
 def test_each_method_equals_one_process(two_ranks, index):
     name, plan, call = CASES[index]
     expected = one_process(name, call)
+    shares = []
     for result in two_ranks[index]:
         assert isinstance(result, tuple), result
         output, local_tokens = result
-        assert local_tokens == IMAGE_SIDE * IMAGE_SIDE // 2  # each rank ran half the image tokens
+        shares.append(local_tokens)
         torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5)
+    tokens = image_tokens(call)
+    assert shares == [(tokens + 1) // 2, tokens // 2]  # each rank ran its share of the image
 
 
-def test_a_sequence_that_does_not_split_evenly_is_refused_naming_it(two_ranks):
+def test_a_sequence_shorter_than_the_ranks_is_refused_naming_it(two_ranks):
     for message in two_ranks[len(CASES) - 1]:
-        assert "encoder_hidden_states has 5 tokens" in message and "divides by 2" in message, message
+        assert "encoder_hidden_states has 1 tokens" in message and "fewer than the 2" in message, message
 
 
 def test_ulysses_ring_on_four_ranks_equals_one_process():
