@@ -21,9 +21,11 @@ A split dimension need not divide by the ranks (Qwen-Image's 1328x1328 is 6,889 
 its share as torch.tensor_split cuts it, the first ranks one token more. A forward whose splits were all even runs
 as the hand-written families do; in one that was not (every rank knows it alike: the split lengths are the same
 everywhere), each attention call pads the ranks' sequences to the longest and masks the padding keys, and the
-planned gathers cut the padding out again. Masked keys (that padding, or a model's own key padding mask: Qwen-Image's
-text mask for a batch of prompts of different lengths) are gathered with the keys; Ulysses then attends the keys the
-mask keeps after its head exchange, and the other methods attend every key gathered, as allgather_kv does.
+planned gathers cut the padding out again (the ranks' lengths are exchanged at the first forward of a shape, then
+known: a CUDA graph of the forward holds no host sync). Masked keys (that padding, or a model's own key padding mask:
+Qwen-Image's text mask for a batch of prompts of different lengths) are gathered with the keys; Ulysses then attends
+the keys the mask keeps after its head exchange, and the other methods attend every key gathered, as allgather_kv
+does. The hooks and the attention run eagerly inside compiled blocks (graph breaks), as our attention methods do.
 """
 
 from __future__ import annotations
@@ -112,15 +114,24 @@ def submodules(model: nn.Module, name: str) -> list[nn.Module]:
 
 class SplitState:
     """What the split of one forward knows, alike on every rank: whether a split was uneven (the ranks' sequences
-    then differ in length by a token or a few)."""
+    then differ in length by a token or a few), and the global lengths it split, in order."""
 
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.uneven = False
+        self.split_lengths: list[int] = []
+        self.exchanges = 0
+        # Every rank's lengths, by the forward's split lengths and the exchange's place in it: the same key on every
+        # rank, so all ask for them together, once per shape. Later forwards of the shape (a CUDA graph's capture
+        # among them) find them here without a host sync.
+        self.known_lengths: dict[tuple, list[int]] = {}
+        self.known_positions: dict[tuple, torch.Tensor] = {}
 
     def start(self, module: nn.Module, args: tuple) -> None:
         """At each forward's start (the transformer's forward pre-hook)."""
         self.uneven = False
+        self.split_lengths = []
+        self.exchanges = 0
 
     def split(self, x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
         """This rank's share of x along dim, as torch.tensor_split cuts it."""
@@ -130,12 +141,28 @@ class SplitState:
                                "context-parallel ranks it is split among; send a larger size")
         size, extra = divmod(length, ranks)
         self.uneven = self.uneven or extra > 0
+        self.split_lengths.append(length)
         return x.narrow(dim, rank * size + min(rank, extra), size + (rank < extra))
 
     def lengths(self, local: int) -> list[int]:
-        """Every rank's length of a sequence this rank holds `local` tokens of, in rank order."""
-        mine = torch.tensor([local], dtype=torch.int64, device=self.comm.device)
-        return self.comm.cp_all_gather(mine, 0).tolist()
+        """Every rank's length of the sequence this rank holds `local` tokens of, in rank order, at this exchange
+        of an uneven forward."""
+        key = (tuple(self.split_lengths), self.exchanges)
+        self.exchanges += 1
+        if key not in self.known_lengths:
+            mine = torch.tensor([local], dtype=torch.int64, device=self.comm.device)
+            self.known_lengths[key] = self.comm.cp_all_gather(mine, 0).tolist()
+        return self.known_lengths[key]
+
+    def real_positions(self, lengths: list[int]) -> torch.Tensor:
+        """The positions of the real tokens in every rank's sequence padded to the longest, in rank order (made once
+        per lengths, on the device)."""
+        key = tuple(lengths)
+        if key not in self.known_positions:
+            widest = max(lengths)
+            self.known_positions[key] = torch.cat([torch.arange(rank * widest, rank * widest + length)
+                                                   for rank, length in enumerate(lengths)]).to(self.comm.device)
+        return self.known_positions[key]
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x concatenated along dim, in rank order."""
@@ -169,6 +196,7 @@ class SplitHook(ModelHook):
         self.metadata = ModuleForwardMetadata(_cls=type(module))
         return module
 
+    @torch._disable_dynamo  # the split's bookkeeping (SplitState) runs eagerly inside compiled blocks
     def pre_forward(self, module, *args, **kwargs):
         args = list(args)
         for name, entry in self.entries.items():
@@ -188,6 +216,7 @@ class SplitHook(ModelHook):
                 args[index] = value
         return tuple(args), kwargs
 
+    @torch._disable_dynamo
     def post_forward(self, module, output):
         single = isinstance(output, torch.Tensor)
         output = [output] if single else list(output)
@@ -210,6 +239,7 @@ class GatherHook(ModelHook):
         self.entries = entries
         self.state = state
 
+    @torch._disable_dynamo
     def post_forward(self, module, output):
         single = isinstance(output, torch.Tensor)
         output = [output] if single else list(output)
@@ -228,6 +258,7 @@ class RankAttention:
     state: SplitState
     method: Attention
 
+    @torch._disable_dynamo  # eager inside compiled blocks, as our attention methods are (a graph break)
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                  dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
         """diffusers' layout in and out: [batch, local sequence, heads, head size]."""
@@ -239,10 +270,14 @@ class RankAttention:
         keep = None if attn_mask is None else key_padding(attn_mask, batch, local)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         if self.state.uneven:  # padded to the longest rank's sequence, the padding keys masked
-            widest = max(self.state.lengths(local))
+            lengths = self.state.lengths(local)
+            widest = max(lengths)
             q, k, v = (pad(x, 2, widest) for x in (q, k, v))
-            real = torch.ones(batch, local, dtype=torch.bool, device=query.device) if keep is None else keep
-            keep = pad(real, 1, widest)
+            if keep is None:
+                real = self.state.real_positions(lengths)
+                out = attention_over(q, k, v, comm, lambda keys: keys.index_select(2, real))
+                return out[:, :, :local].transpose(1, 2)
+            keep = pad(keep, 1, widest)
         if keep is None:
             out = self.method(q, k, v, comm, q.shape[2] * comm.cp_size)
         else:
@@ -250,18 +285,24 @@ class RankAttention:
         return out[:, :, :local].transpose(1, 2)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                     comm: Communicator) -> torch.Tensor:
-    """Attention over the keys that keep [batch, whole sequence] (every rank's mask, in rank order) keeps, sample
-    by sample (their counts may differ): after Ulysses' head exchange, else over every rank's keys gathered."""
+def attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, select) -> torch.Tensor:
+    """Attention over the keys and values select(x) keeps of the whole sequence's ([B, H, every rank's sequence in
+    rank order, D]): after Ulysses' head exchange, else over every rank's keys gathered."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat([plain_attention(q[b:b + 1], k[b:b + 1, :, keep[b]], v[b:b + 1, :, keep[b]])
-                          for b in range(q.shape[0])])
+        return plain_attention(q, select(k), select(v))
 
     if comm.plan.cp_method == "ulysses":
         return exchange_heads(q, k, v, comm, attend)
     return attend(q, comm.cp_all_gather(k, 2), comm.cp_all_gather(v, 2))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                     comm: Communicator) -> torch.Tensor:
+    """Attention over the keys that keep [batch, whole sequence] (every rank's mask, in rank order) keeps, sample by
+    sample (their counts may differ; a host sync, so not in a CUDA graph)."""
+    return torch.cat([attention_over(q[b:b + 1], k[b:b + 1], v[b:b + 1], comm, lambda keys: keys[:, :, keep[b]])
+                      for b in range(q.shape[0])])
 
 
 def key_padding(attn_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
