@@ -1,7 +1,7 @@
 """Prompt to image on one GPU: our FLUX pipeline engine against diffusers' FluxPipeline, same components.
 
 Every component has random weights and FLUX.1-dev's configs (T5-XXL, CLIP-L, the 16-channel VAE, the 11.9 B
-transformer), created on the GPU (benchmarks/random_pipelines.py). The transformer's random bf16 weights are built
+transformer), created on the GPU (mdtriton/testing/random_pipelines.py). The transformer's random bf16 weights are built
 into our engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
 components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name
 into diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
-from random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
+from mdtriton.testing.random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
                               work_directory)
 from safetensors.torch import load_file
 

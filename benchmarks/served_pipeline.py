@@ -2,7 +2,7 @@
 parallel plan and data type.
 
 Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
-(benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every
+(mdtriton/testing/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every
 plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server each, the
 model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
 (a rank's first answer costs more: docs/benchmarks.md), --images more one after another (the client's wall time for
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
+from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
                               flux_pipeline_dir, pipeline_device, plan_of, rank_counters, wan_pipeline_dir,
                               work_directory)
 

@@ -21,11 +21,11 @@ from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.test_same_answer import received_per_rank
-from tests.backend.triton_processes import rank_pids
+from mdtriton.testing.triton_processes import rank_pids
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference, save_pipelines
-from tests.pipeline.tiny_cosmos3_pipeline import save_tiny_cosmos3_pipeline
-from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
+from mdtriton.testing.tiny_cosmos3_pipeline import save_tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_wan_pipeline import save_tiny_wan_pipeline
 
 pytestmark = pytest.mark.gpu
 # Plans by GPU count, then family. The tiny FLUX has 4 heads; the tiny Wan 6 (no tp 4 or ulysses 4: its cfg 2 x

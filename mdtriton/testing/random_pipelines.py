@@ -1,4 +1,4 @@
-"""The pipelines the pipeline benchmarks build and serve, and the arguments they share.
+"""The pipelines the pipeline benchmarks (benchmarks/) build and serve, and the arguments they share.
 
 Also what they read of a served pipeline: the time of its ranks' jobs (`job_seconds`).
 
@@ -16,7 +16,6 @@ import argparse
 import gc
 import json
 import re
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,17 +25,15 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny pipelines and local tokenizers
-
-from mdtriton.build_tools.build import MODEL_INDEX  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.cosmos3 import COSMOS3  # noqa: E402
-from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
-from mdtriton.families.wan import WAN  # noqa: E402
-from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
-from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
-from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-from tests.backend.test_metrics import scrape_all, steady  # noqa: E402
+from mdtriton.build_tools.build import MODEL_INDEX
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.cosmos3 import COSMOS3
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
+from mdtriton.families.wan import WAN
+from mdtriton.testing.metrics import scrape_all, steady
+from mdtriton.testing.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline
+from mdtriton.testing.tiny_wan_pipeline import tiny_wan_pipeline
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
