@@ -22,8 +22,8 @@ into diffusers' FluxTransformer2DModel, so every row computes with the same weig
 Each row: the median time per image over --repeats after one warm-up image, and the peak GPU memory during its
 images (the shared encoders and VAE plus that row's transformer; the pipelines are measured one after another,
 each transformer freed before the next is loaded). Below the table, the mdtriton image's parts timed alone
-(text encoding, each transformer step, VAE decode) and what the server-side loop costs beyond their sum (the
-issue's bound: under 3%), in-process and served.
+(text encoding, each transformer step, VAE decode) and what the server-side loop costs beyond their sum, in-process
+and served.
 
     python benchmarks/pipeline_flux.py                  # FLUX.1-dev size, 1024x1024, 28 steps, on cuda:0
     python benchmarks/pipeline_flux.py --tiny           # tiny components on the CPU: checks the script

@@ -20,7 +20,7 @@ the share of kernel time in NCCL kernels (which overlap compute, and count their
 time in which NCCL kernels ran alone (communication that no compute hid, waits for a slower rank included), the time
 in which no kernel ran (kernel_timeline) and the time in kernels other than NCCL's (where the forward runs eagerly,
 over 8,192 tokens, the profiler's own cost on the CPU can leave one rank launch-bound, and the first two columns then
-overstate what the timed forwards wait: docs/benchmarks.md, session 18); and a table of rank 0's kernel time
+overstate what the timed forwards wait); and a table of rank 0's kernel time
 by kind (GEMMs, attention, copies, ...) against an even share of the 1-GPU forward's: what a rank does beyond its share
 of one GPU's work (--traces DIR keeps each rank's profile as a Chrome trace). At the first size every output is
 compared with the 1-GPU compiled output and with a float32 forward of the same weights, made first on its own (unless
