@@ -6,8 +6,7 @@ own set of processes (one per GPU, NCCL). Sizes are images or clips in pixels (-
 into the request the family's pipeline sends its transformer (Family.media_request): FLUX at 1024x1024 is 4,096
 image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600;
 Cosmos 3 at 832x480 x 189 frames 18,720 video + 256 text tokens, 1280x720 x 189 44,160 + 256 (its text pathway
-runs at every call, as diffusers' model runs it; the pipeline runs it once per request:
-benchmarks/cosmos3_text_once.py).
+runs at every call, as diffusers' model runs it; the pipeline runs it once per request: docs/benchmarks.md).
 Weights are random, made on each GPU shard by shard from one seed (the same full model for every plan), bf16
 (FLUX's with trained-like scales: modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md,
 "Accuracy"). The engine is loaded as the server loads it (TorchEngine.from_weights) and timed through its forward.
