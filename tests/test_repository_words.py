@@ -1,7 +1,8 @@
-"""The repository speaks of the product, not of how it was made: no tracked text file mentions numbered work
-sessions, the machines' device calls or leases and their kind names, internal issue numbers or what was "not kept".
-Upstream references (Triton server#8882, python_backend PR #384, vLLM-Omni issues #427) and technical sessions (a
-process session, pytest's test session) are the product's words and pass."""
+"""The repository speaks of the product, not of how it was made: no tracked text file (this one included) names the
+numbered work periods, the measuring machines' loans and kind names, internal issue numbers or numbered measuring runs
+(WORDS below, assembled from parts so that this file does not spell them). Upstream references (Triton server#8882,
+python_backend PR #384, vLLM-Omni issues #427) and technical uses (subprocess's start_new_session, pytest's test
+session) are the product's words and pass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Assembled from parts, so that this file, which is tracked too, does not spell the words it looks for.
 SESSION = "ses" + "sion"
 WORDS = [
-    rf"\b{SESSION}s? \d",  # a numbered work session
+    rf"\b{SESSION}s? \d",  # a numbered work period
     rf"\b(this|that|next|last|previous|each|every|one|a|the first|the second|the third|the fourth|the fifth) "
     rf"{SESSION}\b",
     rf"\b{SESSION}s\b",
@@ -24,9 +25,9 @@ WORDS = [
     r"\b" + "iss" + r"ue #?\d",  # our own numbers; upstream ones are "server#8882", "issues #427"
     r"\bthe " + "iss" + r"ue's\b",
     r"\bnot " + "ke" + r"pt\b",
-    r"\bcalls? ((?-i:[A-G])|\d{1,2})(\b|-)(?! ?(s|ms)\b)",  # "call 3", "calls 1-2", "call B"
+    r"\bcalls? ((?-i:[A-G])|\d{1,2})(\b|-)(?! ?(s|ms)\b)",  # a run named by its number or letter
 ]
-# Sessions that are the product's: a process session, pytest's test session and its fixtures' scope.
+# The technical uses of the word: an OS process's, pytest's whole run and its fixtures' scope.
 TECHNICAL = re.compile(rf"start_new_{SESSION}|scope=\"{SESSION}\"|{SESSION}_rendezvous_root|"
                        rf"\b(test|process|HTTP|gRPC) {SESSION}\b", re.IGNORECASE)
 PATTERN = re.compile("|".join(f"(?:{word})" for word in WORDS), re.IGNORECASE)
@@ -67,8 +68,8 @@ def test_no_tracked_file_speaks_of_how_the_project_was_made():
 
 def test_the_words_are_found_and_upstream_references_pass(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    bad = [f"measured in {SESSION} 27", "on the nvidia" + "-h200-x4 kind", "one device call", "(iss" + "ue 36)",
-           "tried and not " + "kept", "the " + "lea" + "se ran out", "call 3 below"]
+    bad = [f"measured in {SESSION} 27", "on the nvidia" + "-h200-x4 kind", "one device" + " call", "(iss" + "ue 36)",
+           "tried and not " + "kept", "the " + "lea" + "se ran out", "ca" + "ll 3 below"]
     good = ["Triton server#8882 and python_backend PR #384", "vLLM-Omni issues #427", "start_new_" + SESSION + "=True",
             f"every server of the test {SESSION}", "the first calls 113 s", "a call that finds the server UNAVAILABLE"]
     (tmp_path / "notes.md").write_text("\n".join(bad + good) + "\n")
