@@ -29,7 +29,7 @@ and served.
     python benchmarks/pipeline_flux.py --tiny           # tiny components on the CPU: checks the script
 
 Needs diffusers, transformers and tokenizers (`pip install ".[pipeline]"`) and, for the served row, the server
-(`nvidia-pytriton`, see the README); run from the checkout's root (it borrows the tests' local tokenizers).
+(`nvidia-pytriton`, see the README).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from pathlib import Path
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
-from mdtriton.testing.random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
-                              work_directory)
 from safetensors.torch import load_file
 
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
@@ -54,6 +52,8 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.harness import build_pipeline, device_name, markdown_table, precision, started_server, time_calls
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
+from mdtriton.testing.random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory,
+                                               pipeline_device, work_directory)
 
 
 def timed(call, device: torch.device, repeats: int, on_this_gpu: bool = True) -> tuple[list[float], float, float]:

@@ -18,8 +18,8 @@ It runs both implementations eagerly (`--mode eager`), which takes about a minut
 xDiT's whole forward once per length and configuration, 30-55 s each on 2 cores; it was checked by hand
 (2026-11-23: 1 and 2 ranks, ring2 and ulysses2, 2 lengths, 5 minutes, every output within 1e-5 of ours):
 
-    python benchmarks/xdit_flux.py --device cpu --preset tiny --gpus 1,2 --height 128 --width 128 \\
-        --configs ring2,ulysses2 --methods allgather_kv --xdit-attention-backend SDPA_EFFICIENT \\
+    PYTHONPATH=$PWD:SITE python benchmarks/xdit_flux.py --device cpu --preset tiny --gpus 1,2 --height 128 \\
+        --width 128 --configs ring2,ulysses2 --methods allgather_kv --xdit-attention-backend SDPA_EFFICIENT \\
         --setup benchmarks.xdit_cpu_check:patch
 
 Exits non-zero if a row is missing, an implementation failed, or an output differs from the reference.
@@ -31,10 +31,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def _math_attention(q, k, v):

@@ -53,8 +53,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, fill_clip_sizes, flux_pipeline_dir,
-                              pipeline_device, wan_pipeline_dir, work_directory)
 
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.plan import ParallelPlan
@@ -62,6 +60,8 @@ from mdtriton.families import family
 from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH as FLUX_MAX_SEQUENCE_LENGTH
 from mdtriton.families.wan.pipeline import MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUENCE_LENGTH
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks
+from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, fill_clip_sizes,
+                                               flux_pipeline_dir, pipeline_device, wan_pipeline_dir, work_directory)
 
 
 @dataclass(frozen=True)

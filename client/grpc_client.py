@@ -29,8 +29,8 @@ from mdtriton.client.tensors import NUMPY_TYPES, as_numpy, is_cuda, sendable, to
 log = logging.getLogger("mdtriton.client")
 
 # Tensors this big or bigger go through shared memory (when the server is local). Measured round trips
-# (docs/benchmarks.md, "Shared memory vs gRPC messages"): below ~64 KiB both ways cost the same; shared memory was ~1.6x faster at 128-256 KiB,
-# ~3x at 1 MiB, ~8x at 64 MiB.
+# (docs/benchmarks.md, "Shared memory vs gRPC messages"): below ~64 KiB both ways cost the same; shared memory was
+# ~1.6x faster at 128-256 KiB, ~3x at 1 MiB, ~8x at 64 MiB.
 SHM_THRESHOLD_BYTES = 128 << 10
 # UNAVAILABLE (server starting, model loading, ranks regrouping) is retried after 0.5 s, 1 s, 2 s, ...
 RETRY_FIRST_WAIT_S = 0.5

@@ -343,8 +343,9 @@ def attention_table(rows: list[dict], shape: AttentionShape) -> str:
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"])):
         tflops = attention_flops(r["tokens"], shape) / r["gpus"] / r["median_ms"] / 1e9
         base = attention_flops(r["tokens"], shape) / cudnn[r["size"]] / 1e9
+        error = [f"{r['error']:.1e}" if "error" in r else ""] if errors else []
         cells.append([size_cell(r), r["gpus"], r["method"], f"{r['median_ms']:.2f}", f"{tflops:.0f}",
-                      f"{100 * tflops / base:.0f}%"] + ([f"{r['error']:.1e}" if "error" in r else ""] if errors else []))
+                      f"{100 * tflops / base:.0f}%", *error])
     return markdown_table(header + (["rel. error vs full attention"] if errors else []), cells)
 
 

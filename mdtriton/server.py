@@ -207,7 +207,7 @@ class TritonServer:
         self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None
-        # A process session of its own, so stop() can end the server and every stub process it started; and a SIGTERM from
+        # A session of its own, so stop() can end the server and every stub process it started; and a SIGTERM from
         # the kernel when this process exits without stop() (killed, or a test run's timeout), so that no server
         # outlives it: Triton then unloads its models, and their stubs and rank workers end. (The kernel sends it when
         # the thread that started the server exits: start servers from a thread that outlives them, as our tools

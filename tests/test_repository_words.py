@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SESSION = "ses" + "sion"
 WORDS = [
     rf"\b{SESSION}s? \d",  # a numbered work period
-    rf"\b(this|that|next|last|previous|each|every|one|a|the first|the second|the third|the fourth|the fifth) "
+    rf"\b(this|that|next|last|previous|each|every|the first|the second|the third|the fourth|the fifth) "
     rf"{SESSION}\b",
     rf"\b{SESSION}s\b",
     "nvidia" + r"-h\d",  # the machines' kind names
