@@ -70,9 +70,10 @@ from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
+from mdtriton.testing.metrics import rank_counters
 from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir,
                                                fill_clip_sizes, flux_pipeline_dir, pipeline_device, plan_of,
-                                               rank_counters, wan_pipeline_dir, work_directory)
+                                               wan_pipeline_dir, work_directory)
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,

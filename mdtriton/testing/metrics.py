@@ -44,3 +44,28 @@ def steady(read, quiet: float):
         if again == values:
             return values
         values = again
+
+
+# What rank_counters reads: its name for each, and the metric families (backend/metrics.py) it sums.
+RANK_COUNTERS = {"job": ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"),
+                 "received": ("mdtriton_requests_received_total",), "waited": ("mdtriton_wait_seconds_total",)}
+
+
+def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, float]]:
+    """By rank, as the stubs count them on Triton's metrics endpoint (one model served), once two readings `quiet`
+    seconds apart agree (a stub records its jobs' times a moment after answering): "job", its seconds of jobs so far
+    (compute and collectives: from the input broadcast until the outputs are ready); "received", the requests Triton
+    handed its instance; "waited", the seconds those requests waited in its worker before their jobs began (the hub's
+    order included)."""
+    def read() -> dict[str, dict[str, float]]:
+        reading = scrape_all(metrics_url)
+        counters: dict[str, dict[str, float]] = {}
+        for kind, names in RANK_COUNTERS.items():
+            counters[kind] = {}
+            for name in names:
+                for labels, value in reading.get(name, {}).items():
+                    rank = dict(labels)["rank"]
+                    counters[kind][rank] = counters[kind].get(rank, 0.0) + value
+        return counters
+
+    return steady(read, quiet)
