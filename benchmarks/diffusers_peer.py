@@ -3,10 +3,10 @@ WanTransformer3DModel, Cosmos3OmniTransformer) at the preset's size (random weig
 Cosmos 3's time embedder in float32, as diffusers keeps it), at the bench's requests (Family.media_request at the sizes
 in pixels; Cosmos 3's packed as Cosmos3OmniPipeline packs them), eager (torch's SDPA choice) and regionally compiled
 (its repeated blocks, `compile_repeated_blocks(fullgraph=True)`, cuDNN attention). It takes the bench's model
-arguments (mdtriton/harness.py: --architecture, --preset, --config, --height, --width, --frames, --device). Run it in
-the same device call as `mdtriton bench --architecture NAME --gpus 1`, so both are timed on one machine, by the same
-timer. The first call per size is printed apart from the median of the timed calls (a compile or a recompile shows
-there); the peak memory allocated is each size's.
+arguments (mdtriton/harness.py: --architecture, --preset, --config, --height, --width, --frames, --device). Run it
+on the same machine as `mdtriton bench --architecture NAME --gpus 1` (on another GPU of it, at the same time, or
+right after), so both are timed on one machine, by the same timer. The first call per size is printed apart from the
+median of the timed calls (a compile or a recompile shows there); the peak memory allocated is each size's.
 
     python benchmarks/diffusers_peer.py --architecture flux --height 1024,2048 --width 1024,2048
     python benchmarks/diffusers_peer.py --architecture wan          # 480p and 720p x 81 frames

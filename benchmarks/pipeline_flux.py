@@ -1,7 +1,7 @@
 """Prompt to image on one GPU: our FLUX pipeline engine against diffusers' FluxPipeline, same components.
 
 Every component has random weights and FLUX.1-dev's configs (T5-XXL, CLIP-L, the 16-channel VAE, the 11.9 B
-transformer), created on the GPU (benchmarks/random_pipelines.py). The transformer's random bf16 weights are built
+transformer), created on the GPU (mdtriton/testing/random_pipelines.py). The transformer's random bf16 weights are built
 into our engine format (a model repository under --workdir: 24 GB for FLUX.1-dev's transformer, 10 GB for the other
 components, which are also saved once to make the pipeline directory it is built from) and loaded by parameter name
 into diffusers' FluxTransformer2DModel, so every row computes with the same weights. Rows:
@@ -22,14 +22,14 @@ into diffusers' FluxTransformer2DModel, so every row computes with the same weig
 Each row: the median time per image over --repeats after one warm-up image, and the peak GPU memory during its
 images (the shared encoders and VAE plus that row's transformer; the pipelines are measured one after another,
 each transformer freed before the next is loaded). Below the table, the mdtriton image's parts timed alone
-(text encoding, each transformer step, VAE decode) and what the server-side loop costs beyond their sum (the
-issue's bound: under 3%), in-process and served.
+(text encoding, each transformer step, VAE decode) and what the server-side loop costs beyond their sum, in-process
+and served.
 
     python benchmarks/pipeline_flux.py                  # FLUX.1-dev size, 1024x1024, 28 steps, on cuda:0
     python benchmarks/pipeline_flux.py --tiny           # tiny components on the CPU: checks the script
 
 Needs diffusers, transformers and tokenizers (`pip install ".[pipeline]"`) and, for the served row, the server
-(`nvidia-pytriton`, see the README); run from the checkout's root (it borrows the tests' local tokenizers).
+(`nvidia-pytriton`, see the README).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from pathlib import Path
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
-from random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory, pipeline_device,
-                              work_directory)
 from safetensors.torch import load_file
 
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
@@ -54,6 +52,8 @@ from mdtriton.engine.manifest import Manifest
 from mdtriton.harness import build_pipeline, device_name, markdown_table, precision, started_server, time_calls
 from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
+from mdtriton.testing.random_pipelines import (FLUX_PROMPT, add_pipeline_arguments, flux_pipeline_dir, free_memory,
+                                               pipeline_device, work_directory)
 
 
 def timed(call, device: torch.device, repeats: int, on_this_gpu: bool = True) -> tuple[list[float], float, float]:

@@ -2,9 +2,9 @@
 parallel plan and data type.
 
 Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
-(benchmarks/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so every
-plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server each, the
-model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
+(mdtriton/testing/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so
+every plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server
+each, the model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
 (a rank's first answer costs more: docs/benchmarks.md), --images more one after another (the client's wall time for
 each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's time
 in the rank workers, their mean, as their stubs count it on Triton's metrics endpoint, so that the rest is serving's;
@@ -64,15 +64,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir, fill_clip_sizes,
-                              flux_pipeline_dir, pipeline_device, plan_of, rank_counters, wan_pipeline_dir,
-                              work_directory)
 
 from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
+from mdtriton.testing.metrics import rank_counters
+from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir,
+                                               fill_clip_sizes, flux_pipeline_dir, pipeline_device, plan_of,
+                                               wan_pipeline_dir, work_directory)
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,

@@ -13,7 +13,7 @@ Builds a FLUX engine into a model repository, serves it with the embedded Triton
    Triton's own steps (queue, compute_input, compute_output) and the rest (the client and gRPC);
 3. --concurrency clients at once: p50 / p99 latency and requests per second;
 4. a healing: SIGKILL of rank 0's worker while serving; the time until a request is answered again (the answer must
-   equal the one before the kill) and the new worker's load: its weights and its warm-up (from its log line);
+   equal the one before the kill);
 
 then stops the server, loads the same engine in one process per rank (on GPUs compiling from the cache the
 server's load left in the engine directory) and times `engine.forward` alone: the baseline of "overhead".
@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,11 +58,8 @@ from mdtriton.families.flux import FLUX
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, example_inputs
 from mdtriton.harness import init_rank, markdown_table, run_ranks, started_server, time_calls
 from mdtriton.server import TritonServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from the checkout: the tests' /proc readers
-
-from tests.backend.test_metrics import scrape_all  # noqa: E402
-from tests.backend.triton_processes import rank_workers, worker_rank  # noqa: E402
+from mdtriton.testing.metrics import scrape_all
+from mdtriton.testing.triton_processes import rank_workers, worker_rank
 
 MODEL = "flux"
 # FLUX.1-dev's inputs and outputs, with no blocks and a width of 16: the embedders and the output projection read
@@ -177,10 +172,9 @@ def rank_worker_pid(server: TritonServer, rank: int) -> int:
     raise RuntimeError(f"no worker of rank {rank} under tritonserver (pid {server.process.pid})")
 
 
-def heal(server: TritonServer, inputs: dict, log_file: Path, timeout: float) -> dict:
+def heal(server: TritonServer, inputs: dict, timeout: float) -> dict:
     """SIGKILL rank 0's worker while serving; seconds until a request is answered again (giving up after timeout
-    seconds), that answer equal to the one before the kill, and the new worker's load and warm-up seconds (from its
-    log line)."""
+    seconds), and whether that answer equals the one before the kill."""
     with Client(server.grpc_address, timeout=600, retries=0) as client:
         before = client.infer(MODEL, inputs)["sample"]
         victim = rank_worker_pid(server, 0)
@@ -198,13 +192,8 @@ def heal(server: TritonServer, inputs: dict, log_file: Path, timeout: float) -> 
                 if time.monotonic() - killed > timeout:
                     return {"heal_failed_requests": failures, "heal_error": str(error)}
         healed = time.monotonic() - killed
-    new_worker = rank_worker_pid(server, 0)
-    loaded = re.search(rf"worker pid {new_worker}\) loaded .* in ([\d.]+) s \(([\d.]+) s of it warming up",
-                       log_file.read_text(errors="replace"))
-    load_s, warm_up_s = (float(loaded.group(1)), float(loaded.group(2))) if loaded else (float("nan"),) * 2
     same = before.dtype == after.dtype and np.array_equal(before.view(np.uint8), after.view(np.uint8))
-    return {"heal_s": healed, "heal_worker_weights_s": load_s - warm_up_s, "heal_worker_warm_up_s": warm_up_s,
-            "heal_failed_requests": failures, "heal_same_answer": bool(same)}
+    return {"heal_s": healed, "heal_failed_requests": failures, "heal_same_answer": bool(same)}
 
 
 def _engine_rank(rank: int, world_size: int, port: int, engine_dir: str, inputs: dict, args, result_path: str) -> None:
@@ -293,7 +282,7 @@ def main() -> None:
             rows.update({"concurrency": args.concurrency, "concurrent_p50_ms": percentile(concurrent, 0.5),
                          "concurrent_p99_ms": percentile(concurrent, 0.99), "throughput_per_s": throughput})
             if args.heal:
-                rows.update(heal(server, inputs, log_file, args.heal_timeout))
+                rows.update(heal(server, inputs, args.heal_timeout))
                 progress(f"healed: answered again {rows['heal_s']:.1f} s after the kill (same answer: "
                          f"{rows['heal_same_answer']})" if "heal_s" in rows else
                          f"NOT healed within {args.heal_timeout:.0f} s: {rows['heal_error']}; see {log_file}")
@@ -333,13 +322,12 @@ def report(rows: dict) -> None:
                          [[f"{rows['worker_job_ms']:.1f}", f"{rows['worker_communication_ms']:.1f}",
                            f"{rows['worker_wait_ms']:.2f}", f"{rows['stub_beyond_job_ms']:.2f}",
                            f"{rows['triton_ms']:.2f}", f"{rows['client_and_grpc_ms']:.2f}"]]))
-    healing = ([f"{rows['heal_s']:.1f}", f"{rows['heal_worker_weights_s']:.1f} + {rows['heal_worker_warm_up_s']:.1f}",
-                rows["heal_same_answer"]] if "heal_s" in rows else
-               ["not healed within the timeout", "", ""] if "heal_error" in rows else ["not measured", "", ""])
+    healing = ([f"{rows['heal_s']:.1f}", rows["heal_same_answer"]] if "heal_s" in rows else
+               ["not healed within the timeout", ""] if "heal_error" in rows else ["not measured", ""])
     print()
     print(markdown_table([f"{rows['concurrency']} clients: p50 / p99 ms", "requests/s", "build s", "start to ready s",
                           "engine load + warm-up s (compile cache)", "healing: kill to answer s",
-                          "healed worker: weights + warm-up s", "same answer after healing"],
+                          "same answer after healing"],
                          [[f"{rows['concurrent_p50_ms']:.0f} / {rows['concurrent_p99_ms']:.0f}",
                            f"{rows['throughput_per_s']:.2f}", f"{rows['build_s']:.0f}",
                            f"{rows['server_start_to_ready_s']:.0f}",

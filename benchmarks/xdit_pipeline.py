@@ -1,5 +1,5 @@
 """xDiT's whole FLUX or Wan pipeline (xfuser 0.7.0), prompt to image or clip, on a pipeline directory of
-benchmarks/random_pipelines.py: the peer of our served image or clip in benchmarks/served_pipeline.py (its --xdit
+mdtriton/testing/random_pipelines.py: the peer of our served image or clip in benchmarks/served_pipeline.py (its --xdit
 rows), or alone here.
 
 xfuser 0.7.0 runs FLUX.1-dev through its model runner (`xfuser/runner.py`; examples/flux_example.py, which used
@@ -53,8 +53,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, fill_clip_sizes, flux_pipeline_dir,
-                              pipeline_device, wan_pipeline_dir, work_directory)
 
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.plan import ParallelPlan
@@ -62,6 +60,8 @@ from mdtriton.families import family
 from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH as FLUX_MAX_SEQUENCE_LENGTH
 from mdtriton.families.wan.pipeline import MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUENCE_LENGTH
 from mdtriton.harness import device_name, init_rank, markdown_table, run_ranks
+from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, fill_clip_sizes,
+                                               flux_pipeline_dir, pipeline_device, wan_pipeline_dir, work_directory)
 
 
 @dataclass(frozen=True)

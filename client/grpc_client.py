@@ -28,9 +28,9 @@ from mdtriton.client.tensors import NUMPY_TYPES, as_numpy, is_cuda, sendable, to
 
 log = logging.getLogger("mdtriton.client")
 
-# Tensors this big or bigger go through shared memory (when the server is local). benchmarks/shared_memory.py
-# (docs/benchmarks.md): below ~64 KiB both ways cost the same; shared memory was ~1.6x faster at 128-256 KiB,
-# ~3x at 1 MiB, ~8x at 64 MiB.
+# Tensors this big or bigger go through shared memory (when the server is local). Measured round trips
+# (docs/benchmarks.md, "Shared memory vs gRPC messages"): below ~64 KiB both ways cost the same; shared memory was
+# ~1.6x faster at 128-256 KiB, ~3x at 1 MiB, ~8x at 64 MiB.
 SHM_THRESHOLD_BYTES = 128 << 10
 # UNAVAILABLE (server starting, model loading, ranks regrouping) is retried after 0.5 s, 1 s, 2 s, ...
 RETRY_FIRST_WAIT_S = 0.5
@@ -206,9 +206,9 @@ class Client:
                 value = as_numpy(value)  # through the host: CUDA shared memory is off or needs cuda-python
             gpu = value.device.index if is_cuda(value) else None
             infer_input = grpcclient.InferInput(name, list(value.shape), datatype)
-            lease = self._lend(value.nbytes, gpu, lent)
-            if lease is not None:
-                pool, region = lease
+            loan = self._lend(value.nbytes, gpu, lent)
+            if loan is not None:
+                pool, region = loan
                 pool.write(region, value)
                 infer_input.set_shared_memory(region.name, value.nbytes)
                 cuda_device = gpu if gpu is not None else cuda_device
@@ -226,10 +226,10 @@ class Client:
         for spec in metadata["outputs"]:
             output = grpcclient.InferRequestedOutput(spec["name"])
             nbytes = output_bytes.get(spec["name"])
-            lease = self._lend(nbytes, cuda_device, lent) if nbytes is not None else None
-            if lease is not None:
-                output.set_shared_memory(lease[1].name, lease[1].byte_size)
-                regions[spec["name"]] = lease
+            loan = self._lend(nbytes, cuda_device, lent) if nbytes is not None else None
+            if loan is not None:
+                output.set_shared_memory(loan[1].name, loan[1].byte_size)
+                regions[spec["name"]] = loan
             requested.append(output)
         return (requested if regions else None), regions
 

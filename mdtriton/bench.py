@@ -6,8 +6,7 @@ own set of processes (one per GPU, NCCL). Sizes are images or clips in pixels (-
 into the request the family's pipeline sends its transformer (Family.media_request): FLUX at 1024x1024 is 4,096
 image + 512 text tokens, 2048x2048 16,384 + 512; Wan at 832x480 x 81 frames 32,760 tokens, 1280x720 x 81 75,600;
 Cosmos 3 at 832x480 x 189 frames 18,720 video + 256 text tokens, 1280x720 x 189 44,160 + 256 (its text pathway
-runs at every call, as diffusers' model runs it; the pipeline runs it once per request:
-benchmarks/cosmos3_text_once.py).
+runs at every call, as diffusers' model runs it; the pipeline runs it once per request: docs/benchmarks.md).
 Weights are random, made on each GPU shard by shard from one seed (the same full model for every plan), bf16
 (FLUX's with trained-like scales: modulation weights x 0.1, so the gates stay small: see docs/benchmarks.md,
 "Accuracy"). The engine is loaded as the server loads it (TorchEngine.from_weights) and timed through its forward.
@@ -20,7 +19,7 @@ the share of kernel time in NCCL kernels (which overlap compute, and count their
 time in which NCCL kernels ran alone (communication that no compute hid, waits for a slower rank included), the time
 in which no kernel ran (kernel_timeline) and the time in kernels other than NCCL's (where the forward runs eagerly,
 over 8,192 tokens, the profiler's own cost on the CPU can leave one rank launch-bound, and the first two columns then
-overstate what the timed forwards wait: docs/benchmarks.md, session 18); and a table of rank 0's kernel time
+overstate what the timed forwards wait); and a table of rank 0's kernel time
 by kind (GEMMs, attention, copies, ...) against an even share of the 1-GPU forward's: what a rank does beyond its share
 of one GPU's work (--traces DIR keeps each rank's profile as a Chrome trace). At the first size every output is
 compared with the 1-GPU compiled output and with a float32 forward of the same weights, made first on its own (unless
@@ -315,7 +314,7 @@ def kinds_table(rows: list[dict]) -> str:
     profiled = [r for r in rows if r["kernel_ms_by_kind"]]
     if not profiled:
         return ""
-    single = {(r["size"], r["variant"]): r["kernel_ms_by_kind"] for r in profiled if r["gpus"] == 1}
+    single = {(r["size"], r["variant"]): r["kernel_ms_by_kind"] for r in profiled if r["method"] == "1 GPU"}
     cells = []
     for r in sorted(profiled, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         mine, base = dict(r["kernel_ms_by_kind"]), dict(single.get((r["size"], r["variant"]), {}))
@@ -336,15 +335,18 @@ def by_rank(milliseconds: list[float]) -> str:
 
 
 def attention_table(rows: list[dict], shape: AttentionShape) -> str:
+    """With a column of the relative error against full attention where rows have one (the peers')."""
     cudnn = {r["size"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
+    errors = any("error" in r for r in rows)
     header = ["size", "GPUs", "method", "median ms (one block)", "TFLOP/s per GPU", "% of 1-GPU cuDNN rate"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"])):
         tflops = attention_flops(r["tokens"], shape) / r["gpus"] / r["median_ms"] / 1e9
         base = attention_flops(r["tokens"], shape) / cudnn[r["size"]] / 1e9
+        error = [f"{r['error']:.1e}" if "error" in r else ""] if errors else []
         cells.append([size_cell(r), r["gpus"], r["method"], f"{r['median_ms']:.2f}", f"{tflops:.0f}",
-                      f"{100 * tflops / base:.0f}%"])
-    return markdown_table(header, cells)
+                      f"{100 * tflops / base:.0f}%", *error])
+    return markdown_table(header + (["rel. error vs full attention"] if errors else []), cells)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -374,6 +376,12 @@ def add_parser(subparsers) -> None:
     architectures = benchmarked_architectures()
     parser = subparsers.add_parser("bench", help="measure a transformer engine on 1..N GPUs per parallel method",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, architectures)
+    parser.set_defaults(run=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser, architectures: list[str]) -> None:
+    """`mdtriton bench`'s arguments, which the peer benchmarks (benchmarks/xdit_flux.py) take for our rows too."""
     add_model_arguments(parser, architectures)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
@@ -390,13 +398,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--traces", type=Path, metavar="DIR",
                         help="write each rank's profiled forward (GPUs) to DIR as a gzipped Chrome trace, one file per "
                              "GPU count, method, variant, size and rank")
-    parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    counts = [int(g) for g in args.gpus.split(",")]
-    if args.device == "cuda" and max(counts) > torch.cuda.device_count():
-        raise ValueError(f"asked for {max(counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
+def prepare(args: argparse.Namespace) -> None:
+    """Check the arguments before any rank starts, saying what to give instead, and turn them into lists: --gpus
+    into args.counts, --methods and --variants into lists, the sizes into args.sizes."""
+    args.counts = sorted({int(g) for g in args.gpus.split(",")} | {1})
+    if args.device == "cuda" and max(args.counts) > torch.cuda.device_count():
+        raise ValueError(f"asked for {max(args.counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
                          "for a functional run on CPU ranks)")
     model_family = family(args.architecture)
     config = model_config(args)
@@ -415,24 +424,42 @@ def run(args: argparse.Namespace) -> int:
     args.sizes = model_sizes(args, config)
     if args.traces:
         args.traces.mkdir(parents=True, exist_ok=True)
+
+
+def measure(args: argparse.Namespace, work_dir: str) -> tuple[list[dict], list[dict]]:
+    """Our engine's forward rows and attention rows for every GPU count of a prepared run, each count in its own rank
+    processes; the outputs at the first size are left in work_dir for add_errors."""
     rows, attention_rows = [], []
-    with tempfile.TemporaryDirectory() as work_dir:
-        for world_size in sorted(set(counts) | {1}):
-            problem = run_ranks(_rank_main, world_size, (args, work_dir))
-            if problem:
-                raise RuntimeError(problem)
-            results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
-            rows += results["forward"]
-            attention_rows += results["attention"]
-        add_errors(rows, str(args.sizes[0]), work_dir)
-    title = f"{args.architecture} {args.preset}"
-    shape = model_family.attention_shape(config)
-    tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, shape)}\n\n"
-              f"{kinds_table(rows)}"
+    for world_size in args.counts:
+        problem = run_ranks(_rank_main, world_size, (args, work_dir))
+        if problem:
+            raise RuntimeError(problem)
+        results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
+        rows += results["forward"]
+        attention_rows += results["attention"]
+    return rows, attention_rows
+
+
+def report(args: argparse.Namespace, rows: list[dict], attention_rows: list[dict], data: dict) -> str:
+    """Print the tables, write them and `data` with the rows (results.md, results.json) and the speed-up plot to
+    --output-dir; returns the tables."""
+    config = model_config(args)
+    shape = family(args.architecture).attention_shape(config)
+    tables = (f"One forward of the whole transformer ({args.architecture} {args.preset}):\n\n"
+              f"{forward_table(rows, shape)}\n\n{kinds_table(rows)}"
               f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
     print(tables)
     write_results(args.output_dir, tables, {"architecture": args.architecture, "preset": args.preset,
-                                            "forward": rows, "attention": attention_rows})
+                                            "forward": rows, "attention": attention_rows, **data})
     plot(rows, args.output_dir / "speedup.png")
     print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
+    return tables
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare(args)
+    with tempfile.TemporaryDirectory() as work_dir:
+        rows, attention_rows = measure(args, work_dir)
+        add_errors(rows, str(args.sizes[0]), work_dir)
+    report(args, rows, attention_rows, {})
     return 0

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Every server start_server started in this session, with its log file.
+# Every server start_server started in this test session, with its log file.
 STARTED: list[tuple[TritonServer, Path]] = []
 
 

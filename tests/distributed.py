@@ -1,7 +1,7 @@
 """Run a function on N real ranks (separate processes, gloo process group) and collect results.
 
 The ranks start as the harness's do (mdtriton.harness.run_ranks: forked from a fork server that has imported torch
-once for the whole session, each with its parent's environment at the call, its process group begun by init_rank);
+once for the whole test session, each with its parent's environment at the call, its process group begun by init_rank);
 each rank hands its result back in a file."""
 
 from __future__ import annotations

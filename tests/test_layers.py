@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE_DOCS = ROOT / "docs" / "architecture.md"
 
 # Bottom up. The parts of one layer do not import each other; "mdtriton" is the package's own modules (the command
-# line, the embedded server, the demo, the benchmark harness), above everything.
+# line, the embedded server, the demo, the benchmark harness) and what tests and benchmarks share, above everything.
 LAYERS = (
     ("mdtriton.engine",),
     ("mdtriton.lora",),
@@ -21,7 +21,7 @@ LAYERS = (
     ("mdtriton.families",),
     ("mdtriton.serving",),
     ("mdtriton.backend", "mdtriton.build_tools", "mdtriton.client"),
-    ("mdtriton",),
+    ("mdtriton", "mdtriton.testing"),
 )
 LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}
 

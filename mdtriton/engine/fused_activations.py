@@ -130,7 +130,7 @@ def attention_and_gelu_to_fp8(attention: torch.Tensor, mlp: torch.Tensor) -> Fp8
 
 def launch_config(width: int) -> tuple[int, int]:
     """(rows per program, warps) for the kernels that hold whole rows (the modulated norm, quantizing attention
-    outputs), measured fastest on an H200 for FLUX's widths (benchmarks/fused_activations.py). Fixed, not
+    outputs), measured fastest on an H200 for FLUX's widths (docs/benchmarks.md). Fixed, not
     autotuned: the configuration decides the order of each row's sums, and every process must compute the same
     bits."""
     block = triton.next_power_of_2(width)
@@ -138,7 +138,7 @@ def launch_config(width: int) -> tuple[int, int]:
 
 
 # Warps of the GELU kernel, which holds one MLP row (12,288 wide in FLUX.1-dev) and, in single blocks, the attention
-# output's row before it: 8 was the fastest on an H200 (benchmarks/fused_activations.py).
+# output's row before it: 8 was the fastest on an H200 (docs/benchmarks.md).
 GELU_WARPS = 8
 
 

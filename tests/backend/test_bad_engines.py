@@ -18,7 +18,7 @@ from mdtriton.build_tools.model_config import read_model_config, write_model_con
 from mdtriton.engine.manifest import MANIFEST_FILE, file_sha256
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Reference, ask
-from tests.backend.triton_processes import files_under, rank_workers, stub_processes, wait_for_stubs
+from mdtriton.testing.triton_processes import files_under, rank_workers, stub_processes, wait_for_stubs
 
 
 class RunsWhenUnpickled:

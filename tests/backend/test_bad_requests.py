@@ -20,7 +20,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux import FLUX
 from tests.backend.load_clients import CONFIG as TINY_CONFIG
 from tests.backend.load_clients import Clients, Reference, send
-from tests.backend.test_metrics import scrape, settled
+from mdtriton.testing.metrics import scrape, settled
 from tests.conftest import start_server
 from tests.engine.flux_cases import flux_inputs
 

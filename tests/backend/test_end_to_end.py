@@ -15,7 +15,7 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.engine.plan import ParallelPlan
-from tests.backend.triton_processes import rank_workers
+from mdtriton.testing.triton_processes import rank_workers
 from tests.conftest import start_server
 
 CONFIG = {"hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, "num_layers": 2}

@@ -34,11 +34,11 @@ from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.lora.adapter_file import Factors, write_adapter
 from mdtriton.lora.directory import adapters_dir
-from tests.backend.test_metrics import scrape
-from tests.backend.triton_processes import memory_capped, rank_workers, worker_rank
+from mdtriton.testing.metrics import scrape
+from mdtriton.testing.triton_processes import memory_capped, rank_workers, worker_rank
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference, reference_image, save_pipelines
-from tests.pipeline.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
+from mdtriton.testing.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
 
 TIMEOUT_S = 6.0
 FLUX = dict(height=48, width=64, guidance_scale=3.5, seed=5)

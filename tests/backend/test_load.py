@@ -14,7 +14,7 @@ import pytest
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference
-from tests.backend.triton_processes import rank_workers, rss_bytes, stub_processes, wait_for_stubs
+from mdtriton.testing.triton_processes import rank_workers, rss_bytes, stub_processes, wait_for_stubs
 
 CLIENTS = 64
 SECONDS = float(os.environ.get("MDTRITON_LOAD_SECONDS", "20"))

@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import numpy as np
 
 from mdtriton.client.grpc_client import Client
+from mdtriton.testing.metrics import scrape_all, steady
 
-SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
 FAMILIES = ("mdtriton_requests_received_total", "mdtriton_jobs_total", "mdtriton_communication_seconds_total",
             "mdtriton_compute_seconds_total", "mdtriton_wait_seconds_total")
-
-
-def scrape_all(metrics_url: str) -> dict[str, dict[tuple, float]]:
-    """Every metric family of one reading of the endpoint: name -> {(("model", m), ("rank", r), ...): value}."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    families = {}
-    for line in text.splitlines():
-        match = SAMPLE.match(line)
-        if match:
-            labels = tuple(sorted(tuple(pair.split("=", 1)) for pair in match.group(2).split(",")))
-            samples = families.setdefault(match.group(1), {})
-            samples[tuple((key, value.strip('"')) for key, value in labels)] = float(match.group(3))
-    return families
-
-
-def scrape(metrics_url: str, name: str) -> dict[tuple, float]:
-    """{(("model", m), ("rank", r), ("version", v)): value} of one metric family."""
-    return scrape_all(metrics_url).get(name, {})
-
-
-def settled(metrics_url: str, name: str, quiet: float = 0.5) -> dict[tuple, float]:
-    """scrape(), once two scrapes `quiet` seconds apart agree: a stub records its worker's job times once the worker
-    has been quiet for 0.2 s (or when its next job starts), so the jobs just answered may not be counted yet."""
-    return steady(lambda: scrape(metrics_url, name), quiet)
-
-
-def steady(read, quiet: float):
-    """read(), once two readings `quiet` seconds apart agree."""
-    values = read()
-    while True:
-        time.sleep(quiet)
-        again = read()
-        if again == values:
-            return values
-        values = again
 
 
 def flux_ranks(values: dict) -> dict[str, float]:

@@ -19,7 +19,7 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.server import SHARED_MEMORY_MIN_AGE_S
 from tests.backend.load_clients import CONFIG, Reference, ask
-from tests.backend.triton_processes import files_under, rank_workers, still_running, stub_processes, wait_for_stubs
+from mdtriton.testing.triton_processes import files_under, rank_workers, still_running, stub_processes, wait_for_stubs
 
 TRITONS_OWN_SHM = "triton_python_backend_shm_region_"  # the regions Triton shares with its stubs
 

@@ -21,7 +21,7 @@ from mdtriton.build_tools.model_config import read_model_config, write_model_con
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.crashing_family import POISON
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask, large_input, send
-from tests.backend.triton_processes import memory_capped, rank_workers, stub_processes, wait_for_stubs, worker_rank
+from mdtriton.testing.triton_processes import memory_capped, rank_workers, stub_processes, wait_for_stubs, worker_rank
 
 MODEL = "tiny"
 SEED = 5

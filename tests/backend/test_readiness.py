@@ -16,7 +16,7 @@ from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Reference, ask, large_input, send
 from tests.backend.test_rank_faults import one_worker_per_rank
-from tests.backend.triton_processes import memory_capped, stub_processes, wait_for_stubs
+from mdtriton.testing.triton_processes import memory_capped, stub_processes, wait_for_stubs
 
 MODEL = "tiny"
 SEED = 9

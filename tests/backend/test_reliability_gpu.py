@@ -20,7 +20,7 @@ from mdtriton.client.grpc_client import Client
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
 from tests.backend.test_rank_faults import one_worker_per_rank, wait_for_an_answer
-from tests.backend.triton_processes import rank_pids, wait_for_stubs
+from mdtriton.testing.triton_processes import rank_pids, wait_for_stubs
 
 pytestmark = pytest.mark.gpu
 MODEL = "tiny"

@@ -14,7 +14,7 @@ from mdtriton.client.grpc_client import Client
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
-from tests.backend.triton_processes import (files_under, rank_workers, rss_bytes, still_running, thread_count,
+from mdtriton.testing.triton_processes import (files_under, rank_workers, rss_bytes, still_running, thread_count,
                                             wait_for_stubs)
 
 CYCLES = int(os.environ.get("MDTRITON_RELOAD_CYCLES", "6"))

@@ -11,7 +11,7 @@ import torch
 
 from mdtriton.client.grpc_client import Client
 from mdtriton.families.flux.transformer import TINY_CONFIG as FLUX_CONFIG
-from tests.backend.test_metrics import scrape
+from mdtriton.testing.metrics import scrape
 from tests.engine.flux_cases import flux_inputs
 from tests.served_models import TINY_CONFIG
 

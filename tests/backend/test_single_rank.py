@@ -14,10 +14,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.backend.load_clients import Clients, Reference, ask, large_input, send
-from tests.backend.test_metrics import settled
+from mdtriton.testing.metrics import settled
 from tests.backend.test_rank_faults import (HEALED_WITHIN_S, MODEL, SEED, healed_in, one_worker_per_rank,
                                             poison_input, serve, wait_for_an_answer)
-from tests.backend.triton_processes import memory_capped, stub_processes
+from mdtriton.testing.triton_processes import memory_capped, stub_processes
 
 
 def counters(server, names: tuple[str, ...]) -> dict[str, float]:

@@ -10,7 +10,7 @@ import torch
 
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import Client, ClientError
-from tests.backend.test_metrics import scrape, settled
+from mdtriton.testing.metrics import scrape, settled
 from tests.conftest import start_server
 from tests.served_models import build_tiny_versions, tiny_reference
 

@@ -25,7 +25,7 @@ from mdtriton.harness import relative_error
 from tests.conftest import start_server
 from tests.distributed import run_ranks
 from tests.engine.plans import PLANS
-from tests.engine.cosmos3_cases import (NEMOTRON, Case, diffusers_inputs, diffusers_model, engine_inputs,
+from mdtriton.testing.cosmos3_cases import (NEMOTRON, Case, diffusers_inputs, diffusers_model, engine_inputs,
                                         expected_sample, module_weights)
 from tests.engine.flux_cases import max_relative_error, rank_engine, write_engine
 

@@ -60,7 +60,8 @@ def test_matches_diffusers_float16():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bfloat16_error_within_diffusers_own(seed):
     """In bf16 our forward is as close to a float32 forward of the same weights as diffusers' bf16 forward is
-    (issue 11's accuracy measure at a tiny size: trained-like modulation scales, conditioning bf16 holds exactly).
+    (docs/benchmarks.md's accuracy measure at a tiny size: trained-like modulation scales, conditioning bf16 holds
+    exactly).
     Measured: ratios 0.99-1.02; splitting the single blocks' output projection rounds its first part once more,
     which moves our output ~2e-3 from diffusers' but not further from float32."""
     config = FLUX.default_config()

@@ -19,7 +19,7 @@ from tests.distributed import run_ranks
 from tests.lora.adapters import diffusers_lora, loras_input, rank_engine, with_adapters
 from tests.pipeline.pipelines import max_level_difference
 from tests.pipeline.test_wan_pipeline import GOOD, request
-from tests.pipeline.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
+from mdtriton.testing.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
 
 PROMPTS = ["a red cat"]
 SCALES = {"motion": 0.8, "look": -0.6}

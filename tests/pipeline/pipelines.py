@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from diffusers import FluxPipeline
 
-from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
+from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
 
 # FLUX.1-dev's layout (guidance embedding, dynamic shift) and FLUX.1-schnell's (neither).
 LAYOUTS = {"dev": True, "schnell": False}

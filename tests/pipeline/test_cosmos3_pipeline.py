@@ -28,7 +28,7 @@ from mdtriton.serving import load_engine
 from mdtriton.pipeline.prompts import prompt_tensor
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference
-from tests.pipeline.tiny_cosmos3_pipeline import reference_video, save_tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_cosmos3_pipeline import reference_video, save_tiny_cosmos3_pipeline
 
 # 9 frames of 32x48: 3 latent frames of 1 x 2 patches (the latent's 3 columns padded to 4): 6 video tokens after the
 # text (a few hundred: one per byte of the chat template, system prompt, prompt and metadata sentences).

@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.model_config import read_model_config
 from mdtriton.cli import main
-from tests.pipeline.tiny_flux_pipeline import save_tiny_flux_pipeline
+from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
 
 
 @pytest.fixture(scope="module")

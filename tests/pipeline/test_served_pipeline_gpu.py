@@ -21,15 +21,15 @@ from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.test_same_answer import received_per_rank
-from tests.backend.triton_processes import rank_pids
+from mdtriton.testing.triton_processes import rank_pids
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference, save_pipelines
-from tests.pipeline.tiny_cosmos3_pipeline import save_tiny_cosmos3_pipeline
-from tests.pipeline.tiny_wan_pipeline import save_tiny_wan_pipeline
+from mdtriton.testing.tiny_cosmos3_pipeline import save_tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_wan_pipeline import save_tiny_wan_pipeline
 
 pytestmark = pytest.mark.gpu
 # Plans by GPU count, then family. The tiny FLUX has 4 heads; the tiny Wan 6 (no tp 4 or ulysses 4: its cfg 2 x
-# ulysses 2 is the issue's 4-GPU plan); the tiny Cosmos 3 4 query and 2 key/value heads (tp 4 and ulysses 4 share a
+# ulysses 2 is its 4-GPU plan); the tiny Cosmos 3 4 query and 2 key/value heads (tp 4 and ulysses 4 share a
 # key/value head between two ranks).
 MODELS = {
     2: {"flux": {"flux_tp2": ParallelPlan(tp_size=2),
@@ -83,8 +83,8 @@ def served(request, tmp_path_factory):
         build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
                             weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
     # One family's models a server (on 4 GPUs up to 6 models, 21 rank workers, each starting CUDA and warming up): on
-    # 4 x H200 FLUX's set up in 86-97 s, Wan's in 48 and Cosmos 3's in 61, builds included (sessions 27 and 28). Every
-    # family's in one server (14 models, 47 rank workers) failed its set-up after 208 s in session 26.
+    # 4 x H200 FLUX's set up in 86-97 s, Wan's in 48 and Cosmos 3's in 61, builds included. Every family's in one
+    # server (14 models, 47 rank workers) failed its set-up after 208 s.
     server = start_server(repository, root / "server.log")
     yield server, gpus, family
     server.stop()

@@ -13,8 +13,8 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.split_vae import split_decode
 from tests.distributed import run_ranks
-from tests.pipeline.tiny_flux_pipeline import tiny_flux_pipeline
-from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline
+from mdtriton.testing.tiny_flux_pipeline import tiny_flux_pipeline
+from mdtriton.testing.tiny_wan_pipeline import tiny_wan_pipeline
 
 LATENTS = {  # [batch, channels, (latent frames,) rows, columns]: 7 and 5 rows split unevenly over 2 and 3 ranks
     "flux": (2, 2, 7, 5),

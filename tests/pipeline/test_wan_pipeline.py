@@ -26,7 +26,7 @@ from mdtriton.pipeline.prompts import prompt_tensor
 from mdtriton.serving import load_engine
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference
-from tests.pipeline.tiny_wan_pipeline import LAYOUTS, reference_video, save_tiny_wan_pipeline
+from mdtriton.testing.tiny_wan_pipeline import LAYOUTS, reference_video, save_tiny_wan_pipeline
 
 # 9 frames of 32x48: 3 latent frames x 2 x 3 patches = 18 tokens (on 2 or 3 ranks: 9 or 6 each).
 GOOD = dict(height=32, width=48, num_frames=9, num_inference_steps=3, guidance_scale=5.0, seed=4)

@@ -1,13 +1,10 @@
-"""FlashAttention-3 (Hopper) for the engine's attention, in bf16 and in FP8, from the `fa3-fwd` wheel (the
+"""FlashAttention-3 (Hopper) for the engine's attention, in bf16, from the `fa3-fwd` wheel (the
 forward kernels of FlashAttention-3, built for CUDA 13 against torch's stable ABI: `pip install mdtriton[hopper]`).
 
 On an H200 it runs FLUX's attention faster than torch's cuDNN SDPA (docs/benchmarks.md), takes q, k and v in
 the [batch, tokens, heads, head_dim] layout the q/k/v kernel writes (no transposes), and returns the
 log-sum-exp that ring attention needs. Where the wheel is missing or the GPU is not a Hopper, `available` says
-no and the engine keeps cuDNN's SDPA.
-
-FP8: q, k and v in e4m3 with one float32 descale per sample and head; the output is bf16. The engine does not use
-it (its error, docs/architecture.md); benchmarks/attention_kernels.py measures it.
+no and the engine keeps cuDNN's SDPA. Its FP8 kernel is not used (its error: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -41,22 +38,18 @@ def available(device: torch.device) -> bool:
     return unavailable_reason(device) is None
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                       out: torch.Tensor | None = None, sm_margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                       sm_margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [B, Sq, H, D] (bf16) of q [B, Sq, H, D] over k, v [B, Sk, H, D], and the log-sum-exp of
-    each query's scaled scores [B, H, Sq] (float32). FP8 inputs need descales (q's, k's, v's: [B, H] each). out: where
-    to write the output (contiguous [B, Sq, H, D]), else a new tensor. sm_margin: multiprocessors the kernel leaves
-    free (its persistent grid is that much smaller), for a transfer that runs beside it."""
-    q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
+    each query's scaled scores [B, H, Sq] (float32). out: where to write the output (contiguous [B, Sq, H, D]), else
+    a new tensor. sm_margin: multiprocessors the kernel leaves free (its persistent grid is that much smaller), for a
+    transfer that runs beside it."""
     # The kernel's own op (not the wrapper's custom op, which declares that it writes no input).
-    out, lse, *_ = torch.ops.fa3_fwd.fwd(q, k, v, out=out, q_descale=q_descale, k_descale=k_descale,
-                                         v_descale=v_descale, softmax_scale=q.shape[-1] ** -0.5, num_splits=1,
+    out, lse, *_ = torch.ops.fa3_fwd.fwd(q, k, v, out=out, softmax_scale=q.shape[-1] ** -0.5, num_splits=1,
                                          sm_margin=sm_margin)
     return out, lse
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention output [B, Sq, H, D] (see attention_with_lse)."""
-    return attention_with_lse(q, k, v, descales)[0]
+    return attention_with_lse(q, k, v)[0]

@@ -36,12 +36,11 @@ NCCL_SMS = 8
 # The ring's GEMMs and attention beside its transfers leave more: on 4 ranks a step sends to both neighbours. On 4
 # H200s 16 made ring 4 7% faster than 8 at FLUX's 4,096+512 tokens and 6% at 16,384+512, though at 16k a margin of 16
 # adds a round to FlashAttention-3's grid (16 for the GEMMs alone: 4% at 16k). On 2 H200s 16 was within 1% of 8
-# (docs/benchmarks.md, session 27).
+# (docs/benchmarks.md).
 RING_NCCL_SMS = 16
 # The GEMMs beside Ulysses' all-to-all leave more: NCCL's all-to-all kernel runs 32 CTAs, at most two to a
 # multiprocessor, and the transfer ends only once all have run. On 4 H200s 24 made ulysses 4 at 4,096+512 tokens 5%
-# faster than 8 (the exposed transfers halved), and left 16,384+512 tokens as it was (docs/benchmarks.md, sessions 24
-# and 26).
+# faster than 8 (the exposed transfers halved), and left 16,384+512 tokens as it was (docs/benchmarks.md).
 ALL_TO_ALL_NCCL_SMS = 24
 
 

@@ -1,6 +1,4 @@
-"""The pipelines the pipeline benchmarks build and serve, and the arguments they share.
-
-Also what they read of a served pipeline: the time of its ranks' jobs (`job_seconds`).
+"""The pipelines the pipeline benchmarks (benchmarks/) build and serve, and the arguments they share.
 
 A pipeline here is a diffusers directory whose transformer/ holds only its config, what `mdtriton build --architecture
 NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.harness.build_pipeline): FLUX.1-dev's
@@ -16,7 +14,6 @@ import argparse
 import gc
 import json
 import re
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,17 +23,14 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny pipelines and local tokenizers
-
-from mdtriton.build_tools.build import MODEL_INDEX  # noqa: E402
-from mdtriton.engine.plan import ParallelPlan  # noqa: E402
-from mdtriton.families.cosmos3 import COSMOS3  # noqa: E402
-from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG  # noqa: E402
-from mdtriton.families.wan import WAN  # noqa: E402
-from tests.pipeline.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline  # noqa: E402
-from tests.pipeline.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline  # noqa: E402
-from tests.pipeline.tiny_wan_pipeline import tiny_wan_pipeline  # noqa: E402
-from tests.backend.test_metrics import scrape_all, steady  # noqa: E402
+from mdtriton.build_tools.build import MODEL_INDEX
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.families.cosmos3 import COSMOS3
+from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
+from mdtriton.families.wan import WAN
+from mdtriton.testing.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline
+from mdtriton.testing.tiny_wan_pipeline import tiny_wan_pipeline
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
@@ -211,33 +205,3 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def job_seconds(metrics_url: str) -> dict[str, float]:
-    """Each rank's seconds of jobs so far (compute and collectives: from the input broadcast until the outputs are
-    ready), as its stub counts them on Triton's metrics endpoint (the server serving one model), by rank."""
-    return rank_counters(metrics_url)["job"]
-
-
-# What rank_counters reads: its name for each, and the metric families (backend/metrics.py) it sums.
-RANK_COUNTERS = {"job": ("mdtriton_compute_seconds_total", "mdtriton_communication_seconds_total"),
-                 "received": ("mdtriton_requests_received_total",), "waited": ("mdtriton_wait_seconds_total",)}
-
-
-def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, float]]:
-    """By rank, as the stubs count them on Triton's metrics endpoint (one model served), once two readings `quiet`
-    seconds apart agree (a stub records its jobs' times a moment after answering): "job", its seconds of jobs so far
-    (job_seconds); "received", the requests Triton handed its instance; "waited", the seconds those requests waited in
-    its worker before their jobs began (the hub's order included)."""
-    def read() -> dict[str, dict[str, float]]:
-        reading = scrape_all(metrics_url)
-        counters: dict[str, dict[str, float]] = {}
-        for kind, names in RANK_COUNTERS.items():
-            counters[kind] = {}
-            for name in names:
-                for labels, value in reading.get(name, {}).items():
-                    rank = dict(labels)["rank"]
-                    counters[kind][rank] = counters[kind].get(rank, 0.0) + value
-        return counters
-
-    return steady(read, quiet)

@@ -1,6 +1,6 @@
 """Tiny random Wan pipelines in diffusers' directory layout, made offline for the pipeline tests.
 
-Every component is Wan's class at toy sizes: a T5 tokenizer built locally (tests.pipeline.tiny_flux_pipeline),
+Every component is Wan's class at toy sizes: a T5 tokenizer built locally (mdtriton.testing.tiny_flux_pipeline),
 UMT5EncoderModel, AutoencoderKLWan (4x in time, 8x in space), WanTransformer3DModel and Wan's UniPC flow scheduler.
 Layouts: Wan 2.1 (one transformer), Wan 2.2 A14B (two experts switched at boundary_ratio) and Wan 2.2 TI2V
 (a timestep per token: expand_timesteps).
@@ -16,7 +16,7 @@ from diffusers import AutoencoderKLWan, FirstBlockCacheConfig, UniPCMultistepSch
 from transformers import UMT5Config, UMT5EncoderModel
 
 from mdtriton.families.wan.transformer import TINY_CONFIG
-from tests.pipeline.tiny_flux_pipeline import T5_SPECIALS, WORDS, t5_tokenizer
+from mdtriton.testing.tiny_flux_pipeline import T5_SPECIALS, WORDS, t5_tokenizer
 
 LATENT_CHANNELS = 4
 LAYOUTS = ("wan2.1", "wan2.2-a14b", "wan2.2-ti2v")

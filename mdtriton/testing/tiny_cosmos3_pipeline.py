@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mdtriton.families.cosmos3.transformer import TINY_CONFIG
-from tests.engine.cosmos3_cases import diffusers_model
+from mdtriton.testing.cosmos3_cases import diffusers_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>"]
 CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
