@@ -106,7 +106,8 @@ def text_input(manifest: Manifest, spec: TensorSpec, values) -> torch.Tensor:
     if spec.shape[0] > 0:
         most, limit = spec.shape[0], f"its shape is {list(spec.shape)}"
     else:
-        most, limit = manifest.limits.max_batch_size, "the batch limit, set at build time: mdtriton build --max-batch-size"
+        most = manifest.limits.max_batch_size
+        limit = "the batch limit, set at build time: mdtriton build --max-batch-size"
     check_text_elements(values, spec.name, most, limit)
     try:
         return text_rows(values, spec.name)

@@ -180,7 +180,8 @@ class Cosmos3PipelinePart(PipelinePart):
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """One prompt (and at most one negative prompt), UTF-8; no request for what is not served (REFUSED) nor LoRA
         adapters; a frame count the VAE takes (4k+1), sides that are multiples of its compression, more tokens than the
-        engine takes (naming what fits), an image only for a video and of a bounded size and aspect, step counts, finite guidance and fps."""
+        engine takes (naming what fits), an image only for a video and of a bounded size and aspect, step counts,
+        guidance in range, a positive fps."""
         prompts = prompts_of(inputs, "prompt")
         negative = prompts_of(inputs, "negative_prompt") if "negative_prompt" in inputs else []
         if len(prompts) != 1 or len(negative) > 1:
