@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -106,6 +107,9 @@ class RankModel:
         # rank's worker computes on.
         torch.set_num_threads(1)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):  # a config.pbtxt edited by hand
+            raise EngineError(f"config.pbtxt's request_timeout_s is {self.request_timeout:g}: give a positive number of "
+                              "seconds")
         # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
