@@ -117,7 +117,7 @@ def test_adapters_added_to_a_running_server_serve_the_next_request(served):
     ('{"style": 0.5', "loras is not JSON"),
     ('{"style": ' + "[" * 3000 + "]" * 3000 + "}", "loras nests arrays or objects deeper than 4 levels"),
     ('{"style": 1' + "0" * 5000 + "}", "loras holds an integer of 5001 digits, over the 20 taken"),
-])
+], ids=["unknown", "nan", "1e30", "not-json", "deep", "long-integer"])
 def test_bad_adapter_requests_get_invalid_argument_and_the_server_serves_on(served, loras, message):
     address = served[0]
     from mdtriton.client import pipeline
