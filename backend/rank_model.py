@@ -61,7 +61,8 @@ class TritonLogHandler(logging.Handler):
 
 
 def error_response(message: str, code) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+    """A request's error answer: one line (an exception's text may have several: a library's, a rank's)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(" ".join(message.splitlines()), code))
 
 
 def send(sender, response, flags: int = 0) -> None:
