@@ -100,7 +100,7 @@ def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],
 
 def text_input(manifest: Manifest, spec: TensorSpec, values) -> torch.Tensor:
     """The tensor a rank's worker gets for the BYTES elements `values` of the text input `spec` (UTF-8 rows:
-    mdtriton.pipeline.prompts); RequestError, naming the input, for more elements than it takes (its dims', or the
+    mdtriton.pipeline.prompts); RequestError, naming the input, for more elements than it takes (its shape's, or the
     batch limit where they take any number), an element over the longest taken, text that is not UTF-8 or holds a
     NUL. The counts and lengths are checked first, so that a refused request costs no tensor of rows x longest."""
     if spec.shape[0] > 0:
