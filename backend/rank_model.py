@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from mdtriton.backend.rendezvous import rendezvous_dir
 from mdtriton.backend.stub_watchdog import StubWatchdog
 from mdtriton.backend.worker_keeper import PoisonRequest, WorkerKeeper
 from mdtriton.backend.worker_spec import WorkerSpec
-from mdtriton.engine.job_control import JobFailed
+from mdtriton.engine.job_control import JobFailed, JobStopped
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.request_check import RequestError
 from mdtriton.serving import (DEFAULT_REQUEST_TIMEOUT_S, check_architecture, check_request, text_input,
@@ -60,7 +61,8 @@ class TritonLogHandler(logging.Handler):
 
 
 def error_response(message: str, code) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+    """A request's error answer: one line (an exception's text may have several: a library's, a rank's)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(" ".join(message.splitlines()), code))
 
 
 def send(sender, response, flags: int = 0) -> None:
@@ -106,6 +108,9 @@ class RankModel:
         # rank's worker computes on.
         torch.set_num_threads(1)
         self.request_timeout = float(parameters.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):  # a config.pbtxt edited by hand
+            raise EngineError(f"config.pbtxt's request_timeout_s is {self.request_timeout:g}: give a positive number of "
+                              "seconds")
         # Decoupled models (pipelines) answer through each request's response sender: progress, then the result.
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         engine_dir = Path(args["model_repository"]) / args["model_version"] / parameters.get("engine_dir", "engine")
@@ -191,7 +196,8 @@ class RankModel:
         no DLPack) as UTF-8 rows. (request.inputs() once: pb_utils's
         get_input_tensor_by_name calls it once per name, which took 45 µs instead of 18 for 7 inputs.)"""
         given = {tensor.name(): tensor for tensor in request.inputs()}
-        return {spec.name: text_input(given[spec.name].as_numpy().reshape(-1), spec.name) if spec.data_type == "STRING"
+        return {spec.name: text_input(self.manifest, spec, given[spec.name].as_numpy().reshape(-1))
+                if spec.data_type == "STRING"
                 else torch.from_dlpack(given[spec.name].to_dlpack())
                 for spec in self.manifest.inputs if spec.name in given}
 
@@ -215,13 +221,22 @@ class RankModel:
                     if is_cancelled():
                         self.workers.give_up(request, "cancelled by its client")
                         return error_response("the request was cancelled", pb_utils.TritonError.CANCELLED)
+            tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous()))
+                       for name, value in outputs.items()]
         except RequestError as error:  # the ranks refused it (inputs not finite, an adapter they cannot use)
             return error_response(str(error), pb_utils.TritonError.INVALID_ARG)
         except RanksUnavailable as error:
             return error_response(str(error), pb_utils.TritonError.UNAVAILABLE)
+        except JobStopped as error:  # the ranks stopped it after a step: its deadline passed, or its client cancelled
+            return error_response(f"the request was {error} (its deadline passed, request_timeout_s "
+                                  f"{self.request_timeout:g} s in config.pbtxt, or its client cancelled it)",
+                                  pb_utils.TritonError.UNAVAILABLE)
         except (PoisonRequest, JobFailed) as error:
             return error_response(str(error), pb_utils.TritonError.INTERNAL)
-        tensors = [pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous())) for name, value in outputs.items()]
+        except Exception as error:  # noqa: BLE001 - anything else: a one-line answer, never a traceback
+            log.error("rank %d: a request's answer failed: %r", self.placement.rank, error)
+            return error_response(f"rank {self.placement.rank} could not answer this request: "
+                                  f"{type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _give_up(self, request) -> "pb_utils.InferenceResponse":

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mdtriton.build_tools.model_config import read_model_config
-from mdtriton.build_tools.repository import ENGINE_DIR, versions
+from mdtriton.build_tools.repository import ENGINE_DIR, check_model_name, versions
 from mdtriton.engine.layers import ParallelLinear
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.modules import meta_module
@@ -74,6 +74,7 @@ def check_fits(factors: dict[str, Factors], transformer: Manifest, where: str) -
 
 def add_adapter(repository: Path, model: str, path: Path, name: str) -> AdapterSummary:
     """Check the LoRA at path against every version of the model and keep it as adapter `name`."""
+    check_model_name(model)
     check_name(name)
     model_dir = Path(repository) / model
     pipelines = model_pipelines(model_dir)
@@ -104,6 +105,7 @@ def summary(path: Path) -> AdapterSummary:
 
 
 def list_adapters(repository: Path, model: str) -> list[AdapterSummary]:
+    check_model_name(model)
     model_dir = Path(repository) / model
     if not model_dir.is_dir():
         raise ValueError(f"{model_dir}: no such model")
@@ -114,6 +116,7 @@ def list_adapters(repository: Path, model: str) -> list[AdapterSummary]:
 def remove_adapter(repository: Path, model: str, name: str) -> None:
     """Remove adapter `name`: requests that name it from now on are refused (ranks that hold it drop it as they
     need room)."""
+    check_model_name(model)
     path = adapter_path(adapters_dir(Path(repository) / model), name)
     if not path.is_file():
         raise ValueError(f"{model} has no adapter {name!r} (mdtriton lora list {repository} {model} shows them)")

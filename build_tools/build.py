@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,8 +16,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
 from mdtriton.build_tools.model_config import model_config, version_policy
-from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, install_version, keep_model_settings,
-                                              new_version_dir)
+from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, check_model_name, install_version,
+                                              keep_model_settings, new_version_dir)
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import FORMAT_VERSION, EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
@@ -65,6 +66,11 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     numbers) and renamed into place at the end, so a failed build never leaves a half version, and the same build
     run again resumes from that folder.
     """
+    check_model_name(name)
+    if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
+        raise ValueError(f"request timeout {request_timeout_s:g} s: give a positive number of seconds (the longest a "
+                         "request may wait for all ranks; default "
+                         f"{DEFAULT_REQUEST_TIMEOUT_S:g}, a pipeline's {PipelinePart.request_timeout_s:g})")
     model_family = family(architecture_name)
     part = pipeline_part(architecture_name)
     limits = limits or EngineLimits(max_tokens=model_family.max_tokens)

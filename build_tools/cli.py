@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
                     "it, with model.py and config.pbtxt, as the next version of a model in a Triton model repository. "
                     "An interrupted build resumes when the same command is run again.")
     parser.add_argument("repository", type=Path, help="model repository directory (created if missing)")
-    parser.add_argument("--name", required=True, help="model name")
+    parser.add_argument("--name", required=True,
+                        help="model name: 1 to 100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     parser.add_argument("--version", type=int, help="version number (default: the next free one)")
     parser.add_argument("--architecture", default="tiny_transformer", choices=architecture_names(),
                         help=f"what to build (default tiny_transformer): {architectures_help()}")
@@ -75,7 +76,7 @@ def add_parser(subparsers) -> None:
                         help="where random weights are generated (cuda: much faster for big models; the same seed "
                              "gives other weights than on cpu)")
     parser.add_argument("--request-timeout", type=float,
-                        help="seconds a request may wait for all ranks before it fails, and the longest a collective "
+                        help="seconds (> 0) a request may wait for all ranks before it fails, and the longest a collective "
                              f"may wait for a stopped or stuck rank (default {DEFAULT_REQUEST_TIMEOUT_S:.0f}; a pipeline's: "
                              f"{PipelinePart.request_timeout_s:.0f}, a request being a whole image)")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,

@@ -26,7 +26,9 @@ def add_parser(subparsers) -> None:
     add.add_argument("model", help="the pipeline model's name")
     add.add_argument("path", type=Path,
                      help="a .safetensors file, or a directory holding pytorch_lora_weights.safetensors")
-    add.add_argument("--name", required=True, help="the adapter's name in requests (letters, digits, '.', '_', '-')")
+    add.add_argument("--name", required=True,
+                     help="the adapter's name in requests (1 to 100 letters, digits, '.', '_', '-', starting with a "
+                          "letter or digit)")
     add.set_defaults(run=add_command)
     listing = commands.add_parser("list", help="the model's adapters", description="List the model's adapters: "
                                   "name, modules changed, ranks, file size.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from importlib.resources import files
 from pathlib import Path
@@ -11,6 +12,16 @@ from tritonclient.grpc import model_config_pb2 as mc
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 
 ENGINE_DIR = "engine"
+# A model's name is its folder in the repository and a part of Triton's URLs: a file name on every system, no path.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_model_name(name: str) -> None:
+    """ValueError unless name can name a model: 1 to 100 letters, digits, '.', '_' or '-', starting with a letter or
+    digit, without '..' (so no path: it cannot leave the repository)."""
+    if not MODEL_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"model name {name!r}: use 1 to 100 letters, digits, '.', '_' or '-', starting with a letter "
+                         "or digit, without '..'")
 
 
 def versions(model_dir: Path) -> list[int]:

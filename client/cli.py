@@ -26,6 +26,10 @@ from mdtriton.client.tensors import read_tensors, write_tensors
 from mdtriton.families import pipeline_part
 
 
+# The seeds a request's `seed` input (INT64) holds.
+SEED_RANGE = range(-2**63, 2**63)
+
+
 def read_inputs(texts: list[str]) -> dict[str, np.ndarray]:
     """Inputs from NAME=FILE.npy, NAME=FILE.safetensors (its tensor NAME, or its only tensor), or
     FILE.safetensors (every tensor, by its name)."""
@@ -88,7 +92,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--width", type=int, default=1024, help="image width in pixels, a multiple of 16 (default 1024)")
     parser.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
     parser.add_argument("--guidance", type=float, default=3.5, help="guidance scale, for models that take one (default 3.5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0,
+                        help=f"seed of the starting noise, {SEED_RANGE.start} to {SEED_RANGE.stop - 1} (default 0)")
     parser.set_defaults(run=sample)
 
     parser = subparsers.add_parser(
@@ -109,7 +114,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--steps", type=int, help="denoising steps")
     parser.add_argument("--guidance", type=float,
                         help="guidance scale (ignored by models without guidance, e.g. FLUX.1-schnell)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the starting noise (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0,
+                        help=f"seed of the starting noise, {SEED_RANGE.start} to {SEED_RANGE.stop - 1} (default 0)")
     parser.add_argument("--max-sequence-length", type=int, help="text encoder tokens of the prompt (default 512)")
     parser.add_argument("--prompt-2", help="images: a different prompt for the T5 encoder (default: the prompt)")
     parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (Cosmos 3: 1 makes an image)")
@@ -229,14 +235,30 @@ def lora_argument(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: give NAME or NAME=SCALE, SCALE a number") from None
 
 
+def seed_argument(text: str) -> int:
+    """--seed: an integer the seed input (INT64) holds."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if seed not in SEED_RANGE:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range; give {SEED_RANGE.start} to {SEED_RANGE.stop - 1} "
+                                         "(a signed 64-bit integer)")
+    return seed
+
+
 def check_writable(path: Path) -> None:
-    """ValueError, naming path, unless its directory exists and this user may write there: checked before the
-    request, so that a long job is not lost at the end."""
+    """ValueError, naming path, unless its directory exists and this user may write there, and a file already at path
+    is one this user may overwrite: checked before the request, so that a long job is not lost at the end."""
     directory = path.parent
     if not directory.is_dir():
         raise ValueError(f"cannot write {path}: there is no directory {directory}")
     if not os.access(directory, os.W_OK):
         raise ValueError(f"cannot write {path}: this user may not write in {directory}")
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a directory; give a file name")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {path}: the file exists and this user may not overwrite it")
 
 
 def generate_media(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import site
 import socket
@@ -150,6 +151,29 @@ def remove_left_shared_memory() -> list[Path]:
     return removed
 
 
+# A server's backend directory (make_backend_dir) is a temporary directory named after the process that started the
+# server: a process killed by SIGKILL cannot remove its own, so the next server started removes those of dead owners.
+BACKEND_DIR_PREFIX = "mdtriton-backends-"
+
+
+def remove_left_backend_dirs() -> list[Path]:
+    """Remove this user's backend directories whose owner process has exited; return them."""
+    removed = []
+    for directory in Path(tempfile.gettempdir()).glob(BACKEND_DIR_PREFIX + "*"):
+        owner = directory.name.removeprefix(BACKEND_DIR_PREFIX).split("-")[0]
+        try:
+            if not owner.isdigit() or directory.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(owner), 0)
+            continue  # its owner lives
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+        except OSError:
+            continue  # gone meanwhile, or a live process of another user (PermissionError)
+    return removed
+
+
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start() and stop()."""
 
@@ -204,7 +228,8 @@ class TritonServer:
         if removed:
             print(f"mdtriton: removed {len(removed)} shared memory region(s) that a crashed Triton server left in "
                   f"{SHARED_MEMORY_DIR} ({', '.join(region.name for region in removed)})", file=sys.stderr)
-        self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
+        remove_left_backend_dirs()
+        self._backend_tmp = tempfile.TemporaryDirectory(prefix=f"{BACKEND_DIR_PREFIX}{os.getpid()}-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None
         # A session of its own, so stop() can end the server and every stub process it started; and a SIGTERM from

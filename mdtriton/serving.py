@@ -17,13 +17,13 @@ from mdtriton.engine import request_check
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
-from mdtriton.engine.manifest import Manifest
+from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families import family, pipeline_part
 from mdtriton.lora.adapter_file import AdapterError, check_adapter
 from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
 from mdtriton.pipeline.prompts import text_rows
-from mdtriton.pipeline.request_checks import loras_of, step_cache_of
+from mdtriton.pipeline.request_checks import check_text_elements, loras_of, step_cache_of
 
 # Seconds a request may wait for all ranks (config.pbtxt's request_timeout_s; the build writes it, a pipeline's
 # longer: PipelinePart.request_timeout_s) when a config does not say.
@@ -98,10 +98,18 @@ def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],
     return completed
 
 
-def text_input(values, name: str) -> torch.Tensor:
-    """The tensor a rank's worker gets for the BYTES elements `values` of the text input `name` (UTF-8 rows:
-    mdtriton.pipeline.prompts); RequestError, naming the input, for text that is not UTF-8 or holds a NUL."""
+def text_input(manifest: Manifest, spec: TensorSpec, values) -> torch.Tensor:
+    """The tensor a rank's worker gets for the BYTES elements `values` of the text input `spec` (UTF-8 rows:
+    mdtriton.pipeline.prompts); RequestError, naming the input, for more elements than it takes (its shape's, or the
+    batch limit where they take any number), an element over the longest taken, text that is not UTF-8 or holds a
+    NUL. The counts and lengths are checked first, so that a refused request costs no tensor of rows x longest."""
+    if spec.shape[0] > 0:
+        most, limit = spec.shape[0], f"its shape is {list(spec.shape)}"
+    else:
+        most = manifest.limits.max_batch_size
+        limit = "the batch limit, set at build time: mdtriton build --max-batch-size"
+    check_text_elements(values, spec.name, most, limit)
     try:
-        return text_rows(values, name)
+        return text_rows(values, spec.name)
     except ValueError as error:
         raise RequestError(str(error)) from None

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +87,52 @@ def test_infer_against_no_server_fails_in_one_line(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "error" in result.stderr.lower()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--request-timeout", "-5"], "request timeout -5 s: give a positive number of seconds"),
+    (["--request-timeout", "0"], "request timeout 0 s: give a positive number of seconds"),
+    (["--request-timeout", "nan"], "request timeout nan s: give a positive number of seconds"),
+    (["--name", "../evil"], "model name '../evil': use 1 to 100 letters"),
+    (["--name", "a b"], "model name 'a b': use 1 to 100 letters"),
+    (["--name", "a/b"], "model name 'a/b': use 1 to 100 letters"),
+])
+def test_build_refuses_a_request_timeout_or_name_it_cannot_serve(tmp_path, capsys, arguments, message):
+    """One `error:` line, exit code 1, nothing written (in the repository or beside it)."""
+    repository = tmp_path / "repo"
+    assert main(["build", str(repository), "--name", "m", *arguments]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {message}") and error.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_refuses_a_seed_out_of_range_and_an_output_it_cannot_overwrite(tmp_path, capsys):
+    """Both found before any request (no server here): a seed beyond INT64 at parse time, an output that is a
+    directory (or a file this user may not overwrite) before the image is made."""
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "flux", "a cat", "--url", "127.0.0.1:1", "--seed", "99999999999999999999"])
+    assert exited.value.code == 2
+    assert ("error: argument --seed: 99999999999999999999 is out of range; give -9223372036854775808 to "
+            "9223372036854775807") in capsys.readouterr().err
+    taken = tmp_path / "image.png"
+    taken.mkdir()
+    assert main(["generate", "flux", "a cat", "--url", "127.0.0.1:1", "-o", str(taken)]) == 1
+    assert f"error: cannot write {taken}: it is a directory" in capsys.readouterr().err
+
+
+def test_a_killed_servers_backend_directory_is_removed_by_the_next_start():
+    """`mdtriton serve` killed by SIGKILL cannot remove its backend directory; the next start removes those whose
+    owner has exited, and keeps those of live owners."""
+    from mdtriton.server import BACKEND_DIR_PREFIX, remove_left_backend_dirs
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    left = Path(tempfile.mkdtemp(prefix=f"{BACKEND_DIR_PREFIX}{exited.pid}-"))
+    (left / "python").mkdir()
+    live = Path(tempfile.mkdtemp(prefix=f"{BACKEND_DIR_PREFIX}{os.getpid()}-"))
+    try:
+        assert left in remove_left_backend_dirs()
+        assert not left.exists() and live.is_dir()
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
+        shutil.rmtree(live)

@@ -113,7 +113,8 @@ class JobAgreement:
         self.comm = comm
         self.control = current_control()
         self.agreed = False  # this rank has passed the point before the job's first collective
-        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None  # GPUs: the last step's answer, unread
+        # GPUs: the last step's verdict, unread, its event and the step it is of
+        self._pending: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
 
     def before_collectives(self) -> None:
         """Called before each of the job's collective parts (a transformer call): the first time, the ranks agree that
@@ -146,30 +147,51 @@ class JobAgreement:
         received = bytes(self._read(comm.broadcast(data.to(comm.device), rank))).decode(errors="replace")
         raise JobFailed(received if world == 1 else f"rank {rank}: {received}", request_error=verdict >= 2 * world)
 
-    def step_done(self, done: int, total: int) -> None:
-        """A step of the job is done: report it, and stop here (JobStopped, every rank) if the request's rank asked."""
+    def step_done(self, done: int, total: int, latents: torch.Tensor | None = None) -> None:
+        """A step of the job is done: report it, and stop here (JobStopped, every rank) if the request's rank asked, or
+        fail the job (JobFailed, every rank) if the step's latents hold a NaN or an infinity, which would be answered
+        as a flat or noise image. Both are read from one small tensor: on GPUs one step later, so that reading it
+        waits only for work the GPU has already done (`finish` reads the last step's)."""
         control = self.control
         if control.on_progress is not None:
             control.on_progress(done, total)
         comm = self.comm
-        if comm.plan.world_size == 1:
-            if control.stop_requested():
-                raise JobStopped(done, total)
-            return
-        asked = comm.world_max(torch.full((1,), int(control.stop_requested()), dtype=torch.int32, device=comm.device))
+        stop = control.stop_requested()
+        if stop and comm.plan.world_size == 1:
+            raise JobStopped(done, total)  # no other rank to tell
+        # 1: stop asked; 2: latents not finite (their sum is finite when every value is, without a tensor their size).
+        flags = torch.full((1,), int(stop), dtype=torch.int32, device=comm.device)
+        if latents is not None:
+            flags += 2 * (~torch.isfinite(latents.sum())).to(device=comm.device, dtype=torch.int32)
+        if comm.plan.world_size > 1:
+            flags = comm.world_max(flags)
         if comm.device.type != "cuda":
-            stop = bool(asked[0])  # gloo's collective has completed
-        else:
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(asked, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            previous, self._pending = self._pending, (host, ready)
-            if previous is None:
-                return
-            wait_for_event(previous[1], control.timeout)
-            stop = bool(previous[0][0])
-        if stop:
+            self._judge(int(flags[0]), done, total)  # gloo's collective has completed
+            return
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        previous, self._pending = self._pending, (host, ready, done)
+        if previous is not None:
+            wait_for_event(previous[1], self.control.timeout)
+            self._judge(int(previous[0][0]), previous[2], total)
+
+    def finish(self, total: int) -> None:
+        """The job's steps are over: on GPUs, read the last step's verdict (step_done), which may fail the job."""
+        previous, self._pending = self._pending, None
+        if previous is not None:
+            wait_for_event(previous[1], self.control.timeout)
+            self._judge(int(previous[0][0]) & 2, previous[2], total)  # too late to stop: only a failure counts
+
+    @staticmethod
+    def _judge(verdict: int, done: int, total: int) -> None:
+        """Raise what the ranks' verdict after step `done` says (step_done's flags), if anything."""
+        if verdict >= 2:
+            raise JobFailed(f"the latents held NaN or infinite values after denoising step {done} of {total} (the "
+                            "model's weights, an adapter or the request's values overflowed); the request was stopped "
+                            "there")
+        if verdict:
             raise JobStopped(done, total)
 
     def _read(self, tensor: torch.Tensor) -> list[int]:

@@ -21,7 +21,6 @@ to the next request.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -29,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from mdtriton.engine.comm import Communicator
+from mdtriton.engine.request_json import read_json
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,7 @@ EXAMPLE = '{"method": "first_block", "threshold": 0.08}'
 
 def read_cache(text: str) -> CacheConfig | None:
     """The cache config of a `cache` JSON text (None: no cache); ValueError naming the field and what to send."""
-    try:
-        given = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"cache is not JSON ({error.msg} at character {error.pos}); send an object such as "
-                         f"{EXAMPLE}") from None
+    given = read_json(text, "cache", f"send an object such as {EXAMPLE}")
     if not isinstance(given, dict):
         raise ValueError(f"cache is {json_kind(given)}, not a JSON object; send one such as {EXAMPLE}")
     method = given.pop("method", None)

@@ -106,9 +106,25 @@ def read_user_adapter(path: Path, diffusers_class: str) -> dict[str, Factors]:
     for module in modules:
         rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        if rank < 1:
+            raise AdapterError(f"{path}: module {module} has rank {rank}; a LoRA's factors have rank 1 or more")
         factors[module] = Factors(weights[f"{module}.lora_A.weight"], weights[f"{module}.lora_B.weight"],
                                   float(alpha) / (math.sqrt(rank) if config.use_rslora else rank))
+    check_finite_factors(factors, path)
     return factors
+
+
+def check_finite_factors(factors: dict[str, Factors], path: Path) -> None:
+    """AdapterError naming the first module (of the adapter at path) whose factors or scaling hold a NaN or an
+    infinity: such an adapter would make every image it changes flat, answered as if it were right."""
+    for module, module_factors in factors.items():
+        if not math.isfinite(module_factors.scaling):
+            raise AdapterError(f"{path}: module {module} has scaling {module_factors.scaling}; give an adapter whose "
+                               "alphas and ranks make finite scalings")
+        for factor, tensor in (("lora_A", module_factors.lora_a), ("lora_B", module_factors.lora_b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterError(f"{path}: module {module}'s {factor} holds NaN or infinite values; give an adapter "
+                                   "of finite weights (retrain or re-export it)")
 
 
 def write_adapter(path: Path, factors: dict[str, Factors]) -> None:
@@ -129,14 +145,17 @@ def write_adapter(path: Path, factors: dict[str, Factors]) -> None:
 
 
 def read_adapter(path: Path, device: torch.device | str = "cpu") -> dict[str, Factors]:
-    """The factors kept at path (write_adapter's form), on device; AdapterError if the file is not one."""
+    """The factors kept at path (write_adapter's form), on device; AdapterError if the file is not one, or holds a
+    value that is not finite (a file written by hand, or changed since `mdtriton lora add`)."""
     try:
         with safe_open(path, framework="pt", device=str(device)) as file:
-            return {module: Factors(file.get_tensor(f"{module}.lora_A.weight"),
-                                    file.get_tensor(f"{module}.lora_B.weight"), float(scaling))
-                    for module, scaling in kept_scalings(file).items()}
+            factors = {module: Factors(file.get_tensor(f"{module}.lora_A.weight"),
+                                       file.get_tensor(f"{module}.lora_B.weight"), float(scaling))
+                       for module, scaling in kept_scalings(file).items()}
     except (OSError, SafetensorError, KeyError, ValueError, TypeError) as error:
         raise not_kept(path, error) from None
+    check_finite_factors(factors, path)
+    return factors
 
 
 def check_adapter(path: Path) -> None:

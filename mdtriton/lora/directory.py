@@ -22,10 +22,10 @@ def adapters_dir(model_dir: Path) -> Path:
 
 def check_name(name: str) -> None:
     """ValueError unless name can name an adapter: 1 to 100 letters, digits, '.', '_' or '-', starting with a letter
-    or digit (a file name on every system, and no path)."""
-    if not NAME.fullmatch(name):
+    or digit, without '..' (a file name on every system, and no path)."""
+    if not NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"adapter name {name!r}: use 1 to 100 letters, digits, '.', '_' or '-', starting with a "
-                         "letter or digit")
+                         "letter or digit, without '..'")
 
 
 def adapter_path(directory: Path, name: str) -> Path:

@@ -12,6 +12,7 @@ import torch
 
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.request_check import RequestError
+from mdtriton.engine.request_json import read_json
 from mdtriton.engine.step_cache import CacheConfig, json_kind, read_cache
 from mdtriton.lora.directory import check_name
 from mdtriton.pipeline.prompts import read_prompts
@@ -21,6 +22,27 @@ MAX_STEPS = 1000
 # English), and every rank tokenizes the whole text (8 MiB took 15 s).
 MAX_PROMPT_BYTES = 65536
 INT32_MAX = 2**31 - 1
+# The accepted guidance scales and adapter scales: finite bounds far beyond any use (guidance 1 to 20, adapter scales -2
+# to 2 in practice), so that a value out of them, which would make a flat or noise image, is refused.
+GUIDANCE_RANGE = (0.0, 100.0)
+LORA_SCALE_RANGE = (-10.0, 10.0)
+# A conditioning image's largest side, and how far its aspect (width / height) may be from the video's: the pipeline
+# resizes it to cover the video, to an image of (that factor) times the video's pixels at most.
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_ASPECT_FACTOR = 4.0
+
+
+def check_text_elements(values, name: str, most: int, limit: str) -> None:
+    """RequestError, naming the input, if the BYTES elements `values` of text input `name` are more than `most` (limit:
+    where that number comes from, for the message) or one is longer than MAX_PROMPT_BYTES. Read from the elements as
+    received, before they become rows padded to the longest (a tensor of rows x longest bytes)."""
+    if len(values) > most:
+        raise RequestError(f"{name} has {len(values)} elements, over the {most} this model takes ({limit}); send at "
+                           f"most {most}")
+    for index, value in enumerate(values):
+        if len(value) > MAX_PROMPT_BYTES:
+            raise RequestError(f"{name}[{index}] is {len(value)} bytes, over the {MAX_PROMPT_BYTES} taken; the text "
+                               "encoders read only a prompt's first tokens (max_sequence_length): send a shorter one")
 
 
 def prompts_of(inputs: dict[str, torch.Tensor], name: str) -> list[str]:
@@ -65,6 +87,22 @@ def check_sides(inputs: dict[str, torch.Tensor], multiple: int, why: str) -> tup
     return height, width
 
 
+def check_image(image: torch.Tensor, height: int, width: int) -> None:
+    """A conditioning image (UINT8 [rows, columns, 3]) that the pipeline can resize to cover height x width within
+    bounds: sides 1 to MAX_IMAGE_SIDE, and an aspect within MAX_IMAGE_ASPECT_FACTOR of the video's (the resized image
+    has the video's pixels times the ratio of the two aspects)."""
+    rows, columns = image.shape[0], image.shape[1]
+    usual = "(any size and aspect near the video's: it is resized and center-cropped to height x width)"
+    if not (1 <= rows <= MAX_IMAGE_SIDE and 1 <= columns <= MAX_IMAGE_SIDE):
+        raise RequestError(f"image has shape {list(image.shape)}; send UINT8 [height, width, 3] RGB pixels of sides 1 to "
+                           f"{MAX_IMAGE_SIDE} {usual}")
+    factor = max(columns * height / (rows * width), rows * width / (columns * height))
+    if factor > MAX_IMAGE_ASPECT_FACTOR:
+        raise RequestError(f"image is {columns}x{rows}: its aspect differs from the video's ({width}x{height}) by a "
+                           f"factor of {factor:.1f}, over the {MAX_IMAGE_ASPECT_FACTOR:g} taken (resized to cover the "
+                           f"video it would have {factor:.1f} times the video's pixels); crop it nearer the video's aspect")
+
+
 def check_frames(inputs: dict[str, torch.Tensor], temporal: int, usual: str) -> int:
     """num_frames, 1 more than a multiple of the VAE's temporal compression (it compresses `temporal` frames into one
     after the first); usual: the family's typical counts, for the message."""
@@ -84,13 +122,20 @@ def text_length(inputs: dict[str, torch.Tensor], longest: int) -> int:
 
 
 def check_steps_and_guidance(inputs: dict[str, torch.Tensor], guidance_names: tuple[str, ...], example: str) -> None:
-    """num_inference_steps 1 to MAX_STEPS; each guidance input that is given finite (example: a usual value)."""
+    """num_inference_steps 1 to MAX_STEPS; each guidance input that is given finite and in GUIDANCE_RANGE (example: a
+    usual value)."""
     steps = int(inputs["num_inference_steps"][0])
     if not 1 <= steps <= MAX_STEPS:
         raise RequestError(f"num_inference_steps {steps} is out of range; send 1 to {MAX_STEPS}")
+    low, high = GUIDANCE_RANGE
     for name in guidance_names:
-        if name in inputs and not math.isfinite(float(inputs[name][0])):
-            raise RequestError(f"{name} {float(inputs[name][0])} is not finite; send a finite number ({example})")
+        if name not in inputs:
+            continue
+        value = float(inputs[name][0])
+        if not math.isfinite(value):
+            raise RequestError(f"{name} {value} is not finite; send a finite number ({example})")
+        if not low <= value <= high:
+            raise RequestError(f"{name} {value:g} is out of range; send {low:g} to {high:g} ({example})")
 
 
 def step_cache_of(inputs: dict[str, torch.Tensor]) -> CacheConfig | None:
@@ -110,9 +155,9 @@ def loras_of(inputs: dict[str, torch.Tensor]) -> dict[str, float]:
         return {}
     example = 'send an object of adapter names and scales, e.g. {"style": 0.8, "detail": 0.5}'
     try:
-        loras = json.loads(prompts_of(inputs, "loras")[0])
-    except json.JSONDecodeError as error:
-        raise RequestError(f"loras is not JSON ({error}); {example}") from None
+        loras = read_json(prompts_of(inputs, "loras")[0], "loras", example)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
     if not isinstance(loras, dict):
         raise RequestError(f"loras is {json_kind(loras)}, not a JSON object; {example}")
     for name, scale in loras.items():
@@ -120,7 +165,9 @@ def loras_of(inputs: dict[str, torch.Tensor]) -> dict[str, float]:
             check_name(name)
         except ValueError as error:
             raise RequestError(f"loras: {error}") from None
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise RequestError(f"loras: the scale of {name!r} is {json.dumps(scale)}; send a finite number "
-                               "(1.0: the adapter as trained)")
+        low, high = LORA_SCALE_RANGE
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                or not low <= scale <= high):
+            raise RequestError(f"loras: the scale of {name!r} is {json.dumps(scale)}; send a number from {low:g} to "
+                               f"{high:g} (1.0: the adapter as trained)")
     return {name: float(scale) for name, scale in loras.items()}

@@ -6,6 +6,8 @@ collective."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,3 +126,28 @@ def test_a_lost_peer_is_a_communication_error():
     left, lost = run_ranks(2, _peer_leaves)[::-1]
     assert left == "left" and lost.startswith("tensor-parallel all-reduce failed on rank 0: "), lost
     assert is_backend_failure(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
+
+
+def _latents_go_bad(rank: int, world_size: int, bad_at: int) -> dict:
+    """Every rank runs 10 steps; rank 1's latents hold a NaN from step `bad_at` on (the others' stay finite)."""
+    comm = communicator(rank, world_size)
+    agreement = JobAgreement(comm)
+    try:
+        for step in range(1, 11):
+            latents = torch.ones(2, 8)
+            if rank == 1 and step >= bad_at:
+                latents[1, 3] = math.nan
+            agreement.step_done(step, 10, latents)
+        failed = None
+    except JobFailed as error:
+        failed = (str(error), error.request_error)
+    return {"failed": failed, "sum": world_sum(rank)}
+
+
+def test_latents_that_are_not_finite_fail_the_job_on_every_rank_naming_the_step():
+    """Not a flat image answered OK: every rank fails the job after the step whose latents went bad (the request's
+    fault is not assumed: answered INTERNAL), and the ranks still sum together after it."""
+    for result in run_ranks(2, _latents_go_bad, 3):
+        message, request_error = result["failed"]
+        assert message.startswith("the latents held NaN or infinite values after denoising step 3 of 10")
+        assert not request_error and result["sum"] == 3.0

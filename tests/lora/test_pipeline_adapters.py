@@ -100,10 +100,10 @@ def test_every_plan_splits_the_adapters_as_the_weights(adapted):
 
 @pytest.mark.parametrize("loras, message", [
     ('{"style": 0.5, "nosuch": 1}', "this model has no adapter 'nosuch'; its adapters: detail, kohya, style"),
-    ('{"style": NaN}', "loras: the scale of 'style' is NaN; send a finite number"),
-    ('{"style": 1e999}', "loras: the scale of 'style' is Infinity; send a finite number"),
-    ('{"style": "0.5"}', "loras: the scale of 'style' is \"0.5\"; send a finite number"),
-    ('{"style": true}', "loras: the scale of 'style' is true; send a finite number"),
+    ('{"style": NaN}', "loras: the scale of 'style' is NaN; send a number from -10 to 10"),
+    ('{"style": 1e999}', "loras: the scale of 'style' is Infinity; send a number from -10 to 10"),
+    ('{"style": "0.5"}', "loras: the scale of 'style' is \"0.5\"; send a number from -10 to 10"),
+    ('{"style": true}', "loras: the scale of 'style' is true; send a number from -10 to 10"),
     ("{style: 1}", "loras is not JSON"),
     ('["style"]', "loras is an array, not a JSON object"),
     ('"style"', "loras is a string, not a JSON object"),

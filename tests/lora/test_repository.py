@@ -7,9 +7,12 @@ or not a name, and a model that is not a pipeline.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from diffusers import FluxPipeline
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.adapters import add_adapter
@@ -19,7 +22,7 @@ from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.lora.adapter_file import AdapterError, read_user_adapter
+from mdtriton.lora.adapter_file import AdapterError, read_adapter, read_user_adapter
 from mdtriton.lora.directory import AdapterSettings, adapters_dir
 from mdtriton.serving import load_engine
 from tests.lora.adapters import diffusers_lora
@@ -167,3 +170,35 @@ def test_a_rank_keeps_its_adapters_up_to_the_cap(repository, tmp_path):
     assert weights.merged == merged  # nothing was changed: the weights still hold what the last request merged
     weights.activate({})
     assert not weights.saved and weights.merged == ()
+
+
+def test_an_adapter_with_nan_or_of_rank_0_is_refused_in_one_line(repository, tmp_path, capsys):
+    """Neither would serve: a NaN factor makes every image it changes flat (answered as if right), a rank-0 adapter
+    divides its alpha by 0. `mdtriton lora add` says so in one line and writes nothing."""
+    repository, good, _ = repository
+    nan = mangled(good, tmp_path, lambda t: t["transformer.x_embedder.lora_B.weight"].__setitem__((0, 0), math.nan))
+    assert main(["lora", "add", str(repository), "flux", str(nan), "--name", "nan"]) == 1
+    assert "x_embedder's lora_B holds NaN or infinite values" in capsys.readouterr().err
+    rank_0 = mangled(good, tmp_path, lambda t: t.update({key: value[:0] if "lora_A" in key else value[:, :0]
+                                                         for key, value in t.items()}))
+    assert main(["lora", "add", str(repository), "flux", str(rank_0), "--name", "empty"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and "rank 0" in error, error
+    assert main(["lora", "add", str(repository), "../flux", str(good), "--name", "x"]) == 1
+    assert "model name '../flux'" in capsys.readouterr().err
+    assert nothing_written(repository)
+
+
+def test_a_kept_adapter_changed_to_hold_nan_is_refused_at_load(repository, tmp_path):
+    repository, good, _ = repository
+    add_adapter(repository, "flux", good, "spoiled")
+    kept = adapters_dir(repository / "flux") / "spoiled.safetensors"
+    try:
+        with safe_open(kept, framework="pt") as file:
+            metadata, tensors = file.metadata(), {key: file.get_tensor(key) for key in file.keys()}
+        tensors["x_embedder.lora_A.weight"][0, 0] = math.inf
+        save_file(tensors, kept, metadata=metadata)
+        with pytest.raises(AdapterError, match="x_embedder's lora_A holds NaN or infinite values"):
+            read_adapter(kept)
+    finally:
+        kept.unlink()

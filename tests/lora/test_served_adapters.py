@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from diffusers import FluxPipeline
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
@@ -111,9 +112,12 @@ def test_adapters_added_to_a_running_server_serve_the_next_request(served):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("loras, message", [
     ('{"nosuch": 1}', "this model has no adapter 'nosuch'"),
-    ('{"style": NaN}', "loras: the scale of 'style' is NaN; send a finite number"),
+    ('{"style": NaN}', "loras: the scale of 'style' is NaN; send a number from -10 to 10"),
+    ('{"style": 1e30}', "loras: the scale of 'style' is 1e+30; send a number from -10 to 10"),
     ('{"style": 0.5', "loras is not JSON"),
-])
+    ('{"style": ' + "[" * 3000 + "]" * 3000 + "}", "loras nests arrays or objects deeper than 4 levels"),
+    ('{"style": 1' + "0" * 5000 + "}", "loras holds an integer of 5001 digits, over the 20 taken"),
+], ids=["unknown", "nan", "1e30", "not-json", "deep", "long-integer"])
 def test_bad_adapter_requests_get_invalid_argument_and_the_server_serves_on(served, loras, message):
     address = served[0]
     from mdtriton.client import pipeline
@@ -135,3 +139,23 @@ def test_a_removed_adapter_is_refused_from_the_next_request_on(served, tmp_path)
     assert removed.returncode == 0 and "removed gone from flux" in removed.stdout
     with pytest.raises(ClientError, match="this model has no adapter 'gone'"):
         image(address, {"gone": 1.0})
+
+
+@pytest.mark.timeout(300)
+def test_latents_that_overflow_fail_the_request_naming_the_step(served, tmp_path):
+    """An adapter of finite but huge factors (1e20: its update overflows float32) makes the latents infinite at the
+    first step: the request fails INTERNAL saying after which step, not a flat image answered OK, and the next request
+    gets the base image (its weights were put back)."""
+    address, repository, *_ = served
+    files = served[3]
+    huge = {key: value * 1e20 for key, value in load_file(files["style"]).items()}
+    save_file(huge, tmp_path / "huge.safetensors")
+    assert main(["lora", "add", str(repository), "flux", str(tmp_path / "huge.safetensors"), "--name", "huge"]) == 0
+    try:
+        with pytest.raises(ClientError) as failed:
+            image(address, {"huge": 1.0})
+        assert "INTERNAL" in str(failed.value)
+        assert f"the latents held NaN or infinite values after denoising step 1 of {STEPS}" in str(failed.value)
+        assert image(address).std() > 10
+    finally:
+        assert main(["lora", "remove", str(repository), "flux", "huge"]) == 0

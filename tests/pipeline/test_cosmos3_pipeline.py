@@ -130,11 +130,16 @@ BAD = [
                                     "over this engine's maximum of 300"),
     ({"num_frames": 1, "image": IMAGE}, "with num_frames 1 (an image) leave image out"),
     ({"image": IMAGE[:, :, :2]}, "image"),  # Triton refuses the shape: [40, 50, 2] is not [-1, -1, 3]
+    # Resized to cover the video, 1 x 100,000 pixels would have been 32 x 3.2 million (a gigabyte per rank).
+    ({"image": np.zeros((1, 100_000, 3), np.uint8)}, "image has shape [1, 100000, 3]; send UINT8 [height, width, 3] "
+                                                     "RGB pixels of sides 1 to 4096"),
+    ({"image": np.zeros((8, 1000, 3), np.uint8)}, "image is 1000x8: its aspect differs from the video's (48x32) by a "
+                                                  "factor of 83.3, over the 4 taken"),
     ({"enable_sound": 1}, "sound generation is not served (enable_sound); this model serves text to video, text to "
                           "image (num_frames 1) and image to video (the image input)"),
     ({"conditioning_video": np.zeros((5, 32, 48, 3), np.uint8)}, "video-to-video generation is not served"),
     ({"action": '{"mode": "policy"}'}, "action-conditioned generation is not served"),
-    ({"prompt": ["a", "b"]}, "makes one video per request: send one prompt"),
+    ({"prompt": ["a", "b"]}, "prompt has 2 elements, over the 1 this model takes (the batch limit"),
     ({"loras": {"style": 1.0}}, "takes no LoRA adapters"),
     ({"fps": 0.0}, "fps 0.0 is not a positive number"),
     ({"num_inference_steps": 0}, "num_inference_steps 0 is out of range; send 1 to 1000"),

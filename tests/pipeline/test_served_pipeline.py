@@ -12,11 +12,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,11 +255,15 @@ BAD = [
     ({"guidance_scale": math.inf}, "guidance_scale inf is not finite"),
     ({"guidance_scale": math.nan}, "guidance_scale nan is not finite"),
     ({"max_sequence_length": 513}, "max_sequence_length 513 is out of range; send 1 to 512"),
-    ({"prompt": ["a", "b", "c"]}, "3 prompts is over this model's maximum of 2 images per request"),
+    ({"prompt": ["a", "b", "c"]}, "prompt has 3 elements, over the 2 this model takes (the batch limit"),
+    ({"guidance_scale": -1e38}, "guidance_scale -1e+38 is out of range; send 0 to 100"),
     ({"prompt": ["a", "b"], "prompt_2": "c"}, "prompt_2 has 1 rows, prompt 2; send one prompt_2 per prompt"),
     ({"cache": "{method: first_block}"}, "cache is not JSON"),
     ({"cache": {"method": "first_block", "threshold": -1}}, "cache threshold -1 is not a finite number >= 0"),
     ({"cache": {"method": "taylorseer", "cache_interval": 0}}, "cache cache_interval 0 is not an integer >= 1"),
+    ({"cache": '{"method": ' + "[" * 4000 + "]" * 4000 + "}"}, "cache nests arrays or objects deeper than 4 levels"),
+    ({"cache": '{"method": "taylorseer", "cache_interval": 1' + "0" * 5000 + "}"},
+     "cache holds an integer of 5001 digits, over the 20 taken"),
 ]
 
 
@@ -270,6 +277,82 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(served, chan
     assert "INVALID_ARGUMENT" in str(caught.value) and message in str(caught.value)
     image = generate(server.grpc_address, "dev_tp2", "a cat", **{**GOOD, "num_inference_steps": 1}, timeout=120)
     assert image.shape == (1, 48, 64, 3)
+
+
+def prompt_rows(rows: list[bytes]) -> grpcclient.InferInput:
+    prompt = grpcclient.InferInput("prompt", [len(rows)], "BYTES")
+    prompt.set_data_from_numpy(np.array(rows, dtype=np.object_))
+    return prompt
+
+
+def stub_pids(server) -> list[int]:
+    """The Python-backend stubs of the server (one per rank of each model; in the server's process session)."""
+    table = subprocess.run(["ps", "-ww", "-eo", "pid,sid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return [int(line.split()[0]) for line in table
+            if line.split()[1] == str(server.process.pid) and "triton_python_backend_stub" in line]
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident memory since its last reset (VmHWM), in MiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+# A prompt input's rows as a hostile client sends them: each was a tensor of rows x longest in the stub (gigabytes),
+# and seconds of its time, before the batch limit refused it.
+AMPLIFYING = [
+    ([b"x" * 2**20] + [b"a cat"] * 299, "prompt has 300 elements, over the 2 this model takes"),
+    ([b"x" * 65536] + [b"a"] * 2999, "prompt has 3000 elements, over the 2 this model takes"),
+    ([b"x" * 2**20, b"a cat"], "prompt[0] is 1048576 bytes, over the 65536 taken"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_amplifying_prompts_are_refused_in_milliseconds_and_megabytes_beside_a_good_request(served):
+    """Each refused INVALID_ARGUMENT, naming the input, within 0.1 s and 50 MB of any stub's peak memory (reset
+    first: /proc/PID/clear_refs); a good request sent among them takes what it takes alone (within 10%)."""
+    server, _ = served
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    good = pipeline_inputs(["a cat"], 32, 32, 2, 3.5, 5)
+    client.infer(CLI_BUILT, good)  # warm
+    alone = min(timed(lambda: client.infer(CLI_BUILT, good)) for _ in range(3))
+    stubs = stub_pids(server)
+    assert len(stubs) == 2 * len(MODELS)
+    before = {}
+    for pid in stubs:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+        before[pid] = peak_rss_mib(pid)
+    refusals = []
+    stop = threading.Event()
+
+    def attack():
+        attacker = grpcclient.InferenceServerClient(server.grpc_address)
+        while not stop.is_set():
+            for rows, message in AMPLIFYING:
+                start = time.perf_counter()
+                with pytest.raises(InferenceServerException) as caught:
+                    attacker.infer(CLI_BUILT, [prompt_rows(rows)] + good[1:])
+                refusals.append(time.perf_counter() - start)
+                assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and message in caught.value.message()
+
+    with ThreadPoolExecutor(1) as pool:
+        attacking = pool.submit(attack)
+        beside = min(timed(lambda: client.infer(CLI_BUILT, good)) for _ in range(3))
+        stop.set()
+        attacking.result()
+    grown = {pid: peak_rss_mib(pid) - before[pid] for pid in stubs}
+    print(f"refusals: {len(refusals)}, slowest {max(refusals) * 1000:.1f} ms, median "
+          f"{sorted(refusals)[len(refusals) // 2] * 1000:.1f} ms; stub peak growth {max(grown.values()):.1f} MiB; good "
+          f"request alone {alone:.3f} s, beside them {beside:.3f} s")
+    assert len(refusals) >= len(AMPLIFYING)
+    assert sorted(refusals)[len(refusals) // 2] < 0.1 and max(grown.values()) < 50
+    assert beside < 1.1 * alone
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def stream_raw(server, inputs) -> str:

@@ -136,8 +136,8 @@ BAD = [
     ({"num_inference_steps": 0}, "num_inference_steps 0 is out of range; send 1 to 1000"),
     ({"guidance_scale": math.nan}, "guidance_scale nan is not finite"),
     ({"max_sequence_length": 513}, "max_sequence_length 513 is out of range; send 1 to 512"),
-    ({"prompt": ["a", "b", "c"]}, "3 prompts is over this model's maximum of 2 videos per request"),
-    ({"prompt": ["a", "b", "c"][:2], "negative_prompt": ["x", "y", "z"]}, "negative_prompt has 3 rows, prompt 2"),
+    ({"prompt": ["a", "b", "c"]}, "prompt has 3 elements, over the 2 this model takes (the batch limit"),
+    ({"prompt": ["a"], "negative_prompt": ["x", "y"]}, "negative_prompt has 2 rows, prompt 1"),
     ({"cache": {"method": "taylorseer"}}, "cache method 'taylorseer' is not offered by wan-pipeline; its methods: "
                                           "first_block, none"),
 ]

@@ -26,8 +26,8 @@ from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
 from mdtriton.pipeline.prompts import read_prompts
-from mdtriton.pipeline.request_checks import (check_frames, check_sides, check_steps_and_guidance, loras_of,
-                                             prompts_of)
+from mdtriton.pipeline.request_checks import (check_frames, check_image, check_sides, check_steps_and_guidance,
+                                             loras_of, prompts_of)
 from mdtriton.pipeline.transformer import EngineAsTransformer
 
 SERVED = "text to video, text to image (num_frames 1) and image to video (the image input)"
@@ -180,7 +180,8 @@ class Cosmos3PipelinePart(PipelinePart):
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """One prompt (and at most one negative prompt), UTF-8; no request for what is not served (REFUSED) nor LoRA
         adapters; a frame count the VAE takes (4k+1), sides that are multiples of its compression, more tokens than the
-        engine takes (naming what fits), an image only for a video, step counts, finite guidance and fps."""
+        engine takes (naming what fits), an image only for a video and of a bounded size and aspect, step counts,
+        guidance in range, a positive fps."""
         prompts = prompts_of(inputs, "prompt")
         negative = prompts_of(inputs, "negative_prompt") if "negative_prompt" in inputs else []
         if len(prompts) != 1 or len(negative) > 1:
@@ -207,9 +208,7 @@ class Cosmos3PipelinePart(PipelinePart):
             if frames == 1:
                 raise RequestError("an image conditions a video's first frame; with num_frames 1 (an image) leave image "
                                    "out, or ask for a video (num_frames 4k+1 > 1)")
-            if 0 in inputs["image"].shape:
-                raise RequestError(f"image has shape {list(inputs['image'].shape)}; send UINT8 [height, width, 3] RGB "
-                                   "pixels (any size: it is resized and center-cropped to height x width)")
+            check_image(inputs["image"], height, width)
         fps = float(inputs["fps"][0])
         if not math.isfinite(fps) or fps <= 0:
             raise RequestError(f"fps {fps} is not a positive number; send the clip's frame rate (Cosmos 3: 24)")
