@@ -367,6 +367,7 @@ def test_the_client_installed_alone_generates_with_the_served_pipeline(served, t
     setuptools) and installed there with its dependencies (pip's cache makes that quick)."""
     server, pipelines = served
     source = tmp_path / "source"
+    source.mkdir()
     for name in PACKAGE_FILES:
         path = ROOT / name
         if path.is_dir():
