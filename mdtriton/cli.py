@@ -14,7 +14,7 @@ from mdtriton.build_tools import lora_cli
 from mdtriton.client import cli as client_cli
 from mdtriton.client.grpc_client import ClientError
 from mdtriton.engine.manifest import EngineError
-from mdtriton.server import TRITON_PORTS, ServerError, port_is_free
+from mdtriton.server import TRITON_PORTS, ServerError, TritonServer, port_is_free
 from mdtriton.stub_environment import StubEnvironmentError
 
 # Errors that are the user's to fix: shown as one line, exit code 1 (anything else keeps its traceback).
@@ -73,8 +73,6 @@ def usual_ports(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from mdtriton.server import TritonServer
-
     ports = usual_ports(args)
     log_file = None
     if not args.log_to_stdout:
