@@ -435,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
     args.methods = args.methods.split(",")
     plans_for(2, args.methods)  # refuses unknown methods before any rank starts
     args.variants = bench_variants(args, model_family)
+    baseline = baseline_variant(args.variants)
     args.sizes = model_sizes(args, config)
     if args.traces:
         args.traces.mkdir(parents=True, exist_ok=True)
@@ -447,10 +448,9 @@ def run(args: argparse.Namespace) -> int:
             results = json.loads((Path(work_dir) / f"rows-{world_size}.json").read_text())
             rows += results["forward"]
             attention_rows += results["attention"]
-        add_errors(rows, str(args.sizes[0]), work_dir, baseline_variant(args.variants))
+        add_errors(rows, str(args.sizes[0]), work_dir, baseline)
     title = f"{args.architecture} {args.preset}"
     shape = model_family.attention_shape(config)
-    baseline = baseline_variant(args.variants)
     tables = (f"One forward of the whole transformer ({title}):\n\n{forward_table(rows, shape, baseline)}\n\n"
               f"{kinds_table(rows)}"
               f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
