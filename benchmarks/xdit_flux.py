@@ -379,7 +379,7 @@ def main(argv=None) -> int:
                 rows += peers["forward"]
                 attention_rows += peers["attention"]
                 failures += peers["failures"]
-        add_errors(rows, str(args.sizes[0]), work_dir)
+        add_errors(rows, str(args.sizes[0]), work_dir, args.baseline)
     report(args, rows, attention_rows, {"environment": environment, "failures": failures})
     for failure in failures:
         print(f"could not run: {failure}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -22,8 +23,10 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     max_batch_size is 0: the engines take the batch as an explicit first dimension, and FLUX's position
     ids (img_ids, txt_ids) have no batch dimension at all, so Triton's dynamic batcher (which needs
     max_batch_size > 0 and a batch dimension on every input) does not apply; clients batch themselves.
-    The parameters tell users what they are talking to (architecture, data type, parallel plan).
+    The parameters tell users what they are talking to (architecture, data type, parallel plan) and, for a
+    pipeline, what a request that leaves an input out gets (request_defaults, JSON: its PipelinePart's optional inputs).
     """
+    part = pipeline_part(manifest.architecture)
     world_size = manifest.plan.world_size
     if device == "gpu":
         gpus = list(range(world_size)) if gpus is None else list(gpus)
@@ -41,7 +44,7 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     for spec in manifest.outputs:
         config.output.append(mc.ModelOutput(name=spec.name, data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"),
                                             dims=list(spec.shape)))
-    if pipeline_part(manifest.architecture) is None:  # a pipeline's would run a whole image: the ranks meet at the first
+    if part is None:  # a pipeline's would run a whole image: the ranks meet at the first
         config.model_warmup.append(warmup(manifest))
     parameters = {
         "engine_dir": "engine",
@@ -50,6 +53,8 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
         "data_type": manifest.data_type,
         "parallel_plan": str(manifest.plan),
     }
+    if part is not None:  # what `mdtriton generate` sends for what its command line leaves out, without the family
+        parameters["request_defaults"] = json.dumps(part.optional_inputs())
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config

@@ -7,6 +7,7 @@ exit code 1 (mdtriton/cli.py prints the ClientError).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -23,7 +24,6 @@ from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
 from mdtriton.client.pipeline import generate, generate_video, streams_progress
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
-from mdtriton.families import pipeline_part
 
 
 # The seeds a request's `seed` input (INT64) holds.
@@ -263,18 +263,19 @@ def check_writable(path: Path) -> None:
 
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`), with the model's defaults
-    (its family's PipelinePart, by the architecture its config names) for what the command line leaves out."""
+    (its config's `request_defaults`, which the build writes) for what the command line leaves out."""
     if args.output is not None:
         check_writable(args.output)
     with Client(args.url, timeout=args.timeout) as client:
         metadata = client.metadata(args.model)
-        architecture = client.model_config(args.model)["parameters"]["architecture"]["string_value"]
-    part = pipeline_part(architecture)
-    if part is None:
+        parameters = client.model_config(args.model)["parameters"]
+    architecture = parameters["architecture"]["string_value"]
+    if "request_defaults" not in parameters:
         raise ValueError(f"{args.model} serves a transformer engine ({architecture}), not a pipeline: generate takes a "
                          "model built with --architecture ...-pipeline")
-    defaults = {**part.optional_inputs(), **{name: getattr(args, name) for name in ("height", "width", "num_frames")
-                                             if getattr(args, name) is not None}}
+    defaults = {**json.loads(parameters["request_defaults"]["string_value"]),
+                **{name: getattr(args, name) for name in ("height", "width", "num_frames")
+                   if getattr(args, name) is not None}}
     takes = {spec["name"] for spec in metadata["inputs"]}
     video = "video" in {spec["name"] for spec in metadata["outputs"]}
     one_frame = video and defaults.get("num_frames") == 1

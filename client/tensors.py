@@ -1,8 +1,9 @@
 """Tensors on the client side: numpy or torch in, numpy out, and .npy / .safetensors files.
 
 bf16: numpy has no bfloat16 of its own; tritonclient (2.73+) takes and returns `ml_dtypes.bfloat16`
-arrays for Triton's BF16. Torch bf16 tensors become such arrays (and back) by reinterpreting their bits,
-without converting a value. Torch is imported only when a torch tensor or a .safetensors file is involved.
+arrays for Triton's BF16, and so do our .safetensors reads and writes. Torch bf16 tensors become such arrays (and back)
+by reinterpreting their bits, without converting a value. Torch is imported only where a torch tensor is involved:
+the client works without it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors import deserialize
+from safetensors.numpy import save_file
 
 NUMPY_TYPES = {
     "FP32": np.dtype(np.float32),
@@ -18,6 +21,11 @@ NUMPY_TYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "INT64": np.dtype(np.int64),
     "INT32": np.dtype(np.int32),
+}
+# safetensors' data types as numpy's (safetensors.numpy's loader has no BF16: ml_dtypes gives it).
+SAFETENSORS_TYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 
 
@@ -71,9 +79,13 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     if path.suffix == ".npy":
         return {"": np.load(path, allow_pickle=False)}
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file  # torch, not numpy: safetensors' numpy loader has no bf16
-
-        return {name: as_numpy(tensor) for name, tensor in load_file(path).items()}
+        tensors = {}
+        for name, view in deserialize(path.read_bytes()):
+            if view["dtype"] not in SAFETENSORS_TYPES:
+                raise ValueError(f"{path}: tensor {name} is {view['dtype']}; send one of "
+                                 f"{', '.join(SAFETENSORS_TYPES)}")
+            tensors[name] = np.frombuffer(view["data"], SAFETENSORS_TYPES[view["dtype"]]).reshape(view["shape"])
+        return tensors
     raise ValueError(f"{path}: tensors are read from .npy or .safetensors files")
 
 
@@ -84,10 +96,8 @@ def write_tensors(path: Path, tensors: dict[str, np.ndarray]) -> list[Path]:
     """
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({name: to_torch(array).contiguous() for name, array in tensors.items()}, path)
+        save_file({name: np.ascontiguousarray(array) for name, array in tensors.items()}, path)
         return [path]
     path.mkdir(parents=True, exist_ok=True)
     written = []

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from mdtriton.engine.attention import attention_for
 from mdtriton.engine.attention.local import cudnn_sdpa
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.fp8 import check_fp8_device
+from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import Family, families, family
 from mdtriton.families.family import AttentionShape
@@ -190,14 +190,15 @@ def float32_sample(args: argparse.Namespace, config: dict, request: dict[str, to
     save_sample(sample, Path(work_dir) / sample_file(1, "1 GPU", "float32"))
 
 
-def add_errors(rows: list[dict], first_size: str, work_dir: str) -> None:
-    """Each row's relative error (norm) at the first size against the 1-GPU compiled output and the float32 output."""
+def add_errors(rows: list[dict], first_size: str, work_dir: str, baseline: str) -> None:
+    """Each row's relative error (norm) at the first size against the 1-GPU output of the baseline variant and the
+    float32 output."""
     for row in rows:
         path = Path(work_dir) / sample_file(row["gpus"], row["method"], row["variant"])
         if row["size"] != first_size or not path.exists():
             continue
         sample = load_sample(path)
-        for reference, key in (("compiled", "error_vs_1gpu"), ("float32", "error_vs_float32")):
+        for reference, key in ((baseline, "error_vs_1gpu"), ("float32", "error_vs_float32")):
             reference_path = Path(work_dir) / sample_file(1, "1 GPU", reference)
             if reference_path.exists():
                 row[key] = relative_error(sample, load_sample(reference_path))
@@ -288,13 +289,14 @@ def size_cell(row: dict) -> str:
     return f"{row['size']} ({row['tokens']:,} tokens)"
 
 
-def forward_table(rows: list[dict], shape: AttentionShape) -> str:
-    """Speed-ups are over the 1-GPU compiled bf16 forward (our fastest bf16 base)."""
-    single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == "compiled"}
+def forward_table(rows: list[dict], shape: AttentionShape, baseline: str) -> str:
+    """Speed-ups are over the 1-GPU forward of the baseline variant (compiled: our fastest bf16 base, where
+    measured)."""
+    single = {r["size"]: r["median_ms"] for r in rows if r["method"] == "1 GPU" and r["variant"] == baseline}
     header = ["size", "GPUs", "method", "variant", "plan", "median ms", "first call ms", "warm-up s", "speedup",
               "efficiency", "attention-equivalent TFLOP/s per GPU", "NCCL share of GPU time",
               "NCCL alone ms, by rank", "GPU idle ms, by rank", "compute kernels ms, by rank", "peak GiB",
-              "rel. error vs 1 GPU compiled / vs float32"]
+              f"rel. error vs 1 GPU {baseline} / vs float32"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"], r["variant"])):
         speedup = single.get(r["size"], float("nan")) / r["median_ms"]
@@ -349,7 +351,8 @@ def attention_table(rows: list[dict], shape: AttentionShape) -> str:
     return markdown_table(header + (["rel. error vs full attention"] if errors else []), cells)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, baseline: str) -> None:
+    """Each method's speed-up over one GPU by GPU count, per size, for the baseline variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,11 +360,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     sizes = sorted({(r["tokens"], size_cell(r), r["size"]) for r in rows})
     figure, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
-    compiled = [r for r in rows if r["variant"] == "compiled"]
+    measured = [r for r in rows if r["variant"] == baseline]
     for axis, (_, title, size) in zip(axes[0], sizes):
-        single = next((r["median_ms"] for r in compiled if r["method"] == "1 GPU" and r["size"] == size), None)
-        for method in sorted({r["method"] for r in compiled if r["gpus"] > 1}):
-            points = sorted((r["gpus"], single / r["median_ms"]) for r in compiled
+        single = next((r["median_ms"] for r in measured if r["method"] == "1 GPU" and r["size"] == size), None)
+        for method in sorted({r["method"] for r in measured if r["gpus"] > 1}):
+            points = sorted((r["gpus"], single / r["median_ms"]) for r in measured
                             if r["method"] == method and r["size"] == size and single)
             axis.plot([1] + [p[0] for p in points], [1.0] + [p[1] for p in points], marker="o", label=method)
         gpus = sorted({r["gpus"] for r in rows})
@@ -385,9 +388,11 @@ def add_arguments(parser: argparse.ArgumentParser, architectures: list[str]) -> 
     add_model_arguments(parser, architectures)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"compiled (as served), eager, fp8 (FP8 weights, compiled; GPUs of compute capability "
-                             f"8.9+) (default {','.join(VARIANTS)})")
+    parser.add_argument("--variants",
+                        help="compiled (as served), eager, fp8 (FP8 weights, compiled; GPUs of compute capability "
+                             "8.9+); speed-ups and errors are against the 1-GPU compiled forward, or the first "
+                             "variant's without compiled (default compiled,eager,fp8; fp8 left out, saying so, where "
+                             "the GPUs have no FP8, and on CPU)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--no-check", dest="check", action="store_false",
@@ -402,7 +407,8 @@ def add_arguments(parser: argparse.ArgumentParser, architectures: list[str]) -> 
 
 def prepare(args: argparse.Namespace) -> None:
     """Check the arguments before any rank starts, saying what to give instead, and turn them into lists: --gpus
-    into args.counts, --methods and --variants into lists, the sizes into args.sizes."""
+    into args.counts, --methods and --variants into lists (args.baseline: the variant speed-ups are against), the
+    sizes into args.sizes."""
     args.counts = sorted({int(g) for g in args.gpus.split(",")} | {1})
     if args.device == "cuda" and max(args.counts) > torch.cuda.device_count():
         raise ValueError(f"asked for {max(args.counts)} GPUs, {torch.cuda.device_count()} visible (use --device cpu "
@@ -411,19 +417,38 @@ def prepare(args: argparse.Namespace) -> None:
     config = model_config(args)
     args.methods = args.methods.split(",")
     plans_for(2, args.methods)  # refuses unknown methods before any rank starts
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        raise ValueError(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
-    if "compiled" not in args.variants:
-        raise ValueError("--variants needs compiled: speed-ups and errors are measured against it")
-    if "fp8" in args.variants:
-        if not model_family.supports_fp8:
-            raise ValueError(f"{args.architecture} has no FP8 weights; leave fp8 out of --variants")
-        check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
+    args.variants = bench_variants(args, model_family)
+    args.baseline = baseline_variant(args.variants)
     args.sizes = model_sizes(args, config)
     if args.traces:
         args.traces.mkdir(parents=True, exist_ok=True)
+
+
+def bench_variants(args: argparse.Namespace, model_family: Family) -> list[str]:
+    """--variants as a list, checked; by default every variant, fp8 left out (and said so) where the family or the
+    hardware has none. fp8 asked for by name where it cannot run is refused."""
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    if "fp8" not in variants:
+        return variants
+    try:
+        if not model_family.supports_fp8:
+            raise Fp8Unsupported(f"{args.architecture} has no FP8 weights")
+        check_fp8_device(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
+    except Fp8Unsupported as error:
+        if args.variants:
+            raise ValueError(f"{error}; leave fp8 out of --variants") from None
+        print(f"skipped the fp8 variant: {error}", flush=True)
+        variants.remove("fp8")
+    return variants
+
+
+def baseline_variant(variants: list[str]) -> str:
+    """The variant whose 1-GPU forward speed-ups and errors are measured against: compiled (what the server runs)
+    where measured, else the first."""
+    return "compiled" if "compiled" in variants else variants[0]
 
 
 def measure(args: argparse.Namespace, work_dir: str) -> tuple[list[dict], list[dict]]:
@@ -446,12 +471,12 @@ def report(args: argparse.Namespace, rows: list[dict], attention_rows: list[dict
     config = model_config(args)
     shape = family(args.architecture).attention_shape(config)
     tables = (f"One forward of the whole transformer ({args.architecture} {args.preset}):\n\n"
-              f"{forward_table(rows, shape)}\n\n{kinds_table(rows)}"
+              f"{forward_table(rows, shape, args.baseline)}\n\n{kinds_table(rows)}"
               f"One block's attention alone (communication included):\n\n{attention_table(attention_rows, shape)}\n")
     print(tables)
     write_results(args.output_dir, tables, {"architecture": args.architecture, "preset": args.preset,
                                             "forward": rows, "attention": attention_rows, **data})
-    plot(rows, args.output_dir / "speedup.png")
+    plot(rows, args.output_dir / "speedup.png", args.baseline)
     print(f"wrote {args.output_dir / 'results.json'}, results.md and speedup.png")
     return tables
 
@@ -460,6 +485,6 @@ def run(args: argparse.Namespace) -> int:
     prepare(args)
     with tempfile.TemporaryDirectory() as work_dir:
         rows, attention_rows = measure(args, work_dir)
-        add_errors(rows, str(args.sizes[0]), work_dir)
+        add_errors(rows, str(args.sizes[0]), work_dir, args.baseline)
     report(args, rows, attention_rows, {})
     return 0

@@ -41,6 +41,8 @@ def triton_dir() -> Path:
 
 # Ports handed out by free_port in this process, never handed out twice.
 _PORTS_GIVEN: set[int] = set()
+# Triton's own default ports, where its clients (and ours) look first; `mdtriton serve` takes them when they are free.
+TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 
 
 def ephemeral_ports() -> range:
@@ -52,19 +54,25 @@ def ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind port on host now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now on host, outside the ephemeral range: between this call and the server's bind, an outgoing
     connection (a client's, say) could take a free ephemeral port, and the server would fail to start."""
     ephemeral = ephemeral_ports()
     candidates = [port for port in range(10000, 65536) if port not in ephemeral and port not in _PORTS_GIVEN]
     for port in random.sample(candidates, 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        _PORTS_GIVEN.add(port)
-        return port
+        if port_is_free(host, port):
+            _PORTS_GIVEN.add(port)
+            return port
     raise ServerError(f"no free port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 

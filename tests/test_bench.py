@@ -42,6 +42,31 @@ def test_bench_on_cpu_ranks_measures_each_plan_against_one_rank(architecture, tm
     assert (tmp_path / "speedup.png").stat().st_size > 0
 
 
+@pytest.mark.timeout(600)
+def test_bench_on_cpu_ranks_with_its_defaults_skips_fp8_saying_so(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--height", "32", "--width", "48",
+                 "--warmup", "0", "--iterations", "1", "--output-dir", str(tmp_path)]) == 0
+    assert "skipped the fp8 variant: FP8 engines run on NVIDIA GPUs" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["forward"]
+    assert sorted(row["variant"] for row in rows) == ["compiled", "eager"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_of_the_eager_variant_alone_measures_against_its_own_one_rank_forward(tmp_path):
+    assert main(["bench", "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--methods", "tp", "--variants",
+                 "eager", "--height", "32", "--width", "48", "--warmup", "0", "--iterations", "1",
+                 "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["forward"]
+    assert {(row["gpus"], row["variant"]) for row in rows} == {(1, "eager"), (2, "eager")}
+    assert all(row["error_vs_1gpu"] < 1e-5 for row in rows)
+    assert "rel. error vs 1 GPU eager / vs float32" in (tmp_path / "results.md").read_text()
+
+
+def test_fp8_asked_for_where_it_cannot_run_is_refused_in_one_line(capsys):
+    assert main(["bench", "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--variants", "compiled,fp8"]) == 1
+    assert "FP8 engines run on NVIDIA GPUs" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("architecture, sizes, message", [
     ("wan", ["--height", "480", "--width", "832", "--frames", "80"], "80 frames is not 4k+1"),
     ("wan", ["--height", "488", "--width", "832", "--frames", "81"], "height 488 is not a positive multiple of 16"),

@@ -1,4 +1,5 @@
-"""The mdtriton command as a user runs it: build, serve (stopped by SIGTERM, nothing left behind), infer."""
+"""The mdtriton command as a user runs it: build, serve (on Triton's usual ports where free; stopped by SIGTERM, nothing
+left behind), infer; the client commands without torch."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from mdtriton.cli import main
+from mdtriton.server import TRITON_PORTS
 
 
 def mdtriton(*args: str) -> subprocess.CompletedProcess:
@@ -49,19 +52,52 @@ def stub_processes_of(pid: int) -> list[int]:
             if line.split()[1] == str(pid) and "triton_python_backend_stub" in line]
 
 
+def test_the_client_commands_import_no_torch():
+    """The client and the CLI's client commands work where torch is not installed (pip install mdtriton)."""
+    code = ("import sys, mdtriton.cli, mdtriton.client.grpc_client, mdtriton.client.pipeline, mdtriton.client.sampler, "
+            "mdtriton.client.shared_memory; mdtriton.cli.make_parser('health').parse_args(['health']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def held_port(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:port (None if something else holds it already): taken either way."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 @pytest.mark.timeout(300)
 def test_build_serve_infer_and_stop_cleanly(tmp_path):
+    """serve takes Triton's usual ports where they are free (the client commands' defaults reach it), says which it
+    could not take, keeps Triton's log in a file and prints the addresses last."""
     assert main(["build", str(tmp_path / "repo"), "--name", "tiny", "--tp", "2", "--seed", "1"]) == 0
+    metrics_port = held_port(TRITON_PORTS["metrics"])
     serve = subprocess.Popen([sys.executable, "-m", "mdtriton.cli", "serve", str(tmp_path / "repo")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        address = None
+        lines, address = [], None
         deadline = time.monotonic() + 180
         while address is None and time.monotonic() < deadline:
-            line = serve.stdout.readline()
-            match = re.search(r"ready: gRPC (\S+)", line)
+            lines.append(serve.stdout.readline())
+            match = re.search(r"ready: gRPC (\S+)  HTTP \S+  metrics http://127.0.0.1:(\d+)/metrics", lines[-1])
             address = match.group(1) if match else None
-        assert address, "serve never printed its gRPC address"
+        assert address, f"serve never printed its gRPC address: {lines}"
+        assert int(match.group(2)) != TRITON_PORTS["metrics"]
+        taken = re.search(r"Triton's usual port\(s\) (.*) taken on 127.0.0.1: serving on free ones instead", "".join(lines))
+        assert taken and "8002 (metrics)" in taken.group(1)
+        log_file = Path(re.search(r"Triton's log: (\S+)", "".join(lines)).group(1))
+        assert "Started GRPCInferenceService" in log_file.read_text()
+        assert all("I1" not in line and "W1" not in line for line in lines)  # no Triton log line here
+        if "8001 (grpc)" not in taken.group(1):  # free when serve started: the client commands' default reaches it
+            assert address == "127.0.0.1:8001"
+            result = mdtriton("health")
+            assert result.returncode == 0 and "server 127.0.0.1:8001: live, ready" in result.stdout, result.stderr
         server_pid = int(subprocess.run(["pgrep", "-f", f"tritonserver.*{tmp_path}"], capture_output=True,
                                         text=True).stdout.split()[0])
         assert len(stub_processes_of(server_pid)) == 2  # one stub per rank
@@ -74,6 +110,8 @@ def test_build_serve_infer_and_stop_cleanly(tmp_path):
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=120)
+        if metrics_port is not None:
+            metrics_port.close()
     assert serve.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)

@@ -37,6 +37,10 @@ def test_the_version_holds_the_engine_the_components_and_a_unary_config(pipeline
     assert [i.name for i in config.input if not i.optional] == ["prompt"]
     assert [i.data_type for i in config.input if i.name in ("prompt", "prompt_2")] == [mc.DataType.TYPE_STRING] * 2
     assert config.parameters["request_timeout_s"].string_value == "300.0"
+    # What `mdtriton generate` sends for what its command line leaves out (the client has no family to ask)
+    assert json.loads(config.parameters["request_defaults"].string_value) == {
+        "height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 3.5, "seed": 0, "prompt_2": None,
+        "max_sequence_length": None}
 
 
 def test_stream_makes_a_decoupled_model_and_a_version_cannot_change_it(pipeline_dir, tmp_path, capsys):

@@ -12,8 +12,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -44,6 +47,7 @@ MODELS = {
     "schnell_tp2": ("schnell", ParallelPlan(tp_size=2)),
 }
 CLI_BUILT = "schnell_tp2"  # built by `mdtriton build` (unary), the others by build_model_version with stream
+ROOT = Path(__file__).resolve().parent.parent.parent
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=600)
 GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5, seed=5)
 
@@ -426,6 +430,50 @@ def test_generate_command_writes_the_png(served, tmp_path, capsys):
     assert main(["generate", "dev_tp2", "a dog", "--url", server.grpc_address, "--height", "32", "--width", "48",
                  "--steps", "2", "-o", str(path)]) == 0
     assert "2/2" in capsys.readouterr().err  # a streamed model's per-step progress bar
+
+
+# What `pip install mdtriton` builds from: pyproject.toml's packages and the README it names.
+PACKAGE_FILES = ("pyproject.toml", "README.md", "mdtriton", "backend", "build_tools", "client")
+
+
+def run_checked(command: list, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=240, **kwargs)
+    assert result.returncode == 0, f"{command}: {result.stdout[-2000:]}{result.stderr[-2000:]}"
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_the_client_installed_alone_generates_with_the_served_pipeline(served, tmp_path):
+    """`pip install mdtriton`, the client, in a fresh virtual environment: no torch is installed, and its `mdtriton
+    generate` gets the image from the served pipeline. The checkout's wheel is built here (this environment has
+    setuptools) and installed there with its dependencies (pip's cache makes that quick)."""
+    server, pipelines = served
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in PACKAGE_FILES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, source / name)
+    run_checked([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                 tmp_path / "wheels", source])
+    environment = tmp_path / "venv"
+    run_checked([sys.executable, "-m", "venv", environment])
+    run_checked([environment / "bin/pip", "install", "-q", *(tmp_path / "wheels").glob("*.whl")])
+    installed = run_checked([environment / "bin/pip", "list", "--format=freeze"]).stdout.lower().split()
+    assert "mdtriton==0.1.0" in installed
+    assert not [line for line in installed if line.startswith(("torch", "diffusers", "transformers"))]
+    mdtriton = environment / "bin/mdtriton"
+    clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    assert "--url URL" in run_checked([mdtriton, "health", "--help"], env=clean, cwd=tmp_path).stdout
+    path = tmp_path / "cat.png"
+    result = run_checked([mdtriton, "generate", "schnell_tp2", "a red cat on a sign", "--url", server.grpc_address,
+                          "--height", "32", "--width", "48", "--steps", "2", "--seed", "9", "-o", path],
+                         env=clean, cwd=tmp_path)
+    assert f"wrote {path} (48x32)" in result.stdout
+    expected = reference_image(pipelines["schnell"], ["a red cat on a sign"], 32, 48, 2, 3.5, 9)[0]
+    assert max_level_difference(np.asarray(Image.open(path)), expected) <= 1
 
 
 @pytest.mark.timeout(300)
