@@ -12,7 +12,7 @@ output (relative error, as `mdtriton bench` reports it).
 
 Models: flux (FluxTransformer2DModel at FLUX.1-dev's config, 512 text tokens), qwen-image
 (QwenImageTransformer2DModel at Qwen-Image's config, --text-tokens of text). Run `mdtriton bench --preset flux.1-dev
---gpus 1,2` in the same device call for our hand-written FLUX family at the same size.
+--gpus 1,2` on the same machine for our hand-written FLUX family at the same size.
 """
 
 from __future__ import annotations
