@@ -2,13 +2,16 @@
 
 It needs no Docker: the wheel carries `tritonserver` 2.51 with the Python backend. We assemble a
 backend directory for the running Python, point the stubs at this environment's packages, pick
-free ports on 127.0.0.1 and wait until the server is ready.
+free ports on 127.0.0.1 and wait until the server is ready. Its shared-memory and model-repository protocols take
+requests only with its key (client/server_key.py), and each stub's shared memory region is made private to the
+server's user before the stub starts (STUB_WRAPPER).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import site
 import socket
@@ -23,7 +26,9 @@ from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
+from mdtriton.backend.private_directory import make_private_directory, write_private_file
 from mdtriton.backend.process_state import end_with_parent
+from mdtriton.client.server_key import RESTRICTED_KEY, RESTRICTED_PROTOCOLS, key_file
 from mdtriton.stub_environment import stub_environment
 
 
@@ -67,8 +72,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise ServerError(f"no free port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
+# Triton 2.51's Python backend creates each stub's region of /dev/shm with mode 0644 (boost's default, set by fchmod:
+# the umask does not help), so every local user could read the requests' tensors in it. The backend starts a stub as
+# `bash -c "exec B/python/triton_python_backend_stub MODEL_FILE REGION ..."`: this wrapper in the stub's place makes
+# REGION 0600 (the server and the stub, of the same user, keep their access) and then runs the real stub. Without
+# arguments the real stub exits 1, which the backend checks before it starts any stub.
+STUB_WRAPPER = """#!/bin/sh
+if [ "$#" -ge 2 ]; then chmod 600 "/dev/shm/$2" || exit 1; fi
+exec "{stub}" "$@"
+"""
+
+
 def make_backend_dir(target: Path) -> Path:
-    """B/python/ with the Python backend and the stub built for this interpreter's version."""
+    """B/python/ with the Python backend and, in the stub's place, a wrapper (STUB_WRAPPER) of the stub built for
+    this interpreter's version."""
     server = triton_dir()
     python = target / "python"
     python.mkdir(parents=True, exist_ok=True)
@@ -77,10 +94,13 @@ def make_backend_dir(target: Path) -> Path:
     if not stub.exists():
         raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
     for source in (server / "backends/python/libtriton_python.so",
-                   server / "backends/python/triton_python_backend_utils.py", stub):
+                   server / "backends/python/triton_python_backend_utils.py"):
         link = python / source.name
         if not link.exists():
             link.symlink_to(source)
+    wrapper = python / stub.name
+    wrapper.write_text(STUB_WRAPPER.format(stub=stub))
+    wrapper.chmod(0o700)
     return target
 
 
@@ -170,6 +190,9 @@ class TritonServer:
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
         self._backend_tmp: tempfile.TemporaryDirectory | None = None
+        # The key of the restricted protocols (client/server_key.py), written to key_file while the server runs.
+        self.key = secrets.token_urlsafe(32)
+        self.key_file = key_file(self.grpc_port)
 
     @property
     def grpc_address(self) -> str:
@@ -195,6 +218,10 @@ class TritonServer:
             # config.pbtxt is complete (mdtriton build writes it): skip the extra stub process per load that
             # Triton would start only to ask model.py for a config (seconds per load on a small machine).
             "--disable-auto-complete-config",
+            # Shared memory (any file of /dev/shm, the Python backend's regions included) and model control only for
+            # clients holding the key: see client/server_key.py.
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_PROTOCOLS)}:{RESTRICTED_KEY}={self.key}",
+            f"--http-restricted-api={','.join(RESTRICTED_PROTOCOLS)}:{RESTRICTED_KEY}={self.key}",
         ]
         command += [f"--load-model={name}" for name in self.load_models]
         return command + list(self.extra_args)
@@ -204,6 +231,8 @@ class TritonServer:
         if removed:
             print(f"mdtriton: removed {len(removed)} shared memory region(s) that a crashed Triton server left in "
                   f"{SHARED_MEMORY_DIR} ({', '.join(region.name for region in removed)})", file=sys.stderr)
+        make_private_directory(self.key_file.parent, "XDG_RUNTIME_DIR")
+        write_private_file(self.key_file, self.key + "\n")
         self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None
@@ -262,6 +291,7 @@ class TritonServer:
         if self._backend_tmp is not None:
             self._backend_tmp.cleanup()
             self._backend_tmp = None
+        self.key_file.unlink(missing_ok=True)
 
     def __enter__(self) -> "TritonServer":
         return self.start()
