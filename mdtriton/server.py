@@ -170,6 +170,26 @@ def remove_left_shared_memory() -> list[Path]:
     return removed
 
 
+def blank_in_command_line(pid: int, text: str) -> None:
+    """Overwrite text with x's wherever it stands in process pid's command line (its arguments' memory).
+
+    Why: Triton 2.51 takes the restricted protocols' key only as an argument, and any local user can read a
+    process's arguments (/proc/PID/cmdline, ps). Once the server is ready it has long parsed them, so they can go.
+    Writing another process's memory needs ptrace rights on it: ours, as its parent, under Yama's default scope."""
+    # /proc/PID/stat's fields after the command's name, from field 3 (state) on: arg_start and arg_end are 48 and 49.
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    start, end = int(fields[45]), int(fields[46])
+    secret = text.encode()
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(start)
+        arguments = memory.read(end - start)
+        at = arguments.find(secret)
+        while at >= 0:
+            memory.seek(start + at)
+            memory.write(b"x" * len(secret))
+            at = arguments.find(secret, at + len(secret))
+
+
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start() and stop()."""
 
@@ -251,6 +271,11 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        try:
+            blank_in_command_line(self.process.pid, self.key)
+        except OSError as error:
+            print(f"mdtriton: could not blank the server's key in its command line ({error}): other local users can "
+                  f"read it there (ps); docs/deploy.md says how to keep them out", file=sys.stderr)
         return self
 
     def wait_ready(self, timeout: float) -> None:

@@ -16,13 +16,17 @@ from tests.other_user import run_as_other_user
 from tests.served_models import tiny_reference
 
 # Register a region of /dev/shm by its key over HTTP, then ask for an output placed in it: the answer written there
-# lands on the Python backend's own structures (its mutex at offset 0) and Triton 2.51 aborts.
+# lands on the Python backend's own structures (its mutex at offset 0) and Triton 2.51 aborts. The server's key, if
+# its command line shows one, goes with the requests.
 ATTACK = """
 import json, sys, urllib.error, urllib.request
-url, key = sys.argv[1], sys.argv[2]
+url, key, server_pid = sys.argv[1:]
+arguments = open(f"/proc/{server_pid}/cmdline", "rb").read().decode().split("\\0")
+shown = [argument.rpartition("mdtriton-key=")[2] for argument in arguments if "mdtriton-key=" in argument]
 
 def post(path, body):
-    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"mdtriton-key": shown[0]} if shown else {})}
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()
@@ -34,7 +38,7 @@ answered = post("/v2/models/tiny/versions/1/infer", {
     "inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 4, 64], "data": [0.5] * 256}],
     "outputs": [{"name": "output", "parameters": {"shared_memory_region": "neighbour",
                                                   "shared_memory_byte_size": 1024}}]})
-print(json.dumps({"registered": registered, "answered": answered}))
+print(json.dumps({"registered": registered, "answered": answered, "keys shown": shown}))
 """
 
 # Open each file named and look for the marker's bytes in it.
@@ -77,7 +81,8 @@ def tensor_links(pids: list[int]) -> list[str]:
 def test_another_user_cannot_crash_the_server_through_its_python_backend_region(served_models):
     server_pid = served_models.process.pid
     region = python_backend_regions(server_pid)["tiny/1/rank_0"]
-    attack = run_as_other_user(ATTACK, f"http://{served_models.http_address}", "/" + region.name)
+    attack = run_as_other_user(ATTACK, f"http://{served_models.http_address}", "/" + region.name, str(server_pid))
+    assert attack["keys shown"] == ["x" * len(served_models.key)] * 2, attack  # blanked in the command line
     code, text = attack["registered"]
     assert code == 403 and "restricted" in text, attack  # Triton's restricted API: the key is missing
     assert attack["answered"] == [404, '{"error":"Unable to find shared memory region: \'neighbour\'"}'], attack
