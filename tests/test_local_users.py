@@ -108,5 +108,5 @@ def test_another_user_cannot_read_the_tensors_in_shared_memory(served_models):
     workers = [pid for pids in rank_workers(server_pid).values() for pid in pids]
     links = tensor_links(list(stub_processes(server_pid).values()) + workers)
     assert len(regions) == 6 and links  # tiny v1, v2 and flux, 2 ranks each; the stubs' links to their workers
-    found = run_as_other_user(READ, x[0, 0, :16].tobytes().hex(), *regions, *links)
+    found = run_as_other_user(READ, x[0, 0, :16].tobytes().hex(), *regions, *links, str(served_models.key_file))
     assert set(found.values()) == {"PermissionError"}, found
