@@ -3,10 +3,10 @@
 One `Client` per server: inference (numpy or torch tensors in, numpy arrays out; one at a time, as
 futures, or many at once), the server's health, model metadata and config, the repository index, and
 model control (load, unload, serve only some versions). Tensors of SHM_THRESHOLD_BYTES or more travel
-through shared memory when the server is on this host (client/shared_memory.py). Shared memory and model control carry the server's
-key where the client finds one (client/server_key.py). Requests that find
-the server or model UNAVAILABLE are retried a few times; every failure ends as a ClientError whose
-message is one line.
+through shared memory when the server is on this host (client/shared_memory.py). Every call carries the
+server's key where the client finds one (client/server_key.py): shared memory and model control need it.
+Requests that find the server or model UNAVAILABLE are retried a few times; every failure ends as a
+ClientError whose message is one line.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import logging
 import math
 import threading
 import time
-from urllib.parse import urlsplit
 from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import numpy as np
 import tritonclient.grpc as grpcclient

@@ -27,7 +27,8 @@ def test_without_the_key_model_control_and_shared_memory_are_refused_in_one_line
         # Shared memory falls back to the gRPC messages (with a warning): the request is still answered.
         answer = client.infer("tiny", {"hidden_states": np.ones((1, 2, 64), np.float32)}, version="1")
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("repository index: the server takes this only from clients that hold its key")
+    assert "\n" not in message
+    assert message.startswith("repository index: the server takes this only from clients that hold its key")
     assert KEY_FILE_ENV in message and str(served_models.key_file) in message
     assert answer["output"].shape == (1, 2, 64) and client.shm_threshold is None
 
