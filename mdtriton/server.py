@@ -75,11 +75,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 # Triton 2.51's Python backend creates each stub's region of /dev/shm with mode 0644 (boost's default, set by fchmod:
 # the umask does not help), so every local user could read the requests' tensors in it. The backend starts a stub as
 # `bash -c "exec B/python/triton_python_backend_stub MODEL_FILE REGION ..."`: this wrapper in the stub's place makes
-# REGION 0600 (the server and the stub, of the same user, keep their access) and then runs the real stub. Without
-# arguments the real stub exits 1, which the backend checks before it starts any stub.
-STUB_WRAPPER = """#!/bin/sh
+# REGION 0600 (the server and the stub, of the same user, keep their access) and then runs the real stub under the
+# wrapper's name (as before, so that `ps` shows the same). Without arguments the real stub exits 1, which the backend
+# checks before it starts any stub.
+STUB_WRAPPER = """#!/bin/bash
 if [ "$#" -ge 2 ]; then chmod 600 "/dev/shm/$2" || exit 1; fi
-exec "{stub}" "$@"
+exec -a "$0" "{stub}" "$@"
 """
 
 
