@@ -26,7 +26,7 @@ from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
-from mdtriton.backend.private_directory import make_private_directory, write_private_file
+from mdtriton.backend.private_directory import DirectoryNotPrivate, make_private_directory, write_private_file
 from mdtriton.backend.process_state import end_with_parent
 from mdtriton.client.server_key import RESTRICTED_KEY, RESTRICTED_PROTOCOLS, key_file
 from mdtriton.stub_environment import stub_environment
@@ -214,6 +214,7 @@ class TritonServer:
         # The key of the restricted protocols (client/server_key.py), written to key_file while the server runs.
         self.key = secrets.token_urlsafe(32)
         self.key_file = key_file(self.grpc_port)
+        self._key_written = False
 
     @property
     def grpc_address(self) -> str:
@@ -252,8 +253,6 @@ class TritonServer:
         if removed:
             print(f"mdtriton: removed {len(removed)} shared memory region(s) that a crashed Triton server left in "
                   f"{SHARED_MEMORY_DIR} ({', '.join(region.name for region in removed)})", file=sys.stderr)
-        make_private_directory(self.key_file.parent, "XDG_RUNTIME_DIR")
-        write_private_file(self.key_file, self.key + "\n")
         self._backend_tmp = tempfile.TemporaryDirectory(prefix="mdtriton-backends-")
         backend_dir = make_backend_dir(Path(self._backend_tmp.name))
         output = open(self.log_file, "ab") if self.log_file else None
@@ -269,6 +268,7 @@ class TritonServer:
             output.close()
         try:
             self.wait_ready(timeout)
+            self.write_key()
         except BaseException:
             self.stop()
             raise
@@ -278,6 +278,16 @@ class TritonServer:
             print(f"mdtriton: could not blank the server's key in its command line ({error}): other local users can "
                   f"read it there (ps); docs/deploy.md says how to keep them out", file=sys.stderr)
         return self
+
+    def write_key(self) -> None:
+        """Write the key to key_file, private to this user: only once the server is ready, so that one that could not
+        start (its port taken, say) never replaces a running server's key."""
+        try:
+            make_private_directory(self.key_file.parent, "XDG_RUNTIME_DIR")
+        except DirectoryNotPrivate as error:
+            raise ServerError(f"cannot keep the server's key: {error}") from None
+        write_private_file(self.key_file, self.key + "\n")
+        self._key_written = True
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the server says it is ready and its metrics endpoint (started after the others) answers."""
@@ -317,7 +327,9 @@ class TritonServer:
         if self._backend_tmp is not None:
             self._backend_tmp.cleanup()
             self._backend_tmp = None
-        self.key_file.unlink(missing_ok=True)
+        if self._key_written:
+            self.key_file.unlink(missing_ok=True)
+            self._key_written = False
 
     def __enter__(self) -> "TritonServer":
         return self.start()

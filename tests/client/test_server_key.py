@@ -9,6 +9,7 @@ import pytest
 
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.client.server_key import GRPC_HEADER, KEY_FILE_ENV, key_file, key_headers
+from mdtriton.server import ServerError, TritonServer
 
 
 def test_the_key_lies_where_only_the_servers_user_can_read_it(served_models):
@@ -46,3 +47,10 @@ def test_the_key_file_named_by_the_environment_comes_first(served_models, tmp_pa
     monkeypatch.setenv(KEY_FILE_ENV, str(tmp_path / "missing.key"))
     with pytest.raises(ValueError, match=f"cannot read the server's key from {tmp_path / 'missing.key'}"):
         Client(served_models.grpc_address)
+
+
+def test_a_server_that_cannot_start_leaves_the_running_ones_key(served_models, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ServerError, match="exited"):
+        TritonServer(tmp_path / "empty", grpc_port=served_models.grpc_port, log_file=tmp_path / "log").start(60)
+    assert served_models.key_file.read_text().strip() == served_models.key
