@@ -73,8 +73,8 @@ def session_rendezvous_root():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def session_key_directory():
-    """The servers of the test session write their keys (client/server_key.py) under a directory of their own, not
+def test_run_key_directory():
+    """The servers of this test run write their keys (client/server_key.py) under a directory of their own, not
     in the user's $XDG_RUNTIME_DIR or ~/.cache; each server removes its key when it stops."""
     runtime = Path(tempfile.mkdtemp(prefix="mdt-run-"))
     with pytest.MonkeyPatch.context() as patch:
