@@ -73,7 +73,7 @@ def session_rendezvous_root():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def test_run_key_directory():
+def key_directory_of_the_run():
     """The servers of this test run write their keys (client/server_key.py) under a directory of their own, not
     in the user's $XDG_RUNTIME_DIR or ~/.cache; each server removes its key when it stops."""
     runtime = Path(tempfile.mkdtemp(prefix="mdt-run-"))
