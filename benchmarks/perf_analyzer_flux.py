@@ -1,9 +1,11 @@
 """perf_analyzer against a served FLUX transformer: build, serve, measure, stop.
 
 Builds a FLUX engine with FLUX.1-dev's widths (random weights, fewer blocks unless --layers/--single-layers
-say otherwise) on --ranks GPUs, serves it with the embedded Triton server, runs perf_analyzer over gRPC
-for one 1024 x 1024 denoising step (4096 image tokens, 512 text tokens) with the tensors in the messages,
-in system shared memory and (GPU) in CUDA shared memory, and prints perf_analyzer's summary line for each.
+say otherwise) on --ranks GPUs, serves it with the embedded Triton server, runs perf_analyzer for one
+1024 x 1024 denoising step (4096 image tokens, 512 text tokens) with the tensors in gRPC messages, in system
+shared memory and (GPU) in CUDA shared memory, and prints perf_analyzer's summary line for each. Shared memory
+is measured over HTTP: the server takes it only with its key (client/server_key.py), which perf_analyzer sends
+as a header over HTTP only.
 
     python3 benchmarks/install_perf_analyzer.py          # once
     python3 benchmarks/perf_analyzer_flux.py --ranks 2 --cp-method ring
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.server_key import RESTRICTED_KEY
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG
 from mdtriton.harness import started_server
@@ -68,7 +71,9 @@ def main() -> int:
             for transport in transports:
                 # Output: [1, image_tokens, in_channels] in the engine's data type.
                 output_bytes = args.image_tokens * config["in_channels"] * (2 if data_type == "BF16" else 4)
-                command = [perf_analyzer, "-m", "flux", "-u", server.grpc_address, "-i", "grpc",
+                protocol = (["-u", server.grpc_address, "-i", "grpc"] if transport == "none" else
+                            ["-u", server.http_address, "-i", "http", "-H", f"{RESTRICTED_KEY}:{server.key}"])
+                command = [perf_analyzer, "-m", "flux", *protocol,
                            "--concurrency-range", args.concurrency, "--shared-memory", transport,
                            # perf_analyzer's default random bytes hold NaNs, which the model refuses.
                            "--input-data", "zero",

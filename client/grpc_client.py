@@ -3,9 +3,10 @@
 One `Client` per server: inference (numpy or torch tensors in, numpy arrays out; one at a time, as
 futures, or many at once), the server's health, model metadata and config, the repository index, and
 model control (load, unload, serve only some versions). Tensors of SHM_THRESHOLD_BYTES or more travel
-through shared memory when the server is on this host (client/shared_memory.py). Requests that find
-the server or model UNAVAILABLE are retried a few times; every failure ends as a ClientError whose
-message is one line.
+through shared memory when the server is on this host (client/shared_memory.py). Every call carries the
+server's key where the client finds one (client/server_key.py): shared memory and model control need it.
+Requests that find the server or model UNAVAILABLE are retried a few times; every failure ends as a
+ClientError whose message is one line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils.shared_memory import SharedMemoryException
 
+from mdtriton.client.server_key import KEY_FILE_ENV, is_local, key_file, key_headers
 from mdtriton.client.shared_memory import RegionPool, cuda_shared_memory_available
 from mdtriton.client.tensors import NUMPY_TYPES, as_numpy, is_cuda, sendable, to_torch  # noqa: F401 - to_torch: API
 
@@ -34,19 +36,14 @@ log = logging.getLogger("mdtriton.client")
 SHM_THRESHOLD_BYTES = 128 << 10
 # UNAVAILABLE (server starting, model loading, ranks regrouping) is retried after 0.5 s, 1 s, 2 s, ...
 RETRY_FIRST_WAIT_S = 0.5
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Triton's answer to load/unload when it was not started with --model-control-mode explicit.
 NO_MODEL_CONTROL = "explicit model load / unload is not allowed"
+# Triton's answer to a restricted protocol's request without the key (client/server_key.py).
+RESTRICTED = "This protocol is restricted"
 
 
 class ClientError(Exception):
     """A request that failed; the message is the server's (or ours) in one line."""
-
-
-def is_local(url: str) -> bool:
-    """Whether url names this host by a loopback address (where shared memory can work)."""
-    host = urlsplit(f"//{url}").hostname or ""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def status_of(error: InferenceServerException) -> str:
@@ -70,6 +67,8 @@ class Client:
         self.retries = retries
         self.shm_threshold = shm_threshold if is_local(url) else None
         self.concurrency = concurrency
+        # The key of the server's shared-memory and model-repository protocols (client/server_key.py), if known.
+        self.headers = key_headers(url)
         self._client = grpcclient.InferenceServerClient(url)
         self._metadata: dict[tuple[str, str], dict] = {}
         self._pools: dict[tuple[str, int], RegionPool] = {}
@@ -257,7 +256,7 @@ class Client:
             return None
         key = ("cuda", cuda_device) if cuda_device is not None else ("system", 0)
         with self._pools_lock:
-            pool = self._pools.get(key) or self._pools.setdefault(key, RegionPool(self._client, *key))
+            pool = self._pools.get(key) or self._pools.setdefault(key, RegionPool(self._client, *key, self.headers))
         try:
             region = pool.take(nbytes)
         except (InferenceServerException, SharedMemoryException) as error:
@@ -269,13 +268,15 @@ class Client:
         return pool, region
 
     def _call(self, what: str, method, *args, **kwargs):
-        """method(*args, **kwargs), retried on UNAVAILABLE; its failure as a one-line ClientError."""
+        """method(*args, **kwargs) with the server's key, retried on UNAVAILABLE; its failure as a one-line
+        ClientError."""
         for attempt in range(self.retries + 1):
             try:
-                return method(*args, **kwargs)
+                return method(*args, headers=self.headers, **kwargs)
             except InferenceServerException as error:
                 status = status_of(error)
-                if status == "UNAVAILABLE" and attempt < self.retries and NO_MODEL_CONTROL not in str(error.message()):
+                if (status == "UNAVAILABLE" and attempt < self.retries
+                        and not any(text in str(error.message()) for text in (NO_MODEL_CONTROL, RESTRICTED))):
                     time.sleep(RETRY_FIRST_WAIT_S * 2**attempt)
                     continue
                 raise ClientError(self._message(what, status, error, kwargs.get("client_timeout"))) from None
@@ -284,6 +285,11 @@ class Client:
         text = " ".join(str(error.message()).split())
         if status == "UNAVAILABLE" and ("failed to connect" in text or "Connection refused" in text):
             return f"{what}: no Triton server answers at {self.url} (UNAVAILABLE: {text})"
+        if RESTRICTED in text:
+            port = urlsplit(f"//{self.url}").port
+            return (f"{what}: the server takes this only from clients that hold its key ({status}: {text}); on the "
+                    f"server's host, as its user, set {KEY_FILE_ENV} to the file holding the key (an mdtriton server "
+                    f"on port {port} writes it to {key_file(port) if port else 'its key directory'})")
         if NO_MODEL_CONTROL in text:
             return f"{what}: the server takes no load/unload requests; start it with --model-control-mode explicit"
         if status == "DEADLINE_EXCEEDED":

@@ -40,15 +40,18 @@ class Region:
 class RegionPool:
     """Registered regions of one kind ("system", or "cuda" on one GPU), lent out one request at a time.
 
-    Thread-safe: concurrent requests each take their own regions.
+    Thread-safe: concurrent requests each take their own regions. headers: those that carry the server's key
+    (client/server_key.py), sent with every registration.
     """
 
-    def __init__(self, server: grpcclient.InferenceServerClient, kind: str, device_id: int = 0):
+    def __init__(self, server: grpcclient.InferenceServerClient, kind: str, device_id: int = 0,
+                 headers: dict[str, str] | None = None):
         if kind not in ("system", "cuda"):
             raise ValueError(f"shared memory kind is 'system' or 'cuda', got {kind!r}")
         self.server = server
         self.kind = kind
         self.device_id = device_id
+        self.headers = headers
         self._free: list[Region] = []
         self._all: list[Region] = []
         self._lock = threading.Lock()
@@ -77,7 +80,7 @@ class RegionPool:
             key = "/" + name
             handle = system_shm.create_shared_memory_region(name, key, byte_size, create_only=True)
             try:
-                self.server.register_system_shared_memory(name, key, byte_size)
+                self.server.register_system_shared_memory(name, key, byte_size, headers=self.headers)
             except BaseException:
                 system_shm.destroy_shared_memory_region(handle)
                 raise
@@ -85,7 +88,7 @@ class RegionPool:
             handle = self._cuda.create_shared_memory_region(name, byte_size, self.device_id)
             try:
                 self.server.register_cuda_shared_memory(name, self._cuda.get_raw_handle(handle), self.device_id,
-                                                        byte_size)
+                                                        byte_size, headers=self.headers)
             except BaseException:
                 self._cuda.destroy_shared_memory_region(handle)
                 raise
@@ -113,9 +116,9 @@ class RegionPool:
         for region in regions:
             try:
                 if self.kind == "system":
-                    self.server.unregister_system_shared_memory(region.name)
+                    self.server.unregister_system_shared_memory(region.name, headers=self.headers)
                 else:
-                    self.server.unregister_cuda_shared_memory(region.name)
+                    self.server.unregister_cuda_shared_memory(region.name, headers=self.headers)
             except grpcclient.InferenceServerException:
                 pass  # the server is gone or restarted: it holds no registration any more
             finally:

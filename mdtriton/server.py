@@ -2,13 +2,16 @@
 
 It needs no Docker: the wheel carries `tritonserver` 2.51 with the Python backend. We assemble a
 backend directory for the running Python, point the stubs at this environment's packages, pick
-free ports on 127.0.0.1 and wait until the server is ready.
+free ports on 127.0.0.1 and wait until the server is ready. Its shared-memory and model-repository protocols take
+requests only with its key (client/server_key.py), and each stub's shared memory region is made private to the
+server's user before the stub starts (STUB_WRAPPER).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import secrets
 import shutil
 import signal
 import site
@@ -24,7 +27,9 @@ from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
+from mdtriton.backend.private_directory import DirectoryNotPrivate, make_private_directory, write_private_file
 from mdtriton.backend.process_state import end_with_parent
+from mdtriton.client.server_key import RESTRICTED_KEY, RESTRICTED_PROTOCOLS, key_file
 from mdtriton.stub_environment import stub_environment
 
 
@@ -76,8 +81,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise ServerError(f"no free port on {host} outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
+# Triton 2.51's Python backend creates each stub's region of /dev/shm with mode 0644 (boost's default, set by fchmod:
+# the umask does not help), so every local user could read the requests' tensors in it. The backend starts a stub as
+# `bash -c "exec B/python/triton_python_backend_stub MODEL_FILE REGION ..."`: this wrapper in the stub's place makes
+# REGION 0600 (the server and the stub, of the same user, keep their access) and then runs the real stub under the
+# wrapper's name (as before, so that `ps` shows the same). Without arguments the real stub exits 1, which the backend
+# checks before it starts any stub.
+STUB_WRAPPER = """#!/bin/bash
+if [ "$#" -ge 2 ]; then chmod 600 "/dev/shm/$2" || exit 1; fi
+exec -a "$0" "{stub}" "$@"
+"""
+
+
 def make_backend_dir(target: Path) -> Path:
-    """B/python/ with the Python backend and the stub built for this interpreter's version."""
+    """B/python/ with the Python backend and, in the stub's place, a wrapper (STUB_WRAPPER) of the stub built for
+    this interpreter's version."""
     server = triton_dir()
     python = target / "python"
     python.mkdir(parents=True, exist_ok=True)
@@ -86,10 +104,13 @@ def make_backend_dir(target: Path) -> Path:
     if not stub.exists():
         raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
     for source in (server / "backends/python/libtriton_python.so",
-                   server / "backends/python/triton_python_backend_utils.py", stub):
+                   server / "backends/python/triton_python_backend_utils.py"):
         link = python / source.name
         if not link.exists():
             link.symlink_to(source)
+    wrapper = python / stub.name
+    wrapper.write_text(STUB_WRAPPER.format(stub=stub))
+    wrapper.chmod(0o700)
     return target
 
 
@@ -182,6 +203,26 @@ def remove_left_backend_dirs() -> list[Path]:
     return removed
 
 
+def blank_in_command_line(pid: int, text: str) -> None:
+    """Overwrite text with x's wherever it stands in process pid's command line (its arguments' memory).
+
+    Why: Triton 2.51 takes the restricted protocols' key only as an argument, and any local user can read a
+    process's arguments (/proc/PID/cmdline, ps). Once the server is ready it has long parsed them, so they can go.
+    Writing another process's memory needs ptrace rights on it: ours, as its parent, under Yama's default scope."""
+    # /proc/PID/stat's fields after the command's name, from field 3 (state) on: arg_start and arg_end are 48 and 49.
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    start, end = int(fields[45]), int(fields[46])
+    secret = text.encode()
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(start)
+        arguments = memory.read(end - start)
+        at = arguments.find(secret)
+        while at >= 0:
+            memory.seek(start + at)
+            memory.write(b"x" * len(secret))
+            at = arguments.find(secret, at + len(secret))
+
+
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start() and stop()."""
 
@@ -202,6 +243,10 @@ class TritonServer:
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
         self._backend_tmp: tempfile.TemporaryDirectory | None = None
+        # The key of the restricted protocols (client/server_key.py), written to key_file while the server runs.
+        self.key = secrets.token_urlsafe(32)
+        self.key_file = key_file(self.grpc_port)
+        self._key_written = False
 
     @property
     def grpc_address(self) -> str:
@@ -227,6 +272,10 @@ class TritonServer:
             # config.pbtxt is complete (mdtriton build writes it): skip the extra stub process per load that
             # Triton would start only to ask model.py for a config (seconds per load on a small machine).
             "--disable-auto-complete-config",
+            # Shared memory (any file of /dev/shm, the Python backend's regions included) and model control only for
+            # clients holding the key: see client/server_key.py.
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_PROTOCOLS)}:{RESTRICTED_KEY}={self.key}",
+            f"--http-restricted-api={','.join(RESTRICTED_PROTOCOLS)}:{RESTRICTED_KEY}={self.key}",
         ]
         command += [f"--load-model={name}" for name in self.load_models]
         return command + list(self.extra_args)
@@ -252,10 +301,26 @@ class TritonServer:
             output.close()
         try:
             self.wait_ready(timeout)
+            self.write_key()
         except BaseException:
             self.stop()
             raise
+        try:
+            blank_in_command_line(self.process.pid, self.key)
+        except OSError as error:
+            print(f"mdtriton: could not blank the server's key in its command line ({error}): other local users can "
+                  f"read it there (ps); docs/deploy.md says how to keep them out", file=sys.stderr)
         return self
+
+    def write_key(self) -> None:
+        """Write the key to key_file, private to this user: only once the server is ready, so that one that could not
+        start (its port taken, say) never replaces a running server's key."""
+        try:
+            make_private_directory(self.key_file.parent, "XDG_RUNTIME_DIR")
+        except DirectoryNotPrivate as error:
+            raise ServerError(f"cannot keep the server's key: {error}") from None
+        write_private_file(self.key_file, self.key + "\n")
+        self._key_written = True
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the server says it is ready and its metrics endpoint (started after the others) answers."""
@@ -295,6 +360,9 @@ class TritonServer:
         if self._backend_tmp is not None:
             self._backend_tmp.cleanup()
             self._backend_tmp = None
+        if self._key_written:
+            self.key_file.unlink(missing_ok=True)
+            self._key_written = False
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -72,6 +72,19 @@ def session_rendezvous_root():
     assert not left, f"servers stopped normally left rendezvous files behind: {left}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def key_directory_of_the_run():
+    """The servers of this test run write their keys (client/server_key.py) under a directory of their own, not
+    in the user's $XDG_RUNTIME_DIR or ~/.cache; each server removes its key when it stops."""
+    runtime = Path(tempfile.mkdtemp(prefix="mdt-run-"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        yield runtime
+    left = sorted(path.name for path in runtime.rglob("*.key"))
+    shutil.rmtree(runtime, ignore_errors=True)
+    assert not left, f"servers stopped normally left their keys behind: {left}"
+
+
 @pytest.fixture
 def rendezvous_root(monkeypatch):
     """A fresh rendezvous root for one test, to look at what its servers leave there."""

@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.manifest import MANIFEST_FILE, file_sha256
 from mdtriton.engine.plan import ParallelPlan
@@ -103,7 +104,7 @@ def test_bad_engines_fail_to_load_naming_the_file_and_leave_nothing_served(tmp_p
 
     for name, (_, parts) in DAMAGES.items():
         with pytest.raises(InferenceServerException) as caught:
-            client.load_model(name)
+            client.load_model(name, headers=key_headers(server.grpc_address))
         message = caught.value.message()
         assert all(part in message for part in parts), f"{name}: {message}"
         assert not client.is_model_ready(name)

@@ -93,7 +93,9 @@ time.sleep(600)
 
 @pytest.mark.timeout(240)
 def test_a_killed_owner_of_the_embedded_server_takes_the_server_its_stubs_and_workers_with_it(tmp_path,
-                                                                                               rendezvous_root):
+                                                                                               rendezvous_root,
+                                                                                               monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the key file the killed owner never removes
     build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
                         seed=4, progress=False)
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "repo"), str(tmp_path / "server.log")],

@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client
+from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.crashing_family import POISON
@@ -198,5 +199,5 @@ def test_a_rank_whose_worker_keeps_dying_is_given_up_and_requests_fail_fast_nami
         assert "reload the model" in outcome.message, outcome.message
     assert rank_workers(server.process.pid) == {name: [] for name in stubs}  # no worker holds memory for nothing
     Client(server.grpc_address).unload(MODEL)  # returns once Triton has finished unloading
-    client.load_model(MODEL)
+    client.load_model(MODEL, headers=key_headers(server.grpc_address))
     assert wait_for_an_answer(client, reference, time.monotonic()) < HEALED_WITHIN_S

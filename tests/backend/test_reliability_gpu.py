@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client
+from mdtriton.client.server_key import key_headers
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
 from tests.backend.test_rank_faults import one_worker_per_rank, wait_for_an_answer
@@ -91,7 +92,7 @@ def test_gpu_reload_cycles_give_the_memory_back(two_gpus, tmp_path, rendezvous_r
     client = grpcclient.InferenceServerClient(server.grpc_address)
     reference = Reference(SEED)
     for cycle in range(5):
-        client.load_model(MODEL)
+        client.load_model(MODEL, headers=key_headers(server.grpc_address))
         assert len(wait_for_stubs(server.process.pid, 2)) == 2
         assert all(ask(client, MODEL, reference, i).right for i in range(3)), f"cycle {cycle}"
         Client(server.grpc_address).unload(MODEL)  # returns once Triton has finished unloading

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client
+from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference, ask
@@ -33,7 +34,7 @@ def test_load_unload_cycles_answer_right_and_leak_nothing(tmp_path, rendezvous_r
     seen_stubs, threads, memory, seconds = set(), [], [], []
     for cycle in range(CYCLES):
         start = time.monotonic()
-        client.load_model("tiny")
+        client.load_model("tiny", headers=key_headers(server.grpc_address))
         stubs = wait_for_stubs(server_pid, 2)
         assert len(stubs) == 2 and seen_stubs.isdisjoint(stubs.values()), f"cycle {cycle}: {stubs}"
         seen_stubs.update(stubs.values())

@@ -12,6 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from mdtriton.client.grpc_client import Client, ClientError, is_local
 from mdtriton.client.shared_memory import region_size
+from mdtriton.client.server_key import key_headers
 from tests.served_models import tiny_reference
 
 
@@ -24,7 +25,8 @@ def our_shm_files() -> list[str]:
 
 
 def registered_regions(served) -> dict:
-    status = grpcclient.InferenceServerClient(served.grpc_address).get_system_shared_memory_status(as_json=True)
+    status = grpcclient.InferenceServerClient(served.grpc_address).get_system_shared_memory_status(
+        headers=key_headers(served.grpc_address), as_json=True)
     return status.get("regions", {})
 
 

@@ -9,6 +9,7 @@ import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.grpc_client import Client
+from mdtriton.client.server_key import key_headers
 from mdtriton.engine.plan import ParallelPlan
 
 pytestmark = pytest.mark.gpu
@@ -16,7 +17,8 @@ CONFIG = {"hidden_size": 1024, "num_heads": 16, "mlp_ratio": 4, "num_layers": 2}
 
 
 def cuda_regions(url: str) -> dict:
-    return grpcclient.InferenceServerClient(url).get_cuda_shared_memory_status(as_json=True).get("regions", {})
+    status = grpcclient.InferenceServerClient(url).get_cuda_shared_memory_status(headers=key_headers(url), as_json=True)
+    return status.get("regions", {})
 
 
 def test_cuda_shared_memory_gives_the_same_answers(tmp_path, server_factory):
