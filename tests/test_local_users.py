@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.client.grpc_client import Client
-from tests.backend.triton_processes import rank_workers, stub_processes
+from mdtriton.testing.triton_processes import rank_workers, stub_processes
 from tests.other_user import run_as_other_user
 from tests.served_models import tiny_reference
 
