@@ -67,7 +67,9 @@ WATCH_INTERVAL_S = 0.2
 
 
 @dataclass
-class Job:
+class RankJob:
+    """A request's job as one rank's runner holds it: its inputs, deadline and result, from submission to its end."""
+
     inputs: dict[str, torch.Tensor]
     deadline: float  # time.monotonic() by which all ranks must have run it: the request's, set by its stub
     id: str  # the stub's id of the request
@@ -114,7 +116,7 @@ class JobRunner:
         self._on_started = on_started
         self._on_progress = on_progress
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
-        self._pending: dict[str, Job] = {}
+        self._pending: dict[str, RankJob] = {}
         self._link: HubLink | SingleRankLink | None = None
         # The ids of the jobs this rank receives, for the runner thread to check and submit to the hub.
         self._arrivals, self._arrivals_writer = Pipe(duplex=False)
@@ -135,13 +137,13 @@ class JobRunner:
         self._ended.wait()
         return self._end
 
-    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float) -> Job:
+    def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float) -> RankJob:
         """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
         infinity, JobFailed or JobStopped if every rank ended it early (module doc), or RanksUnavailable if the
         generation ends first. Raises RanksUnavailable if the generation is not serving. deadline: the request's, a
-        time.monotonic() set by its stub (backend/messages.py, Job: one clock for every process of the machine): a
+        time.monotonic() set by its stub (backend/messages.py, RunRequest: one clock for every process of the machine): a
         job that has not started by then is dropped."""
-        job = Job(inputs, deadline=deadline, id=job_id)
+        job = RankJob(inputs, deadline=deadline, id=job_id)
         with self._lock:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
@@ -364,7 +366,7 @@ class JobRunner:
                         self.comm.rank, job.id, outcome)
         self._end_job(job, outcome)
 
-    def _skip(self, job: Job | None, origin: int) -> bool:
+    def _skip(self, job: RankJob | None, origin: int) -> bool:
         """Whether every rank skips this job: the rank that received it says so as its turn comes, if its request no
         longer waits for it (one broadcast: no other rank knows)."""
         skip = job is not None and job.not_awaited() is not None
@@ -375,12 +377,12 @@ class JobRunner:
             wait_for_device(self.timeout)
         return bool(flag.item())
 
-    def _drop(self, job: Job) -> None:
+    def _drop(self, job: RankJob) -> None:
         """End a job of this rank that never started: its request no longer waits for it."""
         log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
         self._end_job(job, JobStopped(0, 0))
 
-    def _end_job(self, job: Job, outcome) -> None:
+    def _end_job(self, job: RankJob, outcome) -> None:
         """Forget a job of this rank and hand its request the outcome: its outputs, or the exception that ended it."""
         with self._lock:
             self._pending.pop(job.id, None)

@@ -32,7 +32,7 @@ class RanksUnavailable(Exception):
 # --- from the stub to its worker ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Job:
+class RunRequest:
     """Run a request; `deadline`: the request's one deadline, set by the stub as it received the request, by which the
     ranks must have answered it (a job that has not started by then is dropped).
 
@@ -218,9 +218,9 @@ class EndGeneration:
     unloading: bool
 
 
-Message = (Job | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
+Message = (RunRequest | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
            | Ended | GivenUp | Hello | Submit | Leave | Run | EndGeneration)
-KINDS: dict[str, type] = {cls.kind: cls for cls in (Job, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
+KINDS: dict[str, type] = {cls.kind: cls for cls in (RunRequest, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
                                                      Refused, Failed, Stopped, JobTimed, Ended, GivenUp, Hello, Submit,
                                                      Leave, Run, EndGeneration)}
 

@@ -28,8 +28,8 @@ import torch
 
 from mdtriton.backend.job_runner import JobRunner
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
+from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
+                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop, Stopped,
                                        receive, send)
 from mdtriton.backend.process_state import end_with_parent
 from mdtriton.backend.rendezvous import Generation, Rendezvous
@@ -104,7 +104,7 @@ class RankWorker:
                 case Stop():
                     runner.stop()
                     return
-                case Job(id=job_id, deadline=deadline, tensors=inputs):
+                case RunRequest(id=job_id, deadline=deadline, tensors=inputs):
                     try:
                         job = runner.submit(inputs, job_id, deadline)
                     except RanksUnavailable:

@@ -41,8 +41,8 @@ from mdtriton.backend.process_state import ProcessState, process_state
 from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.worker_spec import WorkerSpec
-from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, Serving, Started, Stop, Stopped,
+from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
+                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop, Stopped,
                                        receive, send)
 from mdtriton.engine.job_control import JobFailed, JobStopped, ProgressListener
 from mdtriton.engine.request_check import RequestError
@@ -207,7 +207,7 @@ class WorkerKeeper:
         try:
             if not any(other.held for other in self._requests.values()):
                 self._heard = time.monotonic()  # idle until now: it has not been quiet while holding work
-            send(self._link, Job(request.id, request.deadline, request.inputs))
+            send(self._link, RunRequest(request.id, request.deadline, request.inputs))
             request.held = True
         except OSError:
             pass

@@ -13,8 +13,8 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.job_hub import SingleRankLink
-from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, Job, JobTimed,
-                                       Leave, Loaded, Progress, ProtocolError, Refused, Run, Serving, Started, Stop,
+from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, JobTimed,
+                                       Leave, Loaded, Progress, ProtocolError, Refused, Run, RunRequest, Serving, Started, Stop,
                                        Stopped, Submit, receive, receive_over, send, send_over)
 
 
@@ -37,11 +37,11 @@ def test_every_kind_arrives_as_it_was_sent(links):
     for message in messages:
         send(sender, message)
         assert receive(receiver) == message
-    for message in (Job("j3", 1234.5678901234, inputs), Done("j3", inputs)):
+    for message in (RunRequest("j3", 1234.5678901234, inputs), Done("j3", inputs)):
         send(sender, message)
         got = receive(receiver)
         assert type(got) is type(message) and got.id == "j3" and torch.equal(got.tensors["x"], inputs["x"])
-    assert receive_after(sender, receiver, Job("j3", 1234.5678901234, inputs)).deadline == 1234.5678901234
+    assert receive_after(sender, receiver, RunRequest("j3", 1234.5678901234, inputs)).deadline == 1234.5678901234
 
 
 def receive_after(sender, receiver, message):
