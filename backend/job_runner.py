@@ -141,8 +141,8 @@ class JobRunner:
         """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
         infinity, JobFailed or JobStopped if every rank ended it early (module doc), or RanksUnavailable if the
         generation ends first. Raises RanksUnavailable if the generation is not serving. deadline: the request's, a
-        time.monotonic() set by its stub (backend/messages.py, RunRequest: one clock for every process of the machine): a
-        job that has not started by then is dropped."""
+        time.monotonic() set by its stub (backend/messages.py, RunRequest: one clock for every process of the
+        machine): a job that has not started by then is dropped."""
         job = RankJob(inputs, deadline=deadline, id=job_id)
         with self._lock:
             if self._link is None:

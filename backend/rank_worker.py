@@ -29,8 +29,8 @@ import torch
 from mdtriton.backend.job_runner import JobRunner
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop, Stopped,
-                                       receive, send)
+                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop,
+                                       Stopped, receive, send)
 from mdtriton.backend.process_state import end_with_parent
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink

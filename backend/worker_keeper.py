@@ -42,8 +42,8 @@ from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop, Stopped,
-                                       receive, send)
+                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop,
+                                       Stopped, receive, send)
 from mdtriton.engine.job_control import JobFailed, JobStopped, ProgressListener
 from mdtriton.engine.request_check import RequestError
 

@@ -13,9 +13,9 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.job_hub import SingleRankLink
-from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, JobTimed,
-                                       Leave, Loaded, Progress, ProtocolError, Refused, Run, RunRequest, Serving, Started, Stop,
-                                       Stopped, Submit, receive, receive_over, send, send_over)
+from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, JobTimed, Leave,
+                                       Loaded, Progress, ProtocolError, Refused, Run, RunRequest, Serving, Started,
+                                       Stop, Stopped, Submit, receive, receive_over, send, send_over)
 
 
 @pytest.fixture
