@@ -3,7 +3,8 @@
 Every component is FLUX.1's class at toy sizes: CLIP and T5 tokenizers built locally with `tokenizers`
 (word-level vocabularies) and wrapped in transformers' fast tokenizer classes, CLIPTextModel,
 T5EncoderModel, an AutoencoderKL with FLUX's 8x compression, FluxTransformer2DModel and
-FlowMatchEulerDiscreteScheduler, all written with save_pretrained (model_index.json included).
+FlowMatchEulerDiscreteScheduler, all written with save_pretrained (model_index.json included). FLUX.1 Kontext's
+pipeline (FluxKontextPipeline: an input image's latent tokens appended to the sequence) takes the same components.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
+                       FluxTransformer2DModel)
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast, T5Config, T5EncoderModel, T5TokenizerFast
 
@@ -64,6 +66,11 @@ def tiny_flux_pipeline(guidance_embeds: bool = True, seed: int = 0) -> FluxPipel
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
     return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=clip_tokenizer(),
                         text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer(), transformer=transformer)
+
+
+def tiny_flux_kontext_pipeline(seed: int = 0) -> FluxKontextPipeline:
+    """FLUX.1 Kontext [dev]'s layout: FLUX.1-dev's components (guidance embedded, dynamic shift) in Kontext's pipeline."""
+    return FluxKontextPipeline(**tiny_flux_pipeline(guidance_embeds=True, seed=seed).components)
 
 
 def save_tiny_flux_pipeline(directory: Path, guidance_embeds: bool = True, seed: int = 0) -> Path:

@@ -1,0 +1,62 @@
+"""Tiny random FLUX.2 pipelines in diffusers' directory layout, made offline for the tests.
+
+FLUX.2 [klein] (Flux2KleinPipeline): Qwen's tokenizer class over local byte tokens (as Qwen-Image's tiny pipeline
+makes it, mdtriton.testing.tiny_qwen_image_pipeline), a Qwen3 text encoder of 27 layers of width 16 (the pipeline
+stacks the hidden states of layers 9, 18 and 27: text embeddings of width 48, 512 tokens a prompt),
+AutoencoderKLFlux2 (8x in space, 4 latent channels) and Flux2Transformer2DModel (2x2 patches of latents: an image of
+H x W pixels, both multiples of 16, is H/16 x W/16 image tokens; an input image's tokens are appended to them), with
+FLUX.2's flow-matching scheduler. A 2-step 64x64 image takes well under a second on one CPU core.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from mdtriton.testing.tiny_qwen_image_pipeline import qwen_tokenizer
+
+TEXT_LAYERS = 27  # Flux2KleinPipeline reads hidden states 9, 18 and 27 by default
+TEXT_WIDTH = 16
+LATENT_CHANNELS = 4
+
+
+def flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.2's published scheduler config (the pipelines pass their own mu: the shift follows the image's tokens)."""
+    return FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
+                                           max_shift=1.15, shift=3.0, use_dynamic_shifting=True)
+
+
+def flux2_vae() -> AutoencoderKLFlux2:
+    return AutoencoderKLFlux2(block_out_channels=(4, 8, 8, 8), layers_per_block=1, latent_channels=LATENT_CHANNELS,
+                              norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False, sample_size=64)
+
+
+def flux2_transformer(text_dim: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
+    return Flux2Transformer2DModel(patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_dim,
+                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                   guidance_embeds=guidance_embeds)
+
+
+def tiny_flux2_klein_pipeline(seed: int = 0) -> Flux2KleinPipeline:
+    """FLUX.2 [klein]'s base layout (not distilled: classifier-free guidance by a negative prompt), random weights
+    drawn from seed."""
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer()
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=32, num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=True)).eval()
+    return Flux2KleinPipeline(scheduler=flux2_scheduler(), vae=flux2_vae(), text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=flux2_transformer(3 * TEXT_WIDTH, guidance_embeds=False),
+                              is_distilled=False)
+
+
+def save_tiny_flux2_klein_pipeline(directory: Path, seed: int = 0) -> Path:
+    """Write a tiny pipeline into directory (diffusers' layout, safetensors weights) and return directory."""
+    tiny_flux2_klein_pipeline(seed).save_pretrained(directory)
+    return Path(directory)
