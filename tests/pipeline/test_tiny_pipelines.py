@@ -1,4 +1,4 @@
-"""The tiny pipelines of mdtriton.testing that diffusers' pipelines of Qwen-Image, FLUX.2 [klein] and FLUX.1 Kontext
+"""The tiny pipelines of mdtriton.testing that diffusers' pipelines of Qwen-Image, FLUX.2 [klein] and [dev] and FLUX.1 Kontext
 are made of: each written with save_pretrained, loaded back by DiffusionPipeline offline as its own class, makes a
 finite, not constant image of the asked size in 2 steps (with its input image where it takes one), the same twice
 from one seed, and its transformer class declares a context-parallel plan."""
@@ -11,7 +11,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from mdtriton.testing.tiny_flux2_pipeline import tiny_flux2_klein_pipeline
+from mdtriton.testing.tiny_flux2_pipeline import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from mdtriton.testing.tiny_flux_pipeline import tiny_flux_kontext_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import tiny_qwen_image_pipeline
 
@@ -29,6 +29,7 @@ CASES = {
     "QwenImagePipeline": (tiny_qwen_image_pipeline, dict(negative_prompt="blurry", true_cfg_scale=4.0)),
     "Flux2KleinPipeline": (tiny_flux2_klein_pipeline, dict(guidance_scale=4.0)),
     "Flux2KleinPipeline+image": (tiny_flux2_klein_pipeline, dict(guidance_scale=4.0, image=input_image())),
+    "Flux2Pipeline": (tiny_flux2_pipeline, dict(guidance_scale=4.0, image=input_image())),
     # Kontext scales its output to max_area and its input image to a published resolution unless told not to.
     "FluxKontextPipeline": (tiny_flux_kontext_pipeline, dict(image=input_image(), max_area=SIDE * SIDE,
                                                              _auto_resize=False)),
