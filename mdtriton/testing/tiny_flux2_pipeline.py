@@ -4,6 +4,8 @@ Both share AutoencoderKLFlux2 (8x in space, 4 latent channels), Flux2Transformer
 image of H x W pixels, both multiples of 16, is H/16 x W/16 image tokens; an input image's tokens are appended to
 them) and FLUX.2's flow-matching scheduler; each pipeline stacks three hidden states of its text encoder (text
 embeddings of width 48, 512 tokens a prompt). A 2-step 64x64 image takes well under a second on one CPU core.
+The transformer's attention is sharpened (mdtriton.testing.tiny_flux_pipeline.sharpen_attention), so that an input
+image changes the image by several uint8 levels.
 - FLUX.2 [klein] (Flux2KleinPipeline): Qwen's tokenizer class over local byte tokens (as Qwen-Image's tiny pipeline
   makes it, mdtriton.testing.tiny_qwen_image_pipeline) and a Qwen3 text encoder of 27 layers of width 16 (the
   pipeline reads layers 9, 18 and 27).
@@ -25,14 +27,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 
+from mdtriton.testing.tiny_flux_pipeline import sharpen_attention
 from mdtriton.testing.tiny_qwen_image_pipeline import qwen_tokenizer
 
 KLEIN_TEXT_LAYERS = 27  # Flux2KleinPipeline reads hidden states 9, 18 and 27 by default
 DEV_TEXT_LAYERS = 30  # Flux2Pipeline reads hidden states 10, 20 and 30 by default
 TEXT_WIDTH = 16
 LATENT_CHANNELS = 4
-MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
-                    "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                    "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 # Mistral's form: the system prompt, then each user turn in [INST]; a message's content is a string or a list of parts.
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{%- for message in messages %}"
@@ -56,10 +59,12 @@ def flux2_vae() -> AutoencoderKLFlux2:
 
 
 def flux2_transformer(text_dim: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
-    return Flux2Transformer2DModel(patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_dim,
-                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
-                                   guidance_embeds=guidance_embeds)
+    """With its attention sharpened (sharpen_attention): an input image's tokens, few beside 512 text tokens, matter."""
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_dim,
+                                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                    guidance_embeds=guidance_embeds)
+    return sharpen_attention(model)
 
 
 def tiny_flux2_klein_pipeline(seed: int = 0) -> Flux2KleinPipeline:
@@ -70,8 +75,8 @@ def tiny_flux2_klein_pipeline(seed: int = 0) -> Flux2KleinPipeline:
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=32, num_hidden_layers=KLEIN_TEXT_LAYERS,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        tie_word_embeddings=True)).eval()
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=True)).eval()
     return Flux2KleinPipeline(scheduler=flux2_scheduler(), vae=flux2_vae(), text_encoder=text_encoder,
                               tokenizer=tokenizer, transformer=flux2_transformer(3 * TEXT_WIDTH, guidance_embeds=False),
                               is_distilled=False)

@@ -1,7 +1,8 @@
-"""The tiny pipelines of mdtriton.testing that diffusers' pipelines of Qwen-Image, FLUX.2 [klein] and [dev] and FLUX.1 Kontext
-are made of: each written with save_pretrained, loaded back by DiffusionPipeline offline as its own class, makes a
+"""The tiny pipelines of mdtriton.testing for diffusers' Qwen-Image, FLUX.2 [klein] and [dev] and FLUX.1 Kontext
+pipelines: each written with save_pretrained, loaded back by DiffusionPipeline offline as its own class, makes a
 finite, not constant image of the asked size in 2 steps (with its input image where it takes one), the same twice
-from one seed, and its transformer class declares a context-parallel plan."""
+from one seed, another where its input image is another, and its transformer class declares a context-parallel
+plan."""
 
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ def test_tiny_pipeline_saved_and_loaded_makes_a_seeded_image(case, tmp_path):
     assert type(pipeline).__name__ == case.split("+")[0]
     assert type(pipeline.transformer)._cp_plan, "the generic family splits the transformer by its _cp_plan"
 
-    def image() -> np.ndarray:
+    def image(**changed) -> np.ndarray:
         return pipeline(prompt="a red cat on a blue sign", height=SIDE, width=SIDE, num_inference_steps=2,
-                        generator=torch.Generator().manual_seed(7), output_type="np", **options).images
+                        generator=torch.Generator().manual_seed(7), output_type="np", **{**options, **changed}).images
 
     first = image()
     assert first.shape == (1, SIDE, SIDE, 3)
     assert np.isfinite(first).all()
     assert first.std() > 1e-3, "a constant image"
     np.testing.assert_array_equal(image(), first)
+    if "image" in options:
+        negative = Image.fromarray(255 - np.asarray(options["image"]))
+        # More than 2 uint8 levels apart: a served image within 1 level of diffusers' cannot have lost its input image.
+        assert np.abs(image(image=negative) - first).max() > 2 / 255, "the input image made no difference"
