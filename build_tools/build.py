@@ -24,6 +24,7 @@ from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
 MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
@@ -71,8 +72,12 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         raise ValueError(f"request timeout {request_timeout_s:g} s: give a positive number of seconds (the longest a "
                          "request may wait for all ranks; default "
                          f"{DEFAULT_REQUEST_TIMEOUT_S:g}, a pipeline's {PipelinePart.request_timeout_s:g})")
-    model_family = family(architecture_name)
     part = pipeline_part(architecture_name)
+    if isinstance(part, DiffusersPipelinePart):
+        return build_diffusers_pipeline(Path(repository), name, architecture_name, part, plan, data_type, device, gpus,
+                                        weights_path, version, request_timeout_s, policy, limits or EngineLimits(),
+                                        stream, cache)
+    model_family = family(architecture_name)
     limits = limits or EngineLimits(max_tokens=model_family.max_tokens)
     # The transformer engines to build: (folder of the engine directory, checkpoint or None for random weights).
     if part is None:
@@ -146,10 +151,38 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     return finish_version(Path(repository), name, version, staging, triton_config)
 
 
-def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
-    """The transformers of a diffusers directory of part's pipeline that become engines (Wan 2.2 A14B: two
-    experts), after checking that it is one, with every component its model_index.json lists; CheckpointError says
-    what to pass otherwise."""
+def build_diffusers_pipeline(repository: Path, name: str, architecture_name: str, part: DiffusersPipelinePart,
+                             plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None,
+                             weights_path: Path | None, version: int | None, request_timeout_s: float | None,
+                             policy: str | None, limits: EngineLimits, stream: bool, cache: str | None) -> Path:
+    """A pipeline served with diffusers' own transformer (mdtriton.pipeline.generic): its directory copied whole
+    (the transformer too: every rank loads it and keeps its share of each forward), with the served manifest."""
+    if weights_path is None:
+        raise CheckpointError(f"{architecture_name} builds from a diffusers {part.diffusers_class} directory: give it "
+                              "with --weights DIR")
+    pipeline_dir = Path(weights_path)
+    check_pipeline_dir(pipeline_dir, part)
+    transformer_class = part.check_build(pipeline_dir, plan, data_type)
+    inputs, outputs = part.served_signature()
+    served = Manifest(architecture_name, {"transformer_class": transformer_class, **part.pipeline_config(pipeline_dir)},
+                      plan, data_type, inputs, outputs, limits=limits)
+    triton_config = model_config(name, served, device, gpus,
+                                 part.request_timeout_s if request_timeout_s is None else request_timeout_s)
+    serve_as_pipeline(triton_config, part, stream, cache)
+    model_dir = prepare_model_dir(repository, name, version, triton_config, policy)
+    staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": architecture_name,
+                                      "config": served.config, "plan": plan.to_dict(), "data_type": data_type,
+                                      "weights": str(pipeline_dir.resolve())})
+    engine_dir = staging / ENGINE_DIR
+    with resumable(staging):
+        shutil.copytree(pipeline_dir, engine_dir, dirs_exist_ok=True)
+        served.write(engine_dir)
+    return finish_version(repository, name, version, staging, triton_config)
+
+
+def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> dict:
+    """The model_index.json of a diffusers directory of part's pipeline, after checking that it is one, with every
+    component it lists; CheckpointError says what to pass otherwise."""
     index_path = pipeline_dir / MODEL_INDEX
     if not index_path.is_file():
         raise CheckpointError(f"{pipeline_dir}: no {MODEL_INDEX}; pass a diffusers {part.diffusers_class} directory")
@@ -161,6 +194,16 @@ def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
     if missing:
         raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; its {MODEL_INDEX} lists "
                               f"{', '.join(listed)}")
+    return index
+
+
+def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
+    """The transformers of a diffusers directory of part's pipeline that become engines (Wan 2.2 A14B: two
+    experts), after checking that it is one, with every component its model_index.json lists; CheckpointError says
+    what to pass otherwise."""
+    index = check_pipeline_dir(pipeline_dir, part)
+    index_path = pipeline_dir / MODEL_INDEX
+    listed = [name for name, value in index.items() if not name.startswith("_") and is_component(value)]
     folders = [folder for folder in part.transformers if folder in listed]
     if not folders:
         raise CheckpointError(f"{index_path} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "

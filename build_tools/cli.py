@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
-from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, EngineLimits
+from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CFG_SIZES, CP_METHODS, ParallelPlan
-from mdtriton.families import PIPELINE_SUFFIX, PipelinePart, architecture_names, families, family
+from mdtriton.families import (PIPELINE_SUFFIX, PipelinePart, architecture_names, diffusers_pipelines, families,
+                               family)
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
 
@@ -21,6 +22,9 @@ def architectures_help() -> str:
         if item.pipeline is not None:
             lines.append(f"{name}{PIPELINE_SUFFIX}: the whole diffusers {item.pipeline.diffusers_class} (prompt in, "
                          "the denoising loop on the server), from its diffusers directory given by --weights")
+    for name, part in diffusers_pipelines().items():
+        lines.append(f"{name}: the whole diffusers {part.diffusers_class} with diffusers' own transformer, split by "
+                     "context parallelism as diffusers declares (--cp; no --tp), from its directory given by --weights")
     return "; ".join(lines)
 
 
@@ -102,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg,
                         ulysses_size=args.ulysses)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    limits = EngineLimits(args.max_batch_size, args.max_tokens or family(args.architecture).max_tokens)
+    default_tokens = (DEFAULT_MAX_TOKENS if args.architecture in diffusers_pipelines()
+                      else family(args.architecture).max_tokens)
+    limits = EngineLimits(args.max_batch_size, args.max_tokens or default_tokens)
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
     try:
         config = json.loads(config_text)

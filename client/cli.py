@@ -98,13 +98,15 @@ def add_parsers(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
-        description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline: an image; "
-                    "wan-pipeline, cosmos3-pipeline: a video), show each denoising step as the server finishes it, and "
+        description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline, "
+                    "qwen-image-pipeline: an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
+                    "as the server finishes it, and "
                     "write the image as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 "
                     "[frames, height, width, 3]); a video of one frame (Cosmos 3: --num-frames 1) as a PNG too. The "
                     "model's outputs say which it makes; what is not given takes the model's defaults (its family's: "
-                    "FLUX 1024x1024, 28 steps, guidance 3.5; Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 "
-                    "720x1280, 189 frames, 35 steps, 6.0).")
+                    "FLUX 1024x1024, 28 steps, guidance 3.5; Qwen-Image 1024x1024, 50 steps, 4.0 (its true_cfg_scale, "
+                    "with a --negative-prompt); Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 720x1280, 189 frames, "
+                    "35 steps, 6.0).")
     parser.add_argument("model", help="model name of a pipeline")
     parser.add_argument("prompt", help="the prompt")
     parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
@@ -119,7 +121,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--max-sequence-length", type=int, help="text encoder tokens of the prompt (default 512)")
     parser.add_argument("--prompt-2", help="images: a different prompt for the T5 encoder (default: the prompt)")
     parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (Cosmos 3: 1 makes an image)")
-    parser.add_argument("--negative-prompt", help="videos: what to steer away from (default: none)")
+    parser.add_argument("--negative-prompt", help="what to steer away from, for models that take one (Wan, Qwen-Image; "
+                                                  "default: none)")
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
@@ -286,8 +289,12 @@ def generate_media(args: argparse.Namespace) -> int:
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
         raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model")
+    if args.negative_prompt is not None and "negative_prompt" not in takes:
+        raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
     steps = args.steps or defaults["num_inference_steps"]
-    guidance = args.guidance if args.guidance is not None else defaults["guidance_scale"]
+    # Qwen-Image's guidance is its true classifier-free guidance scale, true_cfg_scale; the others' guidance_scale.
+    guidance_input = "true_cfg_scale" if "true_cfg_scale" in takes else "guidance_scale"
+    guidance = args.guidance if args.guidance is not None else defaults[guidance_input]
     fps = args.fps or defaults.get("fps") or 16
     start = time.perf_counter()
     streamed = streams_progress(args.url, args.model)
@@ -303,8 +310,11 @@ def generate_media(args: argparse.Namespace) -> int:
                                     args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
                                     read_image(args.image) if args.image else None, **progress)[0]
         else:
-            image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps, guidance,
-                             args.seed, args.prompt_2, args.max_sequence_length, **progress)[0]
+            true_cfg = guidance_input == "true_cfg_scale"
+            image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps,
+                             None if true_cfg else guidance, args.seed, args.prompt_2, args.max_sequence_length,
+                             negative_prompt=args.negative_prompt, true_cfg_scale=guidance if true_cfg else None,
+                             **progress)[0]
     print(f"{full_steps[0]} of {steps} steps ran the whole transformer")
     if output.suffix.lower() == ".png":
         from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it

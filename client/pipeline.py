@@ -29,19 +29,21 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 # The data type of each number a pipeline takes (a [1] tensor), as the families' pipelines declare it.
 NUMBER_TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
                 "guidance_scale": np.float32, "guidance_scale_2": np.float32, "seed": np.int64,
-                "max_sequence_length": np.int32, "fps": np.float32}
+                "max_sequence_length": np.int32, "fps": np.float32, "true_cfg_scale": np.float32}
 
 
-def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int, guidance_scale: float,
-                    seed: int, prompts_2: list[str] | None = None, max_sequence_length: int | None = None,
-                    cache: str | dict | None = None,
-                    loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
-    """A FLUX pipeline request's inputs, named and typed as the model declares them (prompts as BYTES; cache, a step
-    cache config: a dict or its JSON text; loras, adapter names and scales)."""
+def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int,
+                    guidance_scale: float | None, seed: int, prompts_2: list[str] | None = None,
+                    max_sequence_length: int | None = None, cache: str | dict | None = None,
+                    loras: dict[str, float] | None = None, negative_prompts: list[str] | None = None,
+                    true_cfg_scale: float | None = None) -> list[grpcclient.InferInput]:
+    """An image pipeline request's inputs (FLUX's; Qwen-Image's negative prompt and true_cfg_scale), named and typed
+    as the model declares them (prompts as BYTES; cache, a step cache config: a dict or its JSON text; loras, adapter
+    names and scales); those given as None are left out, for the model's default."""
     return infer_inputs(request_arrays(
-        {"prompt": prompts, "prompt_2": prompts_2},
+        {"prompt": prompts, "prompt_2": prompts_2, "negative_prompt": negative_prompts},
         {"height": height, "width": width, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
-         "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras))
+         "true_cfg_scale": true_cfg_scale, "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras))
 
 
 def video_inputs(prompts: list[str], height: int | None, width: int | None, num_frames: int | None,
@@ -102,14 +104,16 @@ def as_list(prompt: str | list[str] | None) -> list[str] | None:
 
 
 def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
-             num_inference_steps: int = 28, guidance_scale: float = 3.5, seed: int = 0,
+             num_inference_steps: int = 28, guidance_scale: float | None = 3.5, seed: int = 0,
              prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
              cache: str | dict | None = None, loras: dict[str, float] | None = None,
              on_step: Callable[[int, int], None] | None = None,
-             on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
-    """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as FluxPipeline makes them with
-    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
-    model streams its progress (built with --stream).
+             on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None,
+             negative_prompt: str | list[str] | None = None, true_cfg_scale: float | None = None) -> np.ndarray:
+    """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as the model's diffusers pipeline
+    (FluxPipeline, QwenImagePipeline) makes them with `generator=torch.Generator().manual_seed(seed)`; on_step(done,
+    total) is called as each step finishes, if the model streams its progress (built with --stream). Qwen-Image takes
+    negative_prompt and true_cfg_scale, and no guidance_scale (send None).
 
     cache: the step cache, e.g. {"method": "first_block", "threshold": 0.08} (docs/client.md; None: the model's
     default). loras: the model's adapters to apply, by name, each with its scale, e.g. {"style": 0.8} (`mdtriton lora
@@ -117,7 +121,8 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
     the whole request may take (None: no limit). Failures raise ClientError (one line).
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
-                             as_list(prompt_2), max_sequence_length, cache, loras)
+                             as_list(prompt_2), max_sequence_length, cache, loras, as_list(negative_prompt),
+                             true_cfg_scale)
     return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 

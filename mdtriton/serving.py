@@ -19,7 +19,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
-from mdtriton.families import family, pipeline_part
+from mdtriton.families import diffusers_pipelines, family, pipeline_part
 from mdtriton.lora.adapter_file import AdapterError, check_adapter
 from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
 from mdtriton.pipeline.prompts import text_rows
@@ -34,7 +34,8 @@ def check_architecture(manifest: Manifest) -> None:
     """EngineError if no installed family serves the manifest's architecture. The first lookup reads the family
     registry (it imports every family's module and reads the installed packages' entry points: 73-96 ms on a GPU host),
     so a rank's stub looks up at load, and its first request does not wait for it."""
-    family(manifest.architecture)
+    if manifest.architecture not in diffusers_pipelines():
+        family(manifest.architecture)
 
 
 def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
@@ -47,7 +48,8 @@ def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
     # Imported here: diffusers and transformers (the `pipeline` extra) are needed only to serve pipelines.
     from mdtriton.pipeline.engine import PipelineEngine
 
-    return PipelineEngine.load(engine_dir, manifest, family(manifest.architecture), comm, part, adapters)
+    transformer_family = None if manifest.architecture in diffusers_pipelines() else family(manifest.architecture)
+    return PipelineEngine.load(engine_dir, manifest, transformer_family, comm, part, adapters)
 
 
 def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_dir: Path | None = None) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from mdtriton.cli import main
 from mdtriton.server import TRITON_PORTS
+from mdtriton.testing.triton_processes import stub_processes
 
 
 def mdtriton(*args: str) -> subprocess.CompletedProcess:
@@ -44,12 +45,6 @@ def test_generate_refuses_an_output_it_cannot_write_before_it_asks(tmp_path, cap
     target = tmp_path / "no such directory" / "clip.mp4"
     assert main(["generate", "wan", "a cat", "--url", "127.0.0.1:1", "-o", str(target)]) == 1
     assert f"cannot write {target}: there is no directory {target.parent}" in capsys.readouterr().err
-
-
-def stub_processes_of(pid: int) -> list[int]:
-    result = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True)
-    return [int(line.split()[0]) for line in result.stdout.splitlines()[1:]
-            if line.split()[1] == str(pid) and "triton_python_backend_stub" in line]
 
 
 def test_the_client_commands_import_no_torch():
@@ -100,7 +95,7 @@ def test_build_serve_infer_and_stop_cleanly(tmp_path):
             assert result.returncode == 0 and "server 127.0.0.1:8001: live, ready" in result.stdout, result.stderr
         server_pid = int(subprocess.run(["pgrep", "-f", f"tritonserver.*{tmp_path}"], capture_output=True,
                                         text=True).stdout.split()[0])
-        assert len(stub_processes_of(server_pid)) == 2  # one stub per rank
+        assert len(stub_processes(server_pid)) == 2  # one stub per rank
         np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((1, 4, 64), dtype=np.float32))
         result = mdtriton("infer", "tiny", "--url", address, "--input", f"hidden_states={tmp_path / 'x.npy'}",
                           "--output", str(tmp_path / "out"))
@@ -115,7 +110,7 @@ def test_build_serve_infer_and_stop_cleanly(tmp_path):
     assert serve.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)
-    assert stub_processes_of(server_pid) == []
+    assert stub_processes(server_pid) == {}
 
 
 def test_infer_against_no_server_fails_in_one_line(tmp_path):

@@ -3,7 +3,9 @@
 Built-in families are listed here; a user's package adds its own through the `mdtriton.families` entry point
 group (pyproject.toml: `[project.entry-points."mdtriton.families"] toy = "my_package.toy:TOY"`, the object a
 `Family` instance), so the build, the server's stubs and the rank workers all find it once it is installed.
-Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline.
+Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline. Pipelines
+served with diffusers' own transformer, split by its own context-parallel plan, have no family: each declares only
+its request (DIFFUSERS_PIPELINES, mdtriton.pipeline.generic).
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from importlib.metadata import entry_points
 
 from mdtriton.engine.manifest import EngineError
 from mdtriton.families.family import Family, PipelinePart, RequestSize
+from mdtriton.pipeline.generic import DiffusersPipelinePart
 
-__all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names"]
+__all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names",
+           "diffusers_pipelines"]
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
             "mdtriton.families.wan:WAN", "mdtriton.families.cosmos3:COSMOS3")
 PIPELINE_SUFFIX = "-pipeline"
+# Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
+DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE"}
 
 
 def _load(reference: str, origin: str) -> Family:
@@ -47,12 +53,23 @@ def families() -> dict[str, Family]:
     return found
 
 
+@cache
+def diffusers_pipelines() -> dict[str, DiffusersPipelinePart]:
+    """The pipelines served with diffusers' own transformer, by architecture name."""
+    found = {}
+    for name, reference in DIFFUSERS_PIPELINES.items():
+        module_name, _, attribute = reference.partition(":")
+        found[name] = getattr(importlib.import_module(module_name), attribute)
+    return found
+
+
 def architecture_names() -> list[str]:
-    """Every architecture a build can make: each family's, and `<name>-pipeline` for those with a pipeline."""
+    """Every architecture a build can make: each family's, `<name>-pipeline` for those with a pipeline, and the
+    pipelines served with diffusers' own transformer."""
     names = []
     for name, item in families().items():
         names += [name] + ([name + PIPELINE_SUFFIX] if item.pipeline is not None else [])
-    return names
+    return names + list(DIFFUSERS_PIPELINES)
 
 
 def family(architecture: str) -> Family:
@@ -67,5 +84,7 @@ def family(architecture: str) -> Family:
 
 def pipeline_part(architecture: str) -> PipelinePart | None:
     """The pipeline an architecture name serves, or None for a transformer engine."""
+    if architecture in DIFFUSERS_PIPELINES:
+        return diffusers_pipelines()[architecture]
     item = family(architecture)
     return item.pipeline if architecture.endswith(PIPELINE_SUFFIX) else None

@@ -30,6 +30,7 @@ does. The hooks and the attention run eagerly inside compiled blocks (graph brea
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError
+
+log = logging.getLogger(__name__)
 
 SPLIT_HOOK = "mdtriton_cp_split---{}"
 GATHER_HOOK = "mdtriton_cp_gather---{}"
@@ -98,6 +101,8 @@ def split_by_plan(transformer: nn.Module, comm: Communicator) -> None:
         if processor is not None and hasattr(type(processor), "_parallel_config"):
             processor._parallel_config = attention
             route_attention(type(processor).__call__.__globals__)
+    log.info("%s split by its context-parallel plan across %d ranks (%s)", type(transformer).__name__, comm.cp_size,
+             comm.plan.cp_method)
 
 
 def submodules(model: nn.Module, name: str) -> list[nn.Module]:

@@ -49,6 +49,9 @@ class PipelineEngine(Engine):
         self.transformers = transformers
         self.warm_up_seconds = warm_up_seconds
         self.adapters = adapters
+        self.agreement: JobAgreement | None = None  # the running job's, while it runs
+        if not transformers:  # diffusers' own transformer (mdtriton.pipeline.generic): the ranks agree at its call
+            pipeline.transformer.register_forward_pre_hook(lambda module, args: self.before_collectives())
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
@@ -76,6 +79,7 @@ class PipelineEngine(Engine):
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
         split_decode(pipeline.vae, comm)
+        part.prepare(pipeline, comm)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
                    for folder in transformer_engine_folders(engine_dir, part)}
@@ -83,9 +87,11 @@ class PipelineEngine(Engine):
         for folder, transformer in zip(engines, transformers):
             setattr(pipeline, folder, transformer)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
-        first = next(iter(engines.values()))
-        adapter_weights = None if adapters is None else AdapterWeights(
-            first.module, adapters.directory, adapters.cache_mib * 2**20, TORCH_DTYPES[first.manifest.data_type])
+        adapter_weights = None
+        if adapters is not None and engines:
+            first = next(iter(engines.values()))
+            adapter_weights = AdapterWeights(first.module, adapters.directory, adapters.cache_mib * 2**20,
+                                             TORCH_DTYPES[first.manifest.data_type])
         return cls(manifest, part, pipeline, comm, transformers,
                    sum(engine.warm_up_seconds for engine in engines.values()), adapter_weights)
 
@@ -97,6 +103,7 @@ class PipelineEngine(Engine):
         raises it), JobStopped if the request's rank asked to stop after a step."""
         agreement = JobAgreement(self.comm)
         caches = []
+        self.agreement = agreement
         try:
             loras = loras_of(inputs)
             if self.adapters is not None:
@@ -119,15 +126,23 @@ class PipelineEngine(Engine):
             agreement.failed(*failure_message(error))
             raise
         finally:
+            self.agreement = None
             for transformer in self.transformers:
                 transformer.step_cache, transformer.agreement = None, None
         # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
-        full_steps = torch.tensor([sum(cache.full_steps for cache in caches)], dtype=torch.int32,
-                                  device=self.comm.device)
+        # Without a step cache (diffusers' own transformer) every step ran whole.
+        ran = sum(cache.full_steps for cache in caches) if caches else self.pipeline.num_timesteps
+        full_steps = torch.tensor([ran], dtype=torch.int32, device=self.comm.device)
         # Answered on this rank's device (mdtriton.engine.comm, the device contract): a moving no-op for outputs made
         # there, and a copy back for what a component hands back on the host (Cosmos 3's safety checker's frames).
         outputs = {name: tensor.to(self.comm.device) for name, tensor in self.part.outputs(result).items()}
         return {**outputs, "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
+
+
+    def before_collectives(self) -> None:
+        """At the running job's first transformer call: the ranks agree that none failed before it."""
+        if self.agreement is not None:
+            self.agreement.before_collectives()
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
 
@@ -68,6 +69,10 @@ class PipelinePart(ABC):
         """Arguments of the pipeline's `from_pretrained` beside the components (e.g. a component left out where the
         environment lacks its package); read when a rank loads the pipeline."""
         return {}
+
+    def prepare(self, pipeline: Any, comm: Communicator) -> None:
+        """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits
+        diffusers' own transformer splits it here); by default nothing."""
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's

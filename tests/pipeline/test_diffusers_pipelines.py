@@ -1,0 +1,113 @@
+"""Pipelines served with diffusers' own transformer, split by its own context-parallel plan
+(mdtriton.pipeline.generic): Qwen-Image on 2 gloo ranks, each method, equals diffusers' QwenImagePipeline in one
+process within 1 uint8 level; bad requests are refused and the server serves on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from diffusers import QwenImagePipeline
+from tritonclient.utils import InferenceServerException
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.pipeline import infer_inputs, request_arrays
+from mdtriton.engine.manifest import EngineError
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_pipeline
+from tests.conftest import start_server
+from tests.pipeline.pipelines import max_level_difference
+
+METHODS = ("ulysses", "ring", "allgather_kv")
+REQUEST = dict(prompt=["a red cat on a blue mat"], negative_prompt=["blurry"], height=64, width=48,
+               num_inference_steps=2, true_cfg_scale=4.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def qwen_image(tmp_path_factory):
+    """The tiny Qwen-Image directory and a server of it built on 2 ranks by each method."""
+    root = tmp_path_factory.mktemp("qwen-image")
+    pipeline_dir = save_tiny_qwen_image_pipeline(root / "pipeline")
+    repository = root / "repository"
+    for method in METHODS:
+        build_model_version(repository, f"qwen-{method}", "qwen-image-pipeline", None,
+                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
+                            progress=False)
+    server = start_server(repository, root / "server.log")
+    yield pipeline_dir, server
+    server.stop()
+
+
+def reference(pipeline_dir, request: dict) -> np.ndarray:
+    pipeline = QwenImagePipeline.from_pretrained(pipeline_dir, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    arguments = {key: value for key, value in request.items() if key != "seed"}
+    images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
+    return (images * 255).round().astype(np.uint8)
+
+
+def served(server, model: str, request: dict) -> np.ndarray:
+    texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
+    numbers = {name: value for name, value in request.items() if name not in texts}
+    with grpcclient.InferenceServerClient(server.grpc_address) as client:
+        result = client.infer(model, infer_inputs(request_arrays(texts, numbers, None, None)), client_timeout=300)
+    return result.as_numpy("image")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_equals_diffusers_in_one_process(qwen_image, method):
+    pipeline_dir, server = qwen_image
+    image = served(server, f"qwen-{method}", REQUEST)
+    assert image.shape == (1, 64, 48, 3)
+    assert max_level_difference(image, reference(pipeline_dir, REQUEST)) <= 1
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"height": 60}, "height 60 is not a positive multiple of 16"),
+    ({"true_cfg_scale": float("nan")}, "true_cfg_scale"),
+    ({"num_inference_steps": 0}, "num_inference_steps 0 is out of range"),
+    ({"num_inference_steps": 1}, "num_inference_steps 1 is too few for this pipeline's scheduler"),
+    ({"negative_prompt": ["a", "b"]}, "negative_prompt has 2 rows, prompt 1"),
+    ({"height": 4096, "width": 4096}, "over the largest image"),
+])
+def test_bad_requests_are_invalid_argument_and_the_server_serves_on(qwen_image, change, message):
+    pipeline_dir, server = qwen_image
+    with pytest.raises(InferenceServerException) as refused:
+        served(server, "qwen-ring", {**REQUEST, **change})
+    assert "INVALID_ARG" in str(refused.value.status()) and message in refused.value.message()
+    assert served(server, "qwen-ring", REQUEST).shape == (1, 64, 48, 3)
+
+
+def test_plans_it_cannot_serve_are_refused_at_build(tmp_path):
+    pipeline_dir = save_tiny_qwen_image_pipeline(tmp_path / "pipeline")
+    for plan, message in ((ParallelPlan(tp_size=2), "--tp 1"), (ParallelPlan(cfg_size=2), "--cfg 1")):
+        with pytest.raises(EngineError, match=message):
+            build_model_version(tmp_path / "repository", "qwen", "qwen-image-pipeline", None, plan, "FP32", "cpu",
+                                weights_path=pipeline_dir, progress=False)
+    assert not (tmp_path / "repository" / "qwen").exists()
+
+
+def test_every_rank_splits_the_transformer_by_its_plan(qwen_image):
+    """The answers above come from the transformer split across both ranks (the method's log line of each)."""
+    _, server = qwen_image
+    log = server.log_file.read_text()
+    for rank in (0, 1):
+        for method in METHODS:
+            assert (f"mdtriton rank {rank} worker: QwenImageTransformer2DModel split by its context-parallel plan "
+                    f"across 2 ranks ({method})") in log
+
+
+def test_mdtriton_generate_writes_the_image(qwen_image, tmp_path):
+    """The CLI sends Qwen-Image's own inputs (negative prompt, --guidance as true_cfg_scale) and writes the PNG."""
+    from PIL import Image
+
+    from mdtriton.cli import main
+
+    pipeline_dir, server = qwen_image
+    output = tmp_path / "cat.png"
+    assert main(["generate", "qwen-ulysses", REQUEST["prompt"][0], "--url", server.grpc_address, "--height", "64",
+                 "--width", "48", "--steps", "2", "--guidance", "4", "--seed", "7", "--negative-prompt",
+                 REQUEST["negative_prompt"][0], "-o", str(output)]) == 0
+    image = np.asarray(Image.open(output))[None]
+    assert max_level_difference(image, reference(pipeline_dir, REQUEST)) <= 1
