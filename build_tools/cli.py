@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         config = json.loads(config_text)
     except json.JSONDecodeError as error:
         raise SystemExit(f"error: --config is not valid JSON: {error}") from None
+    if args.preset and args.architecture in diffusers_pipelines():
+        raise SystemExit(f"error: {args.architecture} has no presets: it builds from a diffusers directory, "
+                         "--weights DIR")
     if args.preset:
         presets = family(args.architecture).presets()
         if args.preset not in presets:
