@@ -26,7 +26,8 @@ BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.fam
             "mdtriton.families.wan:WAN", "mdtriton.families.cosmos3:COSMOS3")
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
-DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE"}
+DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
+                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN"}
 
 
 def _load(reference: str, origin: str) -> Family:

@@ -1,6 +1,6 @@
 """Pipelines served with diffusers' own transformer, split by its own context-parallel plan
-(mdtriton.pipeline.generic): Qwen-Image on 2 gloo ranks, each method, equals diffusers' QwenImagePipeline in one
-process within 1 uint8 level; bad requests are refused and the server serves on."""
+(mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method, equal diffusers' pipeline in
+one process within 1 uint8 level; bad requests are refused and the server serves on."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusers import QwenImagePipeline
+from diffusers import Flux2KleinPipeline, QwenImagePipeline
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.client.pipeline import infer_inputs, request_arrays
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_pipeline
 from tests.conftest import start_server
 from tests.pipeline.pipelines import max_level_difference
@@ -39,8 +40,8 @@ def qwen_image(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict) -> np.ndarray:
-    pipeline = QwenImagePipeline.from_pretrained(pipeline_dir, local_files_only=True)
+def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline) -> np.ndarray:
+    pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
     arguments = {key: value for key, value in request.items() if key != "seed"}
     images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
@@ -111,3 +112,41 @@ def test_mdtriton_generate_writes_the_image(qwen_image, tmp_path):
                  REQUEST["negative_prompt"][0], "-o", str(output)]) == 0
     image = np.asarray(Image.open(output))[None]
     assert max_level_difference(image, reference(pipeline_dir, REQUEST)) <= 1
+
+
+KLEIN_METHODS = ("ulysses", "allgather_kv")
+KLEIN_REQUEST = dict(prompt=["a red cat on a blue mat"], height=64, width=48, num_inference_steps=2, guidance_scale=4.0,
+                     seed=3)
+
+
+@pytest.fixture(scope="module")
+def flux2_klein(tmp_path_factory):
+    """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by two methods."""
+    root = tmp_path_factory.mktemp("flux2-klein")
+    pipeline_dir = save_tiny_flux2_klein_pipeline(root / "pipeline")
+    repository = root / "repository"
+    for method in KLEIN_METHODS:
+        build_model_version(repository, f"klein-{method}", "flux2-klein-pipeline", None,
+                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
+                            progress=False)
+    server = start_server(repository, root / "server.log")
+    yield pipeline_dir, server
+    server.stop()
+
+
+@pytest.mark.parametrize("method", KLEIN_METHODS)
+def test_flux2_klein_equals_diffusers_in_one_process(flux2_klein, method):
+    pipeline_dir, server = flux2_klein
+    image = served(server, f"klein-{method}", KLEIN_REQUEST)
+    assert image.shape == (1, 64, 48, 3)
+    assert max_level_difference(image, reference(pipeline_dir, KLEIN_REQUEST, Flux2KleinPipeline)) <= 1
+    assert (f"mdtriton rank 1 worker: Flux2Transformer2DModel split by its context-parallel plan across 2 ranks "
+            f"({method})") in server.log_file.read_text()
+
+
+def test_flux2_klein_refuses_a_text_length_out_of_range(flux2_klein):
+    _, server = flux2_klein
+    with pytest.raises(InferenceServerException) as refused:
+        served(server, "klein-ulysses", {**KLEIN_REQUEST, "max_sequence_length": 600})
+    assert "max_sequence_length 600 is out of range; send 1 to 512" in refused.value.message()
+    assert served(server, "klein-ulysses", KLEIN_REQUEST).shape == (1, 64, 48, 3)
