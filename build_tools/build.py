@@ -180,9 +180,9 @@ def build_diffusers_pipeline(repository: Path, name: str, architecture_name: str
     return finish_version(repository, name, version, staging, triton_config)
 
 
-def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> dict:
-    """The model_index.json of a diffusers directory of part's pipeline, after checking that it is one, with every
-    component it lists; CheckpointError says what to pass otherwise."""
+def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> list[str]:
+    """The components a diffusers directory of part's pipeline lists (model_index.json), after checking that it is
+    one, with a folder for each; CheckpointError says what to pass otherwise."""
     index_path = pipeline_dir / MODEL_INDEX
     if not index_path.is_file():
         raise CheckpointError(f"{pipeline_dir}: no {MODEL_INDEX}; pass a diffusers {part.diffusers_class} directory")
@@ -194,19 +194,17 @@ def check_pipeline_dir(pipeline_dir: Path, part: PipelinePart) -> dict:
     if missing:
         raise CheckpointError(f"{pipeline_dir}: component folder(s) {missing} missing; its {MODEL_INDEX} lists "
                               f"{', '.join(listed)}")
-    return index
+    return listed
 
 
 def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
     """The transformers of a diffusers directory of part's pipeline that become engines (Wan 2.2 A14B: two
     experts), after checking that it is one, with every component its model_index.json lists; CheckpointError says
     what to pass otherwise."""
-    index = check_pipeline_dir(pipeline_dir, part)
-    index_path = pipeline_dir / MODEL_INDEX
-    listed = [name for name, value in index.items() if not name.startswith("_") and is_component(value)]
+    listed = check_pipeline_dir(pipeline_dir, part)
     folders = [folder for folder in part.transformers if folder in listed]
     if not folders:
-        raise CheckpointError(f"{index_path} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "
+        raise CheckpointError(f"{pipeline_dir / MODEL_INDEX} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "
                               "directory holds its transformer")
     return folders
 

@@ -17,6 +17,7 @@ import torch
 from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.pipeline.generic import DiffusersPipelinePart
+from mdtriton.pipeline.part import to_uint8
 from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import check_batch, check_sides, check_steps_and_guidance, prompts_of
 
@@ -86,7 +87,7 @@ class QwenImagePipelinePart(DiffusersPipelinePart):
 
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]}, rounded as diffusers' numpy_to_pil."""
-        return {"image": (result.images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8)}
+        return {"image": to_uint8(result.images)}
 
 
 QWEN_IMAGE = QwenImagePipelinePart()

@@ -96,3 +96,9 @@ class PipelinePart(ABC):
     def transformer(self, engine: TorchEngine, pipeline: Any) -> nn.Module:
         """A transformer engine, called as the pipeline (the diffusers pipeline it serves in) calls its diffusers
         transformer."""
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """A pipeline's images [B, 3, H, W] in [0, 1] (output_type "pt") as the served UINT8 [B, H, W, 3], rounded as
+    diffusers' numpy_to_pil (in float32), on the images' device."""
+    return (images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8)

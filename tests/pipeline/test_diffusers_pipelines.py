@@ -25,17 +25,23 @@ REQUEST = dict(prompt=["a red cat on a blue mat"], negative_prompt=["blurry"], h
                num_inference_steps=2, true_cfg_scale=4.0, seed=7)
 
 
+def served_pipeline(root, save, architecture: str, methods: tuple[str, ...], prefix: str):
+    """A tiny pipeline's directory (save writes it) and a server of it built on 2 ranks by each method, as
+    PREFIX-METHOD."""
+    pipeline_dir = save(root / "pipeline")
+    repository = root / "repository"
+    for method in methods:
+        build_model_version(repository, f"{prefix}-{method}", architecture, None,
+                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
+                            progress=False)
+    return pipeline_dir, start_server(repository, root / "server.log")
+
+
 @pytest.fixture(scope="module")
 def qwen_image(tmp_path_factory):
     """The tiny Qwen-Image directory and a server of it built on 2 ranks by each method."""
-    root = tmp_path_factory.mktemp("qwen-image")
-    pipeline_dir = save_tiny_qwen_image_pipeline(root / "pipeline")
-    repository = root / "repository"
-    for method in METHODS:
-        build_model_version(repository, f"qwen-{method}", "qwen-image-pipeline", None,
-                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
-                            progress=False)
-    server = start_server(repository, root / "server.log")
+    pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("qwen-image"), save_tiny_qwen_image_pipeline,
+                                           "qwen-image-pipeline", METHODS, "qwen")
     yield pipeline_dir, server
     server.stop()
 
@@ -122,14 +128,8 @@ KLEIN_REQUEST = dict(prompt=["a red cat on a blue mat"], height=64, width=48, nu
 @pytest.fixture(scope="module")
 def flux2_klein(tmp_path_factory):
     """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by two methods."""
-    root = tmp_path_factory.mktemp("flux2-klein")
-    pipeline_dir = save_tiny_flux2_klein_pipeline(root / "pipeline")
-    repository = root / "repository"
-    for method in KLEIN_METHODS:
-        build_model_version(repository, f"klein-{method}", "flux2-klein-pipeline", None,
-                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
-                            progress=False)
-    server = start_server(repository, root / "server.log")
+    pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("flux2-klein"), save_tiny_flux2_klein_pipeline,
+                                           "flux2-klein-pipeline", KLEIN_METHODS, "klein")
     yield pipeline_dir, server
     server.stop()
 

@@ -20,6 +20,7 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.family import PipelinePart, Signature
+from mdtriton.pipeline.part import to_uint8
 from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import (check_batch, check_sides, check_steps_and_guidance, prompts_of,
                                              text_length)
@@ -137,8 +138,3 @@ def largest_square(manifest: Manifest, text_tokens: int) -> int:
     room = manifest.limits.max_tokens - text_tokens
     return math.isqrt(max(room, 0)) * size_multiple(manifest)
 
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[B, 3, H, W] in [0, 1] -> UINT8 [B, H, W, 3], rounded as diffusers' numpy_to_pil (in float32),
-    on the images' device."""
-    return (images.float().permute(0, 2, 3, 1) * 255).round().to(torch.uint8)
