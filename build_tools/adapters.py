@@ -45,7 +45,7 @@ def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, Manifest]]
     pipelines = {}
     for version in found:
         manifest = Manifest.read(model_dir / str(version) / engine)
-        part = pipeline_part(manifest.architecture)
+        part = pipeline_part(manifest.architecture, manifest.config)
         if part is None:
             raise ValueError(f"{model_dir.name} version {version} serves a transformer engine "
                              f"({manifest.architecture}), not a pipeline: adapters are for pipeline models")

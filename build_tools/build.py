@@ -23,7 +23,8 @@ from mdtriton.engine.manifest import FORMAT_VERSION, EngineError, EngineLimits, 
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.step_cache import read_cache
-from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.families import ANY_PIPELINE, PipelinePart, family, pipeline_part
+from mdtriton.pipeline.any_pipeline import AnyPipelinePart
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
@@ -72,7 +73,13 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
         raise ValueError(f"request timeout {request_timeout_s:g} s: give a positive number of seconds (the longest a "
                          "request may wait for all ranks; default "
                          f"{DEFAULT_REQUEST_TIMEOUT_S:g}, a pipeline's {PipelinePart.request_timeout_s:g})")
-    part = pipeline_part(architecture_name)
+    if architecture_name == ANY_PIPELINE:
+        if weights_path is None:
+            raise CheckpointError(f"{ANY_PIPELINE} builds from a diffusers pipeline directory: give it with --weights "
+                                  "DIR")
+        part = AnyPipelinePart.of_directory(Path(weights_path))
+    else:
+        part = pipeline_part(architecture_name)
     if isinstance(part, DiffusersPipelinePart):
         return build_diffusers_pipeline(Path(repository), name, architecture_name, part, plan, data_type, device, gpus,
                                         weights_path, version, request_timeout_s, policy, limits or EngineLimits(),

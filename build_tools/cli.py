@@ -9,8 +9,8 @@ from pathlib import Path
 from mdtriton.build_tools.build import build_model_version
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CFG_SIZES, CP_METHODS, ParallelPlan
-from mdtriton.families import (PIPELINE_SUFFIX, PipelinePart, architecture_names, diffusers_pipelines, families,
-                               family)
+from mdtriton.families import (ANY_PIPELINE, PIPELINE_SUFFIX, PipelinePart, architecture_names, diffusers_pipelines,
+                               families, family, is_diffusers_pipeline)
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
 
@@ -25,6 +25,9 @@ def architectures_help() -> str:
     for name, part in diffusers_pipelines().items():
         lines.append(f"{name}: the whole diffusers {part.diffusers_class} with diffusers' own transformer, split by "
                      "context parallelism as diffusers declares (--cp; no --tp), from its directory given by --weights")
+    lines.append(f"{ANY_PIPELINE}: any other diffusers pipeline, its request read off its call (prompts, sizes, frames, "
+                 "steps, guidance, images), with diffusers' own transformer split as diffusers declares (--cp; no "
+                 "--tp), from its directory given by --weights")
     return "; ".join(lines)
 
 
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg,
                         ulysses_size=args.ulysses)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    default_tokens = (DEFAULT_MAX_TOKENS if args.architecture in diffusers_pipelines()
+    default_tokens = (DEFAULT_MAX_TOKENS if is_diffusers_pipeline(args.architecture)
                       else family(args.architecture).max_tokens)
     limits = EngineLimits(args.max_batch_size, args.max_tokens or default_tokens)
     config_text = Path(args.config[1:]).read_text() if args.config.startswith("@") else args.config
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         config = json.loads(config_text)
     except json.JSONDecodeError as error:
         raise SystemExit(f"error: --config is not valid JSON: {error}") from None
-    if args.preset and args.architecture in diffusers_pipelines():
+    if args.preset and is_diffusers_pipeline(args.architecture):
         raise SystemExit(f"error: {args.architecture} has no presets: it builds from a diffusers directory, "
                          "--weights DIR")
     if args.preset:

@@ -26,7 +26,7 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     The parameters tell users what they are talking to (architecture, data type, parallel plan) and, for a
     pipeline, what a request that leaves an input out gets (request_defaults, JSON: its PipelinePart's optional inputs).
     """
-    part = pipeline_part(manifest.architecture)
+    part = pipeline_part(manifest.architecture, manifest.config)
     world_size = manifest.plan.world_size
     if device == "gpu":
         gpus = list(range(world_size)) if gpus is None else list(gpus)

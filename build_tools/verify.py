@@ -17,7 +17,8 @@ from mdtriton.families import pipeline_part
 def weights_engine_dirs(version_dir: Path) -> list[Path]:
     """The engine directories of a model version that hold weight files: a pipeline keeps them in its transformers'."""
     engine_dir = Path(version_dir) / ENGINE_DIR
-    part = pipeline_part(Manifest.read(engine_dir).architecture)
+    manifest = Manifest.read(engine_dir)
+    part = pipeline_part(manifest.architecture, manifest.config)
     if part is None:
         return [engine_dir]
     return [engine_dir / folder for folder in part.transformers if (engine_dir / folder / MANIFEST_FILE).is_file()]

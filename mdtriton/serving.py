@@ -19,7 +19,7 @@ from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import Manifest, TensorSpec
 from mdtriton.engine.request_check import RequestError
-from mdtriton.families import diffusers_pipelines, family, pipeline_part
+from mdtriton.families import family, is_diffusers_pipeline, pipeline_part
 from mdtriton.lora.adapter_file import AdapterError, check_adapter
 from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
 from mdtriton.pipeline.prompts import text_rows
@@ -34,7 +34,7 @@ def check_architecture(manifest: Manifest) -> None:
     """EngineError if no installed family serves the manifest's architecture. The first lookup reads the family
     registry (it imports every family's module and reads the installed packages' entry points: 73-96 ms on a GPU host),
     so a rank's stub looks up at load, and its first request does not wait for it."""
-    if manifest.architecture not in diffusers_pipelines():
+    if not is_diffusers_pipeline(manifest.architecture):
         family(manifest.architecture)
 
 
@@ -42,20 +42,20 @@ def load_engine(engine_dir: Path, manifest: Manifest, comm: Communicator,
                 adapters: AdapterSettings | None = None) -> Engine:
     """This rank's engine of engine_dir, whose manifest the caller has read; a pipeline's requests may name the
     adapters kept where `adapters` says (mdtriton.lora)."""
-    part = pipeline_part(manifest.architecture)
+    part = pipeline_part(manifest.architecture, manifest.config)
     if part is None:
         return TorchEngine.load(engine_dir, manifest, family(manifest.architecture), comm)
     # Imported here: diffusers and transformers (the `pipeline` extra) are needed only to serve pipelines.
     from mdtriton.pipeline.engine import PipelineEngine
 
-    transformer_family = None if manifest.architecture in diffusers_pipelines() else family(manifest.architecture)
+    transformer_family = None if is_diffusers_pipeline(manifest.architecture) else family(manifest.architecture)
     return PipelineEngine.load(engine_dir, manifest, transformer_family, comm, part, adapters)
 
 
 def check_request(manifest: Manifest, inputs: dict[str, torch.Tensor], adapters_dir: Path | None = None) -> None:
     """Raise RequestError, saying what to send, if the inputs are not a request this engine can run; a pipeline's
     adapters must be kept in adapters_dir (mdtriton.lora)."""
-    part = pipeline_part(manifest.architecture)
+    part = pipeline_part(manifest.architecture, manifest.config)
     if part is None:
         request_check.check_request(manifest, family(manifest.architecture), inputs)
         return
@@ -87,7 +87,7 @@ def with_defaults(manifest: Manifest, inputs: dict[str, torch.Tensor],
     """inputs, in the manifest's order, with a default for each optional input the request left out: the model's, where
     config.pbtxt's parameters name the input (`mdtriton build --cache`), else the pipeline's
     (PipelinePart.optional_inputs; those without a default stay out)."""
-    part = pipeline_part(manifest.architecture)
+    part = pipeline_part(manifest.architecture, manifest.config)
     defaults = part.optional_inputs() if part is not None else {}
     completed = {}
     for spec in manifest.inputs:

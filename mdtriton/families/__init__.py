@@ -5,7 +5,8 @@ group (pyproject.toml: `[project.entry-points."mdtriton.families"] toy = "my_pac
 `Family` instance), so the build, the server's stubs and the rank workers all find it once it is installed.
 Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline. Pipelines
 served with diffusers' own transformer, split by its own context-parallel plan, have no family: each declares only
-its request (DIFFUSERS_PIPELINES, mdtriton.pipeline.generic).
+its request (DIFFUSERS_PIPELINES, mdtriton.pipeline.generic); any other diffusers pipeline is served as
+`diffusers-pipeline`, its request read off its call at build time (mdtriton.pipeline.any_pipeline).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from importlib.metadata import entry_points
 
 from mdtriton.engine.manifest import EngineError
 from mdtriton.families.family import Family, PipelinePart, RequestSize
+from mdtriton.pipeline.any_pipeline import ANY_PIPELINE, AnyPipelinePart
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 
 __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names",
-           "diffusers_pipelines"]
+           "diffusers_pipelines", "is_diffusers_pipeline", "ANY_PIPELINE"]
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
@@ -64,13 +66,18 @@ def diffusers_pipelines() -> dict[str, DiffusersPipelinePart]:
     return found
 
 
+def is_diffusers_pipeline(architecture: str) -> bool:
+    """Whether an architecture is a pipeline served with diffusers' own transformer (no family of ours)."""
+    return architecture in DIFFUSERS_PIPELINES or architecture == ANY_PIPELINE
+
+
 def architecture_names() -> list[str]:
     """Every architecture a build can make: each family's, `<name>-pipeline` for those with a pipeline, and the
     pipelines served with diffusers' own transformer."""
     names = []
     for name, item in families().items():
         names += [name] + ([name + PIPELINE_SUFFIX] if item.pipeline is not None else [])
-    return names + list(DIFFUSERS_PIPELINES)
+    return names + list(DIFFUSERS_PIPELINES) + [ANY_PIPELINE]
 
 
 def family(architecture: str) -> Family:
@@ -83,8 +90,13 @@ def family(architecture: str) -> Family:
     return item
 
 
-def pipeline_part(architecture: str) -> PipelinePart | None:
-    """The pipeline an architecture name serves, or None for a transformer engine."""
+def pipeline_part(architecture: str, config: dict | None = None) -> PipelinePart | None:
+    """The pipeline an architecture name serves, or None for a transformer engine; config: the served manifest's,
+    which holds the request of a `diffusers-pipeline` (read off its call at build time)."""
+    if architecture == ANY_PIPELINE:
+        if config is None or "call" not in config:
+            raise EngineError(f"{ANY_PIPELINE}: its manifest's config holds no call; build it again")
+        return AnyPipelinePart(config["call"])
     if architecture in DIFFUSERS_PIPELINES:
         return diffusers_pipelines()[architecture]
     item = family(architecture)

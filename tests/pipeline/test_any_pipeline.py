@@ -1,0 +1,124 @@
+"""Any diffusers pipeline served with no code of ours ("diffusers-pipeline", mdtriton.pipeline.any_pipeline): its
+request read off its call at build time, its transformer split by its own plan on 2 gloo ranks. WanPipeline (a
+video) and FluxPipeline (an image) equal diffusers' pipeline in one process within 1 uint8 level; bad requests are
+refused and the server serves on; a pipeline whose call needs what a request cannot carry is refused at build."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.pipeline import infer_inputs, texts
+from mdtriton.engine.manifest import EngineError
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
+from mdtriton.testing.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
+from tests.conftest import start_server
+from tests.pipeline.pipelines import max_level_difference, reference_image
+
+WAN = dict(prompt=["a red cat on a blue mat"], negative_prompt=["blurry"], height=32, width=48, num_frames=5,
+           num_inference_steps=2, guidance_scale=4.0, seed=5)
+FLUX = dict(prompt=["a red cat on a blue mat"], height=64, width=48, num_inference_steps=2, guidance_scale=3.5, seed=3)
+TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
+         "guidance_scale": np.float32, "seed": np.int64, "max_sequence_length": np.int32}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Tiny Wan 2.1 and FLUX.1 directories, and a server of each built as diffusers-pipeline on 2 ranks (Wan by
+    Ulysses, FLUX by ring)."""
+    root = tmp_path_factory.mktemp("any-pipeline")
+    wan_dir = save_tiny_wan_pipeline(root / "wan")
+    flux_dir = save_tiny_flux_pipeline(root / "flux")
+    repository = root / "repository"
+    for name, pipeline_dir, method in (("wan", wan_dir, "ulysses"), ("flux", flux_dir, "ring")):
+        build_model_version(repository, name, "diffusers-pipeline", None, ParallelPlan(cp_size=2, cp_method=method),
+                            "FP32", "cpu", weights_path=pipeline_dir, progress=False)
+    server = start_server(repository, root / "server.log")
+    yield wan_dir, flux_dir, server
+    server.stop()
+
+
+def ask(server, model: str, request: dict, output: str) -> np.ndarray:
+    arrays = {name: texts(value) if isinstance(value, list) else np.array([value], TYPES[name])
+              for name, value in request.items()}
+    with grpcclient.InferenceServerClient(server.grpc_address) as client:
+        return client.infer(model, infer_inputs(arrays), client_timeout=300).as_numpy(output)
+
+
+def test_a_video_pipeline_equals_diffusers_in_one_process(served):
+    wan_dir, _, server = served
+    video = ask(server, "wan", WAN, "video")
+    assert video.shape == (1, 5, 32, 48, 3)
+    expected = reference_video(wan_dir, WAN["prompt"], 32, 48, 5, 2, 4.0, 5, negative_prompt=WAN["negative_prompt"])
+    assert max_level_difference(video, expected) <= 1
+    assert ("mdtriton rank 1 worker: WanTransformer3DModel split by its context-parallel plan across 2 ranks "
+            "(ulysses)") in server.log_file.read_text()
+
+
+def test_an_image_pipeline_equals_diffusers_in_one_process(served):
+    _, flux_dir, server = served
+    image = ask(server, "flux", FLUX, "image")
+    assert image.shape == (1, 64, 48, 3)
+    assert max_level_difference(image, reference_image(flux_dir, FLUX["prompt"], 64, 48, 2, 3.5, 3)) <= 1
+
+
+def test_the_request_is_read_off_the_call(served):
+    """The served inputs are the call's parameters a request can carry, with the call's defaults (config.pbtxt's
+    request_defaults, which `mdtriton generate` reads)."""
+    _, _, server = served
+    with grpcclient.InferenceServerClient(server.grpc_address) as client:
+        config = client.get_model_config("wan", as_json=True)["config"]
+    names = [spec["name"] for spec in config["input"]]
+    assert names == ["prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps",
+                     "guidance_scale", "guidance_scale_2", "max_sequence_length", "seed", "cache", "loras"]
+    defaults = json.loads(config["parameters"]["request_defaults"]["string_value"])
+    assert defaults == {"negative_prompt": None, "height": 480, "width": 832, "num_frames": 81,
+                        "num_inference_steps": 50, "guidance_scale": 5.0, "guidance_scale_2": None,
+                        "max_sequence_length": 512, "seed": 0}
+    assert [spec["name"] for spec in config["output"]] == ["video", "step", "full_steps"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"height": 36}, "height 36 is not a positive multiple of 8"),
+    ({"num_frames": 0}, "num_frames 0 is out of range; send 1 to 1025"),
+    ({"height": 4096, "width": 4096}, "over this model's maximum of 32768"),
+    ({"negative_prompt": ["a", "b"]}, "negative_prompt has 2 rows, prompt 1"),
+    ({"guidance_scale": float("inf")}, "guidance_scale inf is not finite"),
+    ({"num_inference_steps": 0}, "num_inference_steps 0 is out of range"),
+])
+def test_bad_requests_are_invalid_argument_and_the_server_serves_on(served, change, message):
+    _, _, server = served
+    with pytest.raises(InferenceServerException) as refused:
+        ask(server, "wan", {**WAN, **change}, "video")
+    assert "INVALID_ARG" in str(refused.value.status()) and message in refused.value.message()
+
+
+def test_what_only_the_pipeline_knows_it_refuses_itself_and_the_ranks_serve_on(served):
+    """A text length over FluxPipeline's T5 limit is the pipeline's to judge (the server takes up to 4,096 for any
+    pipeline): the answer says what diffusers says, and the next request is answered."""
+    _, _, server = served
+    with pytest.raises(InferenceServerException) as refused:
+        ask(server, "flux", {**FLUX, "max_sequence_length": 600}, "image")
+    assert "`max_sequence_length` cannot be greater than 512 but is 600" in refused.value.message()
+    assert ask(server, "flux", FLUX, "image").shape == (1, 64, 48, 3)
+
+
+def test_a_pipeline_whose_call_needs_what_a_request_cannot_carry_is_refused_at_build(tmp_path):
+    pipeline_dir = tmp_path / "animate"
+    pipeline_dir.mkdir()
+    (pipeline_dir / "model_index.json").write_text(json.dumps({"_class_name": "WanAnimatePipeline"}))
+    with pytest.raises(EngineError, match="WanAnimatePipeline cannot be served as diffusers-pipeline: its call "
+                                          "requires 'pose_video'"):
+        build_model_version(tmp_path / "repository", "animate", "diffusers-pipeline", None, ParallelPlan(), "FP32",
+                            "cpu", weights_path=pipeline_dir, progress=False)
+    (pipeline_dir / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
+    with pytest.raises(EngineError, match="has no pipeline class 'NoSuchPipeline'"):
+        build_model_version(tmp_path / "repository", "animate", "diffusers-pipeline", None, ParallelPlan(), "FP32",
+                            "cpu", weights_path=pipeline_dir, progress=False)
+    assert not (tmp_path / "repository" / "animate").exists()
