@@ -99,7 +99,7 @@ def add_parsers(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
         description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline, "
-                    "qwen-image-pipeline: an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
+                    "qwen-image-pipeline, flux-kontext-pipeline (an --image edited): an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
                     "as the server finishes it, and "
                     "write the image as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 "
                     "[frames, height, width, 3]); a video of one frame (Cosmos 3: --num-frames 1) as a PNG too. The "
