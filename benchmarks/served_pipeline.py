@@ -1,7 +1,7 @@
-"""The FLUX, Wan or Cosmos 3 pipeline served on 1 to N GPUs: prompt to image or clip through Triton, one model per
-parallel plan and data type.
+"""The FLUX, FLUX.1 Kontext, Wan or Cosmos 3 pipeline served on 1 to N GPUs: prompt to image or clip through Triton,
+one model per parallel plan and data type.
 
-Every component has random weights and FLUX.1-dev's, Wan 2.1 T2V 14B's or Cosmos 3's published configs
+Every component has random weights and FLUX.1-dev's (Kontext's too), Wan 2.1 T2V 14B's or Cosmos 3's published configs
 (mdtriton/testing/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so
 every plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server
 each, the model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
@@ -32,6 +32,8 @@ others; they have no build, server, requests at once or steps apart ("-").
     python benchmarks/served_pipeline.py --architecture wan --plans 1,ulysses4 --xdit 1,ulysses4 --steps 2 --images 1 \\
         --concurrent 0 --xdit-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
+    python benchmarks/served_pipeline.py --architecture kontext --plans 1,ulysses2 --steps 10 --images 2 \\
+        --concurrent 0                          # Kontext: 1024x1024 made from a 1024x1024 input image (random pixels)
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
     python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --xdit-time-limit 300 --images 5 \\
         --concurrent 0 --workdir /dev/shm/sp                    # ours against xDiT's (compiled), on 4 GPUs
@@ -71,9 +73,14 @@ from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
 from mdtriton.testing.metrics import rank_counters
-from mdtriton.testing.random_pipelines import (MODEL_SIZES, REQUESTS, add_pipeline_arguments, cosmos3_pipeline_dir,
-                                               fill_clip_sizes, flux_pipeline_dir, pipeline_device, plan_of,
-                                               wan_pipeline_dir, work_directory)
+from mdtriton.testing.random_pipelines import (IMAGE_ARCHITECTURES, MODEL_SIZES, REQUESTS, add_pipeline_arguments,
+                                               cosmos3_pipeline_dir, fill_clip_sizes, flux_pipeline_dir,
+                                               kontext_pipeline_dir, pipeline_device, plan_of, wan_pipeline_dir,
+                                               work_directory)
+
+# The architecture each --architecture builds.
+SERVED_ARCHITECTURES = {"flux": "flux-pipeline", "kontext": "flux-kontext-pipeline", "wan": "wan-pipeline",
+                        "cosmos3": "cosmos3-pipeline"}
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,
@@ -81,7 +88,10 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
     """Build the plan's model in the data type, serve it alone, and time its images; the images by seed."""
     model = f"{args.architecture}_{name}_{data_type.lower()}"
     started = time.perf_counter()
-    build_pipeline(workdir / "repository", model, f"{args.architecture}-pipeline", pipeline_dir, data_type, device, plan)
+    build_pipeline(workdir / "repository", model, SERVED_ARCHITECTURES[args.architecture], pipeline_dir, data_type,
+                   device, plan)
+    # Kontext's input image: random pixels of the image's size (the work does not depend on them).
+    input_image = np.random.default_rng(0).integers(0, 256, (args.height, args.width, 3), dtype=np.uint8)
     row = {"plan": name, "gpus": plan.world_size, "data_type": data_type, "described": str(plan),
            "build_s": time.perf_counter() - started,
            "failed": 0, "images": {}}
@@ -91,11 +101,11 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
         def image(seed: int, steps: int = args.steps) -> np.ndarray | None:
             prompt, guidance = REQUESTS[args.architecture]
             try:
-                if args.architecture != "flux":
+                if args.architecture not in IMAGE_ARCHITECTURES:
                     return generate_video(server.grpc_address, model, prompt, args.height, args.width,
                                           args.frames, steps, guidance, seed, timeout=1200)[0]
                 return generate(server.grpc_address, model, prompt, args.height, args.width, steps, guidance,
-                                seed, timeout=600)[0]
+                                seed, timeout=600, image=input_image if args.architecture == "kontext" else None)[0]
             except Exception as error:  # noqa: BLE001 - a failed request is counted, the benchmark goes on
                 print(f"{name}: seed {seed} failed: {error}", flush=True)
                 row["failed"] += 1
@@ -193,8 +203,9 @@ def plot(rows: list[dict], baseline_s: float, title: str, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--architecture", choices=("flux", "wan", "cosmos3"), default="flux",
-                        help="FLUX.1-dev's pipeline (images), Wan 2.1 T2V 14B's or Cosmos 3's (clips; default flux)")
+    parser.add_argument("--architecture", choices=tuple(SERVED_ARCHITECTURES), default="flux",
+                        help="FLUX.1-dev's pipeline (images), FLUX.1 Kontext [dev]'s (an image made from an input "
+                             "image of the same size), Wan 2.1 T2V 14B's or Cosmos 3's (clips; default flux)")
     parser.add_argument("--plans", default="1,ulysses4", help="plans, the first the baseline (default 1,ulysses4)")
     parser.add_argument("--data-types", help="the transformer's data types, the first the baseline: BF16, FP8 (GPUs of "
                                              "compute capability 8.9+), FP32 (default BF16; --tiny: FP32)")
@@ -222,14 +233,14 @@ def main() -> int:
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
     xdit_configs = args.xdit.split(",") if args.xdit else []
-    if xdit_configs and args.architecture == "cosmos3":
+    if xdit_configs and args.architecture not in ("flux", "wan"):
         raise SystemExit("--xdit runs xDiT's FLUX or Wan pipeline: give it with --architecture flux or wan")
     for name in xdit_configs:
         degrees_of(name)
 
     rows = []
     with work_directory(args) as workdir:
-        make_pipeline_dir = {"flux": flux_pipeline_dir, "wan": wan_pipeline_dir,
+        make_pipeline_dir = {"flux": flux_pipeline_dir, "kontext": kontext_pipeline_dir, "wan": wan_pipeline_dir,
                              "cosmos3": cosmos3_pipeline_dir}[args.architecture]
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
 
@@ -252,7 +263,7 @@ def main() -> int:
         for name in xdit_configs:  # after the served plans, on the same pipeline directory
             record(run_xdit(name, xdit_job))
     baseline = rows[0]["image_s"]
-    what, size = (("image", f"{args.width}x{args.height}") if args.architecture == "flux"
+    what, size = (("image", f"{args.width}x{args.height}") if args.architecture in IMAGE_ARCHITECTURES
                   else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))
     model_size = "tiny" if args.tiny else MODEL_SIZES[args.architecture]
     print(f"\n{args.architecture} pipeline ({model_size}), {size}, {args.steps} steps, served by Triton, "

@@ -22,6 +22,9 @@ def architectures_help() -> str:
         if item.pipeline is not None:
             lines.append(f"{name}{PIPELINE_SUFFIX}: the whole diffusers {item.pipeline.diffusers_class} (prompt in, "
                          "the denoising loop on the server), from its diffusers directory given by --weights")
+        for pipeline_name, part in item.more_pipelines.items():
+            lines.append(f"{pipeline_name}: the whole diffusers {part.diffusers_class}, its transformer our {name} "
+                         "engine, from its diffusers directory given by --weights")
     for name, part in diffusers_pipelines().items():
         lines.append(f"{name}: the whole diffusers {part.diffusers_class} with diffusers' own transformer, split by "
                      "context parallelism as diffusers declares (--cp; no --tp), from its directory given by --weights")

@@ -99,7 +99,7 @@ def add_parsers(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
         description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline, "
-                    "qwen-image-pipeline: an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
+                    "qwen-image-pipeline, flux-kontext-pipeline (an --image edited): an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
                     "as the server finishes it, and "
                     "write the image as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 "
                     "[frames, height, width, 3]); a video of one frame (Cosmos 3: --num-frames 1) as a PNG too. The "
@@ -126,8 +126,10 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
-                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3); it is resized "
-                             "and center-cropped to the video's size")
+                        help="an input image (a PNG or JPEG): videos: image to video, the clip's first frame (Cosmos "
+                             "3), resized and center-cropped to the video's size; images: the image to edit (FLUX.1 "
+                             "Kontext), used at its size rounded down to multiples of 16, which is also the size made "
+                             "unless --height and --width are given")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
@@ -288,12 +290,14 @@ def generate_media(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
-        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model")
+        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model; "
+                         "image editing: a flux-kontext-pipeline model")
     if args.negative_prompt is not None and "negative_prompt" not in takes:
         raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
     steps = args.steps or defaults["num_inference_steps"]
-    # Qwen-Image's guidance is its true classifier-free guidance scale, true_cfg_scale; the others' guidance_scale.
-    guidance_input = "true_cfg_scale" if "true_cfg_scale" in takes else "guidance_scale"
+    # Qwen-Image's guidance is its true classifier-free guidance scale, true_cfg_scale; the others' guidance_scale
+    # (FLUX.1 Kontext takes both: --guidance is its guidance_scale).
+    guidance_input = "guidance_scale" if "guidance_scale" in takes else "true_cfg_scale"
     guidance = args.guidance if args.guidance is not None else defaults[guidance_input]
     fps = args.fps or defaults.get("fps") or 16
     start = time.perf_counter()
@@ -314,7 +318,7 @@ def generate_media(args: argparse.Namespace) -> int:
             image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps,
                              None if true_cfg else guidance, args.seed, args.prompt_2, args.max_sequence_length,
                              negative_prompt=args.negative_prompt, true_cfg_scale=guidance if true_cfg else None,
-                             **progress)[0]
+                             image=read_image(args.image) if args.image else None, **progress)[0]
     print(f"{full_steps[0]} of {steps} steps ran the whole transformer")
     if output.suffix.lower() == ".png":
         from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it

@@ -36,14 +36,18 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
                     guidance_scale: float | None, seed: int, prompts_2: list[str] | None = None,
                     max_sequence_length: int | None = None, cache: str | dict | None = None,
                     loras: dict[str, float] | None = None, negative_prompts: list[str] | None = None,
-                    true_cfg_scale: float | None = None) -> list[grpcclient.InferInput]:
-    """An image pipeline request's inputs (FLUX's; Qwen-Image's negative prompt and true_cfg_scale), named and typed
-    as the model declares them (prompts as BYTES; cache, a step cache config: a dict or its JSON text; loras, adapter
-    names and scales); those given as None are left out, for the model's default."""
-    return infer_inputs(request_arrays(
+                    true_cfg_scale: float | None = None, image: np.ndarray | None = None) -> list[grpcclient.InferInput]:
+    """An image pipeline request's inputs (FLUX's; Qwen-Image's negative prompt and true_cfg_scale; FLUX.1 Kontext's
+    input image, UINT8 [height, width, 3]), named and typed as the model declares them (prompts as BYTES; cache, a step
+    cache config: a dict or its JSON text; loras, adapter names and scales); those given as None are left out, for the
+    model's default."""
+    arrays = request_arrays(
         {"prompt": prompts, "prompt_2": prompts_2, "negative_prompt": negative_prompts},
         {"height": height, "width": width, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
-         "true_cfg_scale": true_cfg_scale, "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras))
+         "true_cfg_scale": true_cfg_scale, "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras)
+    if image is not None:
+        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
+    return infer_inputs(arrays)
 
 
 def video_inputs(prompts: list[str], height: int | None, width: int | None, num_frames: int | None,
@@ -109,11 +113,14 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
              cache: str | dict | None = None, loras: dict[str, float] | None = None,
              on_step: Callable[[int, int], None] | None = None,
              on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None,
-             negative_prompt: str | list[str] | None = None, true_cfg_scale: float | None = None) -> np.ndarray:
+             negative_prompt: str | list[str] | None = None, true_cfg_scale: float | None = None,
+             image: np.ndarray | None = None) -> np.ndarray:
     """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as the model's diffusers pipeline
-    (FluxPipeline, QwenImagePipeline) makes them with `generator=torch.Generator().manual_seed(seed)`; on_step(done,
-    total) is called as each step finishes, if the model streams its progress (built with --stream). Qwen-Image takes
-    negative_prompt and true_cfg_scale, and no guidance_scale (send None).
+    (FluxPipeline, QwenImagePipeline, FluxKontextPipeline) makes them with `generator=torch.Generator().manual_seed(seed)`;
+    on_step(done, total) is called as each step finishes, if the model streams its progress (built with --stream).
+    Qwen-Image takes negative_prompt and true_cfg_scale, and no guidance_scale (send None). FLUX.1 Kontext takes an
+    input image to edit, UINT8 [height, width, 3] (None: text to image), and height and width as None (the input
+    image's size).
 
     cache: the step cache, e.g. {"method": "first_block", "threshold": 0.08} (docs/client.md; None: the model's
     default). loras: the model's adapters to apply, by name, each with its scale, e.g. {"style": 0.8} (`mdtriton lora
@@ -122,7 +129,7 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
                              as_list(prompt_2), max_sequence_length, cache, loras, as_list(negative_prompt),
-                             true_cfg_scale)
+                             true_cfg_scale, image)
     return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 

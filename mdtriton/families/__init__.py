@@ -3,7 +3,8 @@
 Built-in families are listed here; a user's package adds its own through the `mdtriton.families` entry point
 group (pyproject.toml: `[project.entry-points."mdtriton.families"] toy = "my_package.toy:TOY"`, the object a
 `Family` instance), so the build, the server's stubs and the rank workers all find it once it is installed.
-Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline. Pipelines
+Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline, and the names of
+its further pipelines (`Family.more_pipelines`: FLUX's "flux-kontext-pipeline"). Pipelines
 served with diffusers' own transformer, split by its own context-parallel plan, have no family: each declares only
 its request (DIFFUSERS_PIPELINES, mdtriton.pipeline.generic); any other diffusers pipeline is served as
 `diffusers-pipeline`, its request read off its call at build time (mdtriton.pipeline.any_pipeline).
@@ -21,7 +22,7 @@ from mdtriton.pipeline.any_pipeline import ANY_PIPELINE, AnyPipelinePart
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 
 __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names",
-           "diffusers_pipelines", "is_diffusers_pipeline", "ANY_PIPELINE"]
+           "diffusers_pipelines", "more_pipelines", "is_diffusers_pipeline", "ANY_PIPELINE"]
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
@@ -29,7 +30,8 @@ BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.fam
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
-                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN"}
+                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN",
+                       "flux-kontext-generic-pipeline": "mdtriton.families.flux_kontext_generic:FLUX_KONTEXT_GENERIC"}
 
 
 def _load(reference: str, origin: str) -> Family:
@@ -57,6 +59,18 @@ def families() -> dict[str, Family]:
 
 
 @cache
+def more_pipelines() -> dict[str, tuple[Family, PipelinePart]]:
+    """The families' further pipelines (Family.more_pipelines), by architecture name, each with its family."""
+    found = {}
+    for item in families().values():
+        for name, part in item.more_pipelines.items():
+            if name in found or name.removesuffix(PIPELINE_SUFFIX) in families():
+                raise EngineError(f"pipeline name {name!r} of family {item.name!r} is taken; give it another name")
+            found[name] = (item, part)
+    return found
+
+
+@cache
 def diffusers_pipelines() -> dict[str, DiffusersPipelinePart]:
     """The pipelines served with diffusers' own transformer, by architecture name."""
     found = {}
@@ -77,11 +91,13 @@ def architecture_names() -> list[str]:
     names = []
     for name, item in families().items():
         names += [name] + ([name + PIPELINE_SUFFIX] if item.pipeline is not None else [])
-    return names + list(DIFFUSERS_PIPELINES) + [ANY_PIPELINE]
+    return names + list(more_pipelines()) + list(DIFFUSERS_PIPELINES) + [ANY_PIPELINE]
 
 
 def family(architecture: str) -> Family:
-    """The family of an architecture name (its transformer engine's or its pipeline's)."""
+    """The family of an architecture name (its transformer engine's or one of its pipelines')."""
+    if architecture in more_pipelines():
+        return more_pipelines()[architecture][0]
     name = architecture.removesuffix(PIPELINE_SUFFIX)
     item = families().get(name)
     if item is None or (name != architecture and item.pipeline is None):
@@ -99,5 +115,7 @@ def pipeline_part(architecture: str, config: dict | None = None) -> PipelinePart
         return AnyPipelinePart(config["call"])
     if architecture in DIFFUSERS_PIPELINES:
         return diffusers_pipelines()[architecture]
+    if architecture in more_pipelines():
+        return more_pipelines()[architecture][1]
     item = family(architecture)
     return item.pipeline if architecture.endswith(PIPELINE_SUFFIX) else None

@@ -43,6 +43,9 @@ class Family(Architecture):
 
     description: ClassVar[str]  # one line for `mdtriton build --help`
     pipeline: ClassVar[PipelinePart | None] = None  # the served diffusers pipeline, if the family has one
+    # Further diffusers pipelines served with the family's transformer engine, by architecture name (FLUX: Kontext's,
+    # "flux-kontext-pipeline"); each is built and served as the family's own pipeline is.
+    more_pipelines: ClassVar[dict[str, PipelinePart]] = {}
     max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS  # the default limit of a request's tokens (mdtriton build --max-tokens)
     # Name prefixes of weights a diffusers checkpoint of the family may hold that the module does not (never read: a
     # head the served model does not use).

@@ -34,10 +34,15 @@ from mdtriton.testing.tiny_wan_pipeline import tiny_wan_pipeline
 
 FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
+KONTEXT_PROMPT = "make the cat wear a red hat"
 # Each architecture's prompt and guidance scale, as the pipeline benchmarks ask for its images or clips (ours and xDiT's).
-REQUESTS = {"flux": (FLUX_PROMPT, 3.5), "wan": (WAN_PROMPT, 5.0), "cosmos3": (WAN_PROMPT, 5.0)}
+REQUESTS = {"flux": (FLUX_PROMPT, 3.5), "kontext": (KONTEXT_PROMPT, 2.5), "wan": (WAN_PROMPT, 5.0),
+            "cosmos3": (WAN_PROMPT, 5.0)}
 # The published size whose configs each architecture's random pipeline has, for tables' titles.
-MODEL_SIZES = {"flux": "FLUX.1-dev size", "wan": "Wan 2.1 T2V 14B size", "cosmos3": "Cosmos 3 15B size"}
+MODEL_SIZES = {"flux": "FLUX.1-dev size", "kontext": "FLUX.1 Kontext [dev] size", "wan": "Wan 2.1 T2V 14B size",
+               "cosmos3": "Cosmos 3 15B size"}
+# Architectures whose pipelines make images (the others make clips).
+IMAGE_ARCHITECTURES = ("flux", "kontext")
 # FLUX.1-dev's components (their config.json files), T5 = google/t5-v1_1-xxl's encoder, CLIP = ViT-L/14's text model.
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, bos_token_id=0, eos_token_id=2)
@@ -51,6 +56,9 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 FLUX_DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                           max_image_seq_len=4096)
 FLUX_INDEX = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
+# FLUX.1 Kontext [dev]: FLUX.1-dev's components in FluxKontextPipeline, without its optional IP-Adapter encoder.
+KONTEXT_INDEX = {**FLUX_INDEX, "_class_name": "FluxKontextPipeline", "image_encoder": [None, None],
+                 "feature_extractor": [None, None]}
 # Wan 2.1's text encoder: google/umt5-xxl's encoder (its config.json).
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128,
@@ -85,7 +93,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, dis
 def fill_clip_sizes(args: argparse.Namespace) -> None:
     """A clip's sizes where not given (--architecture wan or cosmos3): 720p, 81 frames (Wan) or 189 (Cosmos 3), 4
     steps; tiny: 32x48 x 9, 3 steps."""
-    if args.architecture != "flux":
+    if args.architecture not in IMAGE_ARCHITECTURES:
         args.height = args.height or (32 if args.tiny else 720)
         args.width = args.width or (48 if args.tiny else 1280)
         args.frames = args.frames or (9 if args.tiny else 81 if args.architecture == "wan" else 189)
@@ -148,9 +156,10 @@ def flow_scheduler() -> UniPCMultistepScheduler:
     return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 
 
-def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device,
+                      index: dict = FLUX_INDEX) -> tuple[Path, dict]:
     """A FLUX pipeline directory (FLUX.1-dev's components, made on device in bf16; or the tests' tiny ones) and its
-    transformer's config."""
+    transformer's config; index: model_index.json's own entries (FLUX.1 Kontext's: KONTEXT_INDEX)."""
     if tiny:
         pipeline = tiny_flux_pipeline()
         components = {name: getattr(pipeline, name) for name in ("text_encoder", "text_encoder_2", "vae", "tokenizer",
@@ -164,7 +173,13 @@ def flux_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tupl
         components.update(tokenizer=clip_tokenizer(), tokenizer_2=t5_tokenizer())
         config = dict(FLUX_DEV_CONFIG)
     components["scheduler"] = FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER)
-    return save_pipeline_dir(directory, FLUX_INDEX, components, config), config
+    return save_pipeline_dir(directory, index, components, config), config
+
+
+def kontext_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A FLUX.1 Kontext [dev] pipeline directory: FLUX.1-dev's components (Kontext's transformer is FLUX.1-dev's
+    size) in FluxKontextPipeline."""
+    return flux_pipeline_dir(directory, tiny, device, KONTEXT_INDEX)
 
 
 def wan_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:

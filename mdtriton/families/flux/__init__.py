@@ -1,6 +1,7 @@
 """Family "flux": FLUX.1 (diffusers' FluxTransformer2DModel), tensor-parallel by heads and context-parallel by
-tokens of the joint [text; image] sequence, with FP8 weights on GPUs; and its whole pipeline ("flux-pipeline",
-diffusers' FluxPipeline: prompt to image)."""
+tokens of the joint [text; image] sequence, with FP8 weights on GPUs; and its whole pipelines ("flux-pipeline",
+diffusers' FluxPipeline: prompt to image; "flux-kontext-pipeline", FluxKontextPipeline: a prompt and an input image to
+an image)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.family import Family, RequestSize, Signature
+from mdtriton.families.flux.kontext import FLUX_KONTEXT
 from mdtriton.families.flux.pipeline import FluxPipelinePart
 from mdtriton.families.flux.transformer import (
     FLUX_80B_CONFIG,
@@ -40,6 +42,7 @@ class FluxFamily(Family):
     module_class = Flux
     supports_fp8 = True
     pipeline = FluxPipelinePart()
+    more_pipelines = {"flux-kontext-pipeline": FLUX_KONTEXT}
 
     def presets(self) -> dict[str, dict]:
         return {"tiny": copy.deepcopy(TINY_CONFIG), "flux.1-dev": copy.deepcopy(FLUX_DEV_CONFIG),

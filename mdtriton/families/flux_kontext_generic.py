@@ -1,0 +1,21 @@
+"""FLUX.1 Kontext served with diffusers' own transformer ("flux-kontext-generic-pipeline"): FluxKontextPipeline, its
+FluxTransformer2DModel split by sequence as diffusers declares (mdtriton.pipeline.generic), with no model code of ours.
+
+The same request as "flux-kontext-pipeline" (mdtriton.families.flux.kontext), which serves Kontext with our FLUX engine
+(tensor parallelism, FP8, the step cache, LoRA adapters); this one is the price of a model without hand-written code,
+measured on the model both serve.
+"""
+
+from __future__ import annotations
+
+from mdtriton.families.flux.kontext import KontextRequest
+from mdtriton.pipeline.generic import DiffusersPipelinePart
+
+
+class FluxKontextGenericPipelinePart(KontextRequest, DiffusersPipelinePart):
+    """FluxKontextPipeline with diffusers' FluxTransformer2DModel split by its `_cp_plan`."""
+
+    diffusers_class = "FluxKontextPipeline"
+
+
+FLUX_KONTEXT_GENERIC = FluxKontextGenericPipelinePart()
