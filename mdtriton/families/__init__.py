@@ -27,7 +27,8 @@ BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.fam
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
-                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN"}
+                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN",
+                       "ltx2-pipeline": "mdtriton.families.ltx2:LTX2"}
 
 
 def _load(reference: str, origin: str) -> Family:
