@@ -128,8 +128,8 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
-                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3); it is resized "
-                             "and center-cropped to the video's size")
+                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3, LTX-2 image to "
+                             "video); it is resized (Cosmos 3: and center-cropped) to the video's size")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
@@ -296,7 +296,8 @@ def generate_media(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
-        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model")
+        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline or "
+                         "ltx2-image-to-video-pipeline model")
     if args.negative_prompt is not None and "negative_prompt" not in takes:
         raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
     if args.audio is not None and (not sound or args.audio.suffix.lower() != ".wav"):
@@ -318,7 +319,7 @@ def generate_media(args: argparse.Namespace) -> int:
         if sound:
             clip = generate_clip(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                  defaults["num_frames"], fps, steps, guidance, args.seed, args.negative_prompt,
-                                 **progress)
+                                 read_image(args.image) if args.image else None, **progress)
             frames, audio, sample_rate = clip[0][0], clip[1][0], clip[2]
         elif video:
             frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],

@@ -155,20 +155,23 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int | 
 def generate_clip(url: str, model: str, prompt: str | list[str], height: int | None = None, width: int | None = None,
                   num_frames: int | None = None, frame_rate: float | None = None,
                   num_inference_steps: int | None = None, guidance_scale: float | None = None, seed: int = 0,
-                  negative_prompt: str | list[str] | None = None, cache: str | dict | None = None,
-                  loras: dict[str, float] | None = None, on_step: Callable[[int, int | None], None] | None = None,
+                  negative_prompt: str | list[str] | None = None, image: np.ndarray | None = None,
+                  cache: str | dict | None = None, loras: dict[str, float] | None = None, on_step: Callable[[int, int | None], None] | None = None,
                   on_full_steps: Callable[[int], None] | None = None,
                   timeout: float | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Videos with sound for prompt (LTX-2: one per prompt), as the model's diffusers pipeline (LTX2Pipeline) makes
     them with `generator=torch.Generator().manual_seed(seed)`: (frames UINT8 [batch, frames, height, width, 3], sound
     FP32 [batch, channels, samples] in [-1, 1], the sound's sample rate). frame_rate: the clip's frames per second,
     which sets the sound's length (default 24). What is left as None takes the model's defaults (LTX-2: 512x768, 121
-    frames, 30 steps, guidance 3.0); negative_prompt, cache, loras, on_step and on_full_steps as generate_video's.
+    frames, 30 steps, guidance 3.0); image (LTX2ImageToVideoPipeline): UINT8 [height, width, 3], the clip's first frame;
+    negative_prompt, cache, loras, on_step and on_full_steps as generate_video's.
     Failures raise ClientError (one line)."""
     arrays = request_arrays(
         {"prompt": as_list(prompt), "negative_prompt": as_list(negative_prompt)},
         {"height": height, "width": width, "num_frames": num_frames, "frame_rate": frame_rate,
          "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "seed": seed}, cache, loras)
+    if image is not None:
+        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
     result = answer(url, model, infer_inputs(arrays), "video", num_inference_steps, on_step, on_full_steps, timeout)
     return result.as_numpy("video"), result.as_numpy("audio"), int(result.as_numpy("sample_rate")[0])
 

@@ -1,10 +1,12 @@
-"""LTX-2 served as one model ("ltx2-pipeline"): diffusers' LTX2Pipeline, prompt to video with sound, its
+"""LTX-2 served as one model: diffusers' LTX2Pipeline ("ltx2-pipeline"), prompt to video with sound, and
+LTX2ImageToVideoPipeline ("ltx2-image-to-video-pipeline"), the same from a first frame, their
 LTX2VideoTransformer3DModel split by sequence as diffusers declares it, mended (ltx2_context_parallel_plan), through
 mdtriton.pipeline.generic.
 
 Inputs are named after `LTX2Pipeline.__call__` (prompts as text: Triton's BYTES, read as UTF-8 rows), each optional
 with the pipeline's default; its other settings (its spatio-temporal and modality guidance among them) are the
-pipeline's defaults. Outputs: the clip's frames as UINT8 [batch, frames, height, width, 3], its sound as FP32
+pipeline's defaults; image to video takes the first frame too (`image`, UINT8 [height, width, 3]: the pipeline resizes
+it to the clip's size). Outputs: the clip's frames as UINT8 [batch, frames, height, width, 3], its sound as FP32
 [batch, channels, samples] in [-1, 1], and the sound's sample rate (the vocoder's); progress responses carry `step`.
 """
 
@@ -21,8 +23,8 @@ from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.pipeline.prompts import read_prompts
-from mdtriton.pipeline.request_checks import (check_batch, check_frames, check_sides, check_steps_and_guidance,
-                                             prompts_of)
+from mdtriton.pipeline.request_checks import (check_batch, check_frames, check_image, check_sides,
+                                             check_steps_and_guidance, prompts_of)
 
 # LTX2Pipeline's text length (its default max_sequence_length): every prompt is padded to it.
 TEXT_TOKENS = 1024
@@ -36,10 +38,12 @@ def ltx2_context_parallel_plan(transformer: torch.nn.Module) -> dict:
     """LTX2VideoTransformer3DModel's `_cp_plan`, mended: its video RoPE is split along the tokens in either of its
     layouts ([B, tokens, D] interleaved, [B, heads, tokens, D/2] split: the declared plan splits only the first), and
     so is the RoPE of its audio-video cross-attention's video side (`cross_attn_rope`, which the declared plan leaves
-    whole beside the split video queries and keys). The audio stream is not split: every rank holds it whole."""
+    whole beside the split video queries and keys), and a timestep per video token (image to video: [B, tokens]; the
+    declared plan leaves it whole). The audio stream is not split: every rank holds it whole."""
     from diffusers.models._modeling_parallel import ContextParallelInput
 
     plan = dict(type(transformer)._cp_plan)
+    plan[""] = {**plan[""], "timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}
     if transformer.config.rope_type == "split":
         tokens = ContextParallelInput(split_dim=2, expected_dims=4, split_output=True)
         plan["rope"] = {0: tokens, 1: tokens}
@@ -150,6 +154,26 @@ class LTX2PipelinePart(DiffusersPipelinePart):
         return {**outputs, "sample_rate": rate}
 
 
+class LTX2ImageToVideoPipelinePart(LTX2PipelinePart):
+    diffusers_class = "LTX2ImageToVideoPipeline"
+
+    def signature(self) -> Signature:
+        inputs, outputs = super().signature()
+        return (TensorSpec("image", "UINT8", (-1, -1, 3)),) + inputs, outputs
+
+    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+        """LTX2PipelinePart's checks, and an image of a bounded size and aspect (check_image)."""
+        super().check_request(manifest, inputs)
+        check_image(inputs["image"], int(inputs["height"][0]), int(inputs["width"][0]))
+
+    def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
+        """LTX2PipelinePart's, and the image as the PIL image the pipeline takes (it re-compresses a PIL image as
+        LTX-2 was trained, image_crf)."""
+        from PIL import Image
+
+        return {**super().call_arguments(manifest, inputs), "image": Image.fromarray(inputs["image"].cpu().numpy())}
+
+
 def video_tokens(config: dict, frames: int, height: int, width: int) -> int:
     """The transformer's video tokens for a clip: latent frames x latent rows x latent columns (LTX-2's patches are
     1x1x1)."""
@@ -158,3 +182,4 @@ def video_tokens(config: dict, frames: int, height: int, width: int) -> int:
 
 
 LTX2 = LTX2PipelinePart()
+LTX2_IMAGE_TO_VIDEO = LTX2ImageToVideoPipelinePart()

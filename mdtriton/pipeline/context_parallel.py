@@ -25,7 +25,11 @@ planned gathers cut the padding out again (the ranks' lengths are exchanged at t
 known: a CUDA graph of the forward holds no host sync). Masked keys (that padding, or a model's own key padding mask:
 Qwen-Image's text mask for a batch of prompts of different lengths) are gathered with the keys; Ulysses then attends
 the keys the mask keeps after its head exchange, and the other methods attend every key gathered, as allgather_kv
-does. The hooks and the attention run eagerly inside compiled blocks (graph breaks), as our attention methods do.
+does. An attention call whose queries and keys differ in length (a cross-attention: LTX-2's text, audio to video,
+video to audio) or whose mask is an additive bias attends this rank's queries over every rank's keys gathered, the
+mask with them, whatever the method; a sequence the plan leaves whole (LTX-2's audio) is gathered as every rank's copy
+of it, which attends as the keys once. The hooks and the attention run eagerly inside compiled blocks (graph breaks),
+as our attention methods do.
 """
 
 from __future__ import annotations

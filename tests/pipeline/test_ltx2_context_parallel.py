@@ -1,6 +1,7 @@
 """LTX-2's transformer (video and audio streams) split by its own context-parallel plan on real gloo ranks, attention
 by each of our methods: its video and audio outputs equal the same transformer in one process (float32), with
-sequences that split evenly and unevenly, and a text whose padding is masked."""
+sequences that split evenly and unevenly, a text whose padding is masked, and a timestep per video token (image to
+video)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,18 @@ def request(frames: int, side: int, audio_frames: int, text_tokens: int, masked:
                 width=side, fps=25.0, audio_num_frames=audio_frames, use_cross_timestep=True)
 
 
+def first_frame_kept(call: dict, side: int) -> dict:
+    """call as LTX2ImageToVideoPipeline makes it: a timestep per video token, 0 for the first latent frame's (the
+    conditioning image's)."""
+    timestep = call["timestep"][:, None].repeat(1, call["hidden_states"].shape[1])
+    timestep[:, :side * side] = 0
+    return {**call, "timestep": timestep, "audio_timestep": call["timestep"]}
+
+
 # Even: 2 x 4 x 4 video tokens, 6 audio, 8 text; uneven: 3 x 3 x 3 video tokens, 5 audio, 7 text (the first with
-# masked text padding).
+# masked text padding), and that with a timestep per video token (image to video).
 CALLS = {"even": request(2, 4, 6, 8, masked=False), "uneven": request(3, 3, 5, 7, masked=True)}
+CALLS["image-to-video"] = first_frame_kept(CALLS["uneven"], 3)
 CASES = [(method, shape) for method in METHODS for shape in CALLS]
 
 
