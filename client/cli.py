@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
-from mdtriton.client.pipeline import generate, generate_video, streams_progress
+from mdtriton.client.pipeline import generate, generate_clip, generate_video, streams_progress
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
 
@@ -99,14 +99,16 @@ def add_parsers(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
         description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline, "
-                    "qwen-image-pipeline, flux-kontext-pipeline (an --image edited): an image; wan-pipeline, cosmos3-pipeline: a video), show each denoising step "
-                    "as the server finishes it, and "
-                    "write the image as a PNG, or the video as an MP4 (H.264) or as the raw frames (.npy: UINT8 "
-                    "[frames, height, width, 3]); a video of one frame (Cosmos 3: --num-frames 1) as a PNG too. The "
+                    "qwen-image-pipeline, flux-kontext-pipeline (an --image edited): an image; wan-pipeline, "
+                    "cosmos3-pipeline: a video; ltx2-pipeline: a video with sound), show each denoising step as the "
+                    "server finishes it, and "
+                    "write the image as a PNG, or the video as an MP4 (H.264, with its sound as AAC) or as the raw "
+                    "frames (.npy: UINT8 [frames, height, width, 3]), its sound also as a WAV (--audio); a video of one "
+                    "frame (Cosmos 3: --num-frames 1) as a PNG too. The "
                     "model's outputs say which it makes; what is not given takes the model's defaults (its family's: "
                     "FLUX 1024x1024, 28 steps, guidance 3.5; Qwen-Image 1024x1024, 50 steps, 4.0 (its true_cfg_scale, "
                     "with a --negative-prompt); Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 720x1280, 189 frames, "
-                    "35 steps, 6.0).")
+                    "35 steps, 6.0; LTX-2 512x768, 121 frames at 24 per second, 30 steps, 3.0).")
     parser.add_argument("model", help="model name of a pipeline")
     parser.add_argument("prompt", help="the prompt")
     parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
@@ -120,16 +122,17 @@ def add_parsers(subparsers) -> None:
                         help=f"seed of the starting noise, {SEED_RANGE.start} to {SEED_RANGE.stop - 1} (default 0)")
     parser.add_argument("--max-sequence-length", type=int, help="text encoder tokens of the prompt (default 512)")
     parser.add_argument("--prompt-2", help="images: a different prompt for the T5 encoder (default: the prompt)")
-    parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (Cosmos 3: 1 makes an image)")
-    parser.add_argument("--negative-prompt", help="what to steer away from, for models that take one (Wan, Qwen-Image; "
-                                                  "default: none)")
+    parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (LTX-2: 8k+1; Cosmos 3: 1 makes an "
+                                                       "image)")
+    parser.add_argument("--negative-prompt", help="what to steer away from, for models that take one (Wan, Qwen-Image, "
+                                                  "LTX-2; default: none)")
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
                         help="an input image (a PNG or JPEG): videos: image to video, the clip's first frame (Cosmos "
-                             "3), resized and center-cropped to the video's size; images: the image to edit (FLUX.1 "
-                             "Kontext), used at its size rounded down to multiples of 16, which is also the size made "
-                             "unless --height and --width are given")
+                             "3, LTX-2 image to video), resized (Cosmos 3: and center-cropped) to the video's size; "
+                             "images: the image to edit (FLUX.1 Kontext), used at its size rounded down to multiples "
+                             "of 16, which is also the size made unless --height and --width are given")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
@@ -137,8 +140,12 @@ def add_parsers(subparsers) -> None:
                         help="apply the model's LoRA adapter NAME (mdtriton lora list) at SCALE (default 1.0); "
                              "repeat for several")
     parser.add_argument("--fps", type=float,
-                        help="videos: frames per second of the MP4, and the rate a model that takes one (Cosmos 3) "
-                             "makes the clip for (default: that model's, 24; else 16, Wan's)")
+                        help="videos: frames per second of the MP4, and the rate a model that takes one (Cosmos 3, "
+                             "LTX-2: its sound lasts as long as the frames at this rate) makes the clip for (default: "
+                             "that model's, 24; else 16, Wan's)")
+    parser.add_argument("--audio", type=Path, metavar="FILE.wav",
+                        help="videos with sound (LTX-2): also write the sound as a WAV (16-bit PCM); its directory "
+                             "must exist and be writable")
     parser.add_argument("-o", "--output", type=Path,
                         help="file to write: .png for images; .mp4 or .npy for videos [image.png; clip.mp4]; its "
                              "directory must exist and be writable (checked before the request)")
@@ -269,8 +276,9 @@ def check_writable(path: Path) -> None:
 def generate_media(args: argparse.Namespace) -> int:
     """The image or the video, by what the model answers (its outputs: `image` or `video`), with the model's defaults
     (its config's `request_defaults`, which the build writes) for what the command line leaves out."""
-    if args.output is not None:
-        check_writable(args.output)
+    for path in (args.output, args.audio):
+        if path is not None:
+            check_writable(path)
     with Client(args.url, timeout=args.timeout) as client:
         metadata = client.metadata(args.model)
         parameters = client.model_config(args.model)["parameters"]
@@ -282,7 +290,8 @@ def generate_media(args: argparse.Namespace) -> int:
                 **{name: getattr(args, name) for name in ("height", "width", "num_frames")
                    if getattr(args, name) is not None}}
     takes = {spec["name"] for spec in metadata["inputs"]}
-    video = "video" in {spec["name"] for spec in metadata["outputs"]}
+    answers = {spec["name"] for spec in metadata["outputs"]}
+    video, sound = "video" in answers, "audio" in answers
     one_frame = video and defaults.get("num_frames") == 1
     output = args.output or Path("clip.mp4" if video and not one_frame else "image.png")
     suffixes = (".mp4", ".npy") + ((".png",) if one_frame else ()) if video else (".png",)
@@ -290,16 +299,19 @@ def generate_media(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
-        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model; "
-                         "image editing: a flux-kontext-pipeline model")
+        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline or "
+                         "ltx2-image-to-video-pipeline model; image editing: a flux-kontext-pipeline model")
     if args.negative_prompt is not None and "negative_prompt" not in takes:
         raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
+    if args.audio is not None and (not sound or args.audio.suffix.lower() != ".wav"):
+        raise ValueError(f"--audio {args.audio}: " + ("give a .wav file" if sound else
+                                                       f"{args.model} makes no sound ({architecture})"))
     steps = args.steps or defaults["num_inference_steps"]
     # Qwen-Image's guidance is its true classifier-free guidance scale, true_cfg_scale; the others' guidance_scale
     # (FLUX.1 Kontext takes both: --guidance is its guidance_scale).
     guidance_input = "guidance_scale" if "guidance_scale" in takes else "true_cfg_scale"
     guidance = args.guidance if args.guidance is not None else defaults[guidance_input]
-    fps = args.fps or defaults.get("fps") or 16
+    fps = args.fps or defaults.get("fps") or defaults.get("frame_rate") or 16
     start = time.perf_counter()
     streamed = streams_progress(args.url, args.model)
     if not streamed:
@@ -308,7 +320,12 @@ def generate_media(args: argparse.Namespace) -> int:
         full_steps = []
         progress = dict(cache=args.cache, loras=dict(args.lora), on_step=lambda done, total: bar.update(done - bar.n),
                         on_full_steps=full_steps.append, timeout=args.timeout)
-        if video:
+        if sound:
+            clip = generate_clip(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
+                                 defaults["num_frames"], fps, steps, guidance, args.seed, args.negative_prompt,
+                                 read_image(args.image) if args.image else None, **progress)
+            frames, audio, sample_rate = clip[0][0], clip[1][0], clip[2]
+        elif video:
             frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                     defaults["num_frames"], steps, guidance, args.seed, args.negative_prompt,
                                     args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
@@ -330,9 +347,13 @@ def generate_media(args: argparse.Namespace) -> int:
         if output.suffix.lower() == ".npy":
             np.save(output, frames)
         else:
-            write_mp4(output, frames, fps)
-        print(f"wrote {output} ({frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]}) in "
+            write_mp4(output, frames, fps, (audio, sample_rate) if sound else None)
+        with_sound = f", {audio.shape[1] / sample_rate:.2f} s of sound at {sample_rate} Hz" if sound else ""
+        print(f"wrote {output} ({frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]}{with_sound}) in "
               f"{time.perf_counter() - start:.2f} s")
+    if args.audio is not None:
+        write_wav(args.audio, audio, sample_rate)
+        print(f"wrote {args.audio} ({audio.shape[0]} channels, {audio.shape[1]} samples at {sample_rate} Hz)")
     return 0
 
 
@@ -344,17 +365,40 @@ def read_image(path: Path) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
-def write_mp4(path: Path, frames: np.ndarray, fps: float) -> None:
-    """frames (UINT8 [frames, height, width, 3]) as an H.264 MP4 (yuv420p, which every player takes) through PyAV."""
-    import av  # PyAV (the `pipeline` extra), FFmpeg inside its wheel: only this command needs it
+def write_mp4(path: Path, frames: np.ndarray, fps: float, sound: tuple[np.ndarray, int] | None = None) -> None:
+    """frames (UINT8 [frames, height, width, 3]) as an H.264 MP4 (yuv420p, which every player takes) through PyAV;
+    with sound (FP32 [channels, samples] in [-1, 1], sample rate), an AAC track beside it."""
+    import av  # PyAV (the `video` extra), FFmpeg inside its wheel: only this command needs it
 
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
+        if sound is not None:  # every stream is added before the first packet is written
+            samples, sample_rate = sound
+            layout = "mono" if samples.shape[0] == 1 else "stereo"
+            track = container.add_stream("aac", rate=sample_rate, layout=layout)
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:
+            audio = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32), format="fltp",
+                                               layout=layout)
+            audio.sample_rate = sample_rate
+            container.mux(track.encode(audio))  # PyAV cuts the samples into the encoder's frames
+            container.mux(track.encode())
+
+
+def write_wav(path: Path, samples: np.ndarray, sample_rate: int) -> None:
+    """Sound (FP32 [channels, samples] in [-1, 1]) as a 16-bit PCM WAV file."""
+    import wave
+
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767).round().astype("<i2")
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(samples.shape[0])
+        file.setsampwidth(2)
+        file.setframerate(sample_rate)
+        file.writeframes(pcm.T.tobytes())
 
 
 def health(args: argparse.Namespace) -> int:

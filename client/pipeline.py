@@ -1,5 +1,6 @@
 """Prompt to image (FLUX: `mdtriton build --architecture flux-pipeline`) or to video (Wan: `wan-pipeline`; Cosmos 3:
-`cosmos3-pipeline`, also image to video and, with one frame, to an image) from a served pipeline model.
+`cosmos3-pipeline`, also image to video and, with one frame, to an image; LTX-2: `ltx2-pipeline`, a video with its
+sound) from a served pipeline model.
 
 A pipeline model answers each request once (unary gRPC infer), unless it was built with `--stream`: then it is
 decoupled, each request opens a gRPC stream, and the server sends one response per denoising step (`step`, the steps
@@ -29,7 +30,8 @@ STREAM_HEADERS = {"triton_grpc_error": "true"}
 # The data type of each number a pipeline takes (a [1] tensor), as the families' pipelines declare it.
 NUMBER_TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
                 "guidance_scale": np.float32, "guidance_scale_2": np.float32, "seed": np.int64,
-                "max_sequence_length": np.int32, "fps": np.float32, "true_cfg_scale": np.float32}
+                "max_sequence_length": np.int32, "fps": np.float32, "true_cfg_scale": np.float32,
+                "frame_rate": np.float32}
 
 
 def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_steps: int,
@@ -157,6 +159,30 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int | 
     return ask(url, model, inputs, "video", num_inference_steps, on_step, on_full_steps, timeout)
 
 
+def generate_clip(url: str, model: str, prompt: str | list[str], height: int | None = None, width: int | None = None,
+                  num_frames: int | None = None, frame_rate: float | None = None,
+                  num_inference_steps: int | None = None, guidance_scale: float | None = None, seed: int = 0,
+                  negative_prompt: str | list[str] | None = None, image: np.ndarray | None = None,
+                  cache: str | dict | None = None, loras: dict[str, float] | None = None, on_step: Callable[[int, int | None], None] | None = None,
+                  on_full_steps: Callable[[int], None] | None = None,
+                  timeout: float | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Videos with sound for prompt (LTX-2: one per prompt), as the model's diffusers pipeline (LTX2Pipeline) makes
+    them with `generator=torch.Generator().manual_seed(seed)`: (frames UINT8 [batch, frames, height, width, 3], sound
+    FP32 [batch, channels, samples] in [-1, 1], the sound's sample rate). frame_rate: the clip's frames per second,
+    which sets the sound's length (default 24). What is left as None takes the model's defaults (LTX-2: 512x768, 121
+    frames, 30 steps, guidance 3.0); image (LTX2ImageToVideoPipeline): UINT8 [height, width, 3], the clip's first frame;
+    negative_prompt, cache, loras, on_step and on_full_steps as generate_video's.
+    Failures raise ClientError (one line)."""
+    arrays = request_arrays(
+        {"prompt": as_list(prompt), "negative_prompt": as_list(negative_prompt)},
+        {"height": height, "width": width, "num_frames": num_frames, "frame_rate": frame_rate,
+         "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "seed": seed}, cache, loras)
+    if image is not None:
+        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
+    result = answer(url, model, infer_inputs(arrays), "video", num_inference_steps, on_step, on_full_steps, timeout)
+    return result.as_numpy("video"), result.as_numpy("audio"), int(result.as_numpy("sample_rate")[0])
+
+
 def streams_progress(url: str, model: str) -> bool:
     """Whether the model streams a progress response per step (a decoupled model, built with --stream)."""
     client = grpcclient.InferenceServerClient(url)
@@ -171,8 +197,15 @@ def streams_progress(url: str, model: str) -> bool:
 def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int | None,
         on_step: Callable[[int, int | None], None] | None, on_full_steps: Callable[[int], None] | None,
         timeout: float | None) -> np.ndarray:
-    """The output of one request: over a stream (progress to on_step) if the model streams, else one unary call;
-    on_full_steps gets the answer's full_steps."""
+    """The output of one request (answer's)."""
+    return answer(url, model, inputs, output, steps, on_step, on_full_steps, timeout).as_numpy(output)
+
+
+def answer(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int | None,
+           on_step: Callable[[int, int | None], None] | None, on_full_steps: Callable[[int], None] | None,
+           timeout: float | None) -> grpcclient.InferResult:
+    """The answer to one request, holding `output`: over a stream (progress to on_step) if the model streams, else
+    one unary call; on_full_steps gets the answer's full_steps."""
     if streams_progress(url, model):
         result = stream(url, model, inputs, output, steps, on_step, timeout)
     else:
@@ -188,7 +221,7 @@ def ask(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, 
                               "kind?")
     if on_full_steps is not None:
         on_full_steps(int(result.as_numpy("full_steps")[0]))
-    return result.as_numpy(output)
+    return result
 
 
 def stream(url: str, model: str, inputs: list[grpcclient.InferInput], output: str, steps: int | None,

@@ -31,7 +31,9 @@ PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
                        "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN",
-                       "flux-kontext-generic-pipeline": "mdtriton.families.flux_kontext_generic:FLUX_KONTEXT_GENERIC"}
+                       "flux-kontext-generic-pipeline": "mdtriton.families.flux_kontext_generic:FLUX_KONTEXT_GENERIC",
+                       "ltx2-pipeline": "mdtriton.families.ltx2:LTX2",
+                       "ltx2-image-to-video-pipeline": "mdtriton.families.ltx2:LTX2_IMAGE_TO_VIDEO"}
 
 
 def _load(reference: str, origin: str) -> Family:

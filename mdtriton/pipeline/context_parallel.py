@@ -25,7 +25,11 @@ planned gathers cut the padding out again (the ranks' lengths are exchanged at t
 known: a CUDA graph of the forward holds no host sync). Masked keys (that padding, or a model's own key padding mask:
 Qwen-Image's text mask for a batch of prompts of different lengths) are gathered with the keys; Ulysses then attends
 the keys the mask keeps after its head exchange, and the other methods attend every key gathered, as allgather_kv
-does. The hooks and the attention run eagerly inside compiled blocks (graph breaks), as our attention methods do.
+does. An attention call whose queries and keys differ in length (a cross-attention: LTX-2's text, audio to video,
+video to audio) or whose mask is an additive bias attends this rank's queries over every rank's keys gathered, the
+mask with them, whatever the method; a sequence the plan leaves whole (LTX-2's audio) is gathered as every rank's copy
+of it, which attends as the keys once. The hooks and the attention run eagerly inside compiled blocks (graph breaks),
+as our attention methods do.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.context_parallel import ModuleForwardMetadata
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from torch import nn
 
 from mdtriton.engine.attention import CP_ATTENTION, Attention
-from mdtriton.engine.attention.local import plain_attention
+from mdtriton.engine.attention.local import expand_heads, plain_attention
 from mdtriton.engine.attention.ulysses import exchange_heads
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineError
@@ -72,22 +77,24 @@ def check_plan(transformer_class: type, config: dict, plan: ParallelPlan) -> Non
     if plan.cp_size == 1:
         return
     context_parallel_plan(transformer_class)
-    heads = config.get("num_attention_heads")
     ulysses = plan.ulysses_size if plan.cp_method == "ulysses_ring" else plan.cp_size
-    if plan.cp_method in ("ulysses", "ulysses_ring") and heads is not None and heads % ulysses:
-        raise EngineError(f"{transformer_class.__name__} has {heads} attention heads, which Ulysses cannot share "
-                          f"among {ulysses} ranks; use --cp-method ring or allgather_kv, or a Ulysses group that "
-                          f"divides {heads}")
+    # Every stream's heads: LTX-2 has num_attention_heads for its video and audio_num_attention_heads for its audio.
+    for name, heads in config.items():
+        if (plan.cp_method in ("ulysses", "ulysses_ring") and name.endswith("num_attention_heads")
+                and isinstance(heads, int) and heads % ulysses):
+            raise EngineError(f"{transformer_class.__name__} has {heads} attention heads ({name}), which Ulysses "
+                              f"cannot share among {ulysses} ranks; use --cp-method ring or allgather_kv, or a "
+                              f"Ulysses group that divides {heads}")
 
 
-def split_by_plan(transformer: nn.Module, comm: Communicator) -> None:
-    """Split transformer's forward across comm's context-parallel group as its class's `_cp_plan` says, its
-    attention run by comm's method. Nothing changes on one context-parallel rank."""
+def split_by_plan(transformer: nn.Module, comm: Communicator, plan: dict | None = None) -> None:
+    """Split transformer's forward across comm's context-parallel group as plan says (diffusers' `_cp_plan` form;
+    by default its class's), its attention run by comm's method. Nothing changes on one context-parallel rank."""
     if comm.cp_size == 1:
         return
     state = SplitState(comm)
     transformer.register_forward_pre_hook(state.start)
-    for module_name, entry in context_parallel_plan(type(transformer)).items():
+    for module_name, entry in (plan or context_parallel_plan(type(transformer))).items():
         for module in submodules(transformer, module_name):
             registry = HookRegistry.check_if_exists_or_initialize(module)
             if isinstance(entry, dict):
@@ -272,8 +279,11 @@ class RankAttention:
                                       "scale; this model's attention asks for another")
         comm = self.state.comm
         batch, local = query.shape[:2]
-        keep = None if attn_mask is None else key_padding(attn_mask, batch, local)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        additive = attn_mask is not None and attn_mask.dtype != torch.bool
+        if additive or self.lengths_differ(local, key.shape[1]):
+            return self.over_gathered_keys(q, k, v, attn_mask).transpose(1, 2)
+        keep = None if attn_mask is None else key_padding(attn_mask, batch, local)
         if self.state.uneven:  # padded to the longest rank's sequence, the padding keys masked
             lengths = self.state.lengths(local)
             widest = max(lengths)
@@ -288,6 +298,27 @@ class RankAttention:
         else:
             out = masked_attention(q, k, v, comm.cp_all_gather(keep, 1), comm)
         return out[:, :, :local].transpose(1, 2)
+
+    def lengths_differ(self, queries: int, keys: int) -> bool:
+        """Whether the queries and the keys differ in length on any rank (a cross-attention: LTX-2's text, its
+        audio-video attention), alike on every rank."""
+        if not self.state.uneven:  # every rank's lengths are this rank's
+            return queries != keys
+        return self.state.lengths(queries) != self.state.lengths(keys)
+
+    def over_gathered_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention [B, H, local queries, D] of this rank's queries over every rank's keys and values gathered (as
+        allgather_kv attends, whatever the method), with the mask of those keys gathered with them as an additive
+        bias. For queries and keys of different lengths, and masks that are biases (LTX-2's text mask). A sequence
+        the plan does not split (LTX-2's audio) is gathered as every rank's copy of it: attention over copies of the
+        same keys and values is attention over them once."""
+        bias = None if attn_mask is None else key_bias(attn_mask, q.shape[0], k.shape[2])
+        keys, values = self.state.gather(k, 2), self.state.gather(v, 2)
+        if bias is not None:
+            bias = self.state.gather(bias, 3).to(q.dtype)
+        keys, values = expand_heads(q, keys, values)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
 
 
 def attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, select) -> torch.Tensor:
@@ -308,6 +339,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     sample (their counts may differ; a host sync, so not in a CUDA graph)."""
     return torch.cat([attention_over(q[b:b + 1], k[b:b + 1], v[b:b + 1], comm, lambda keys: keys[:, :, keep[b]])
                       for b in range(q.shape[0])])
+
+
+def key_bias(attn_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """An additive bias [batch, 1 or heads, 1, keys] of the keys to attend, from a processor's mask of those keys
+    ([batch, keys], [batch, 1, keys] or [batch, 1 or heads, 1, keys]; boolean: True keeps a key); NotImplementedError
+    for a mask per query."""
+    mask = attn_mask.reshape(attn_mask.shape[0], 1, 1, -1) if attn_mask.dim() < 4 else attn_mask
+    if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] != length or mask.shape[0] not in (1, batch):
+        raise NotImplementedError(f"an attention mask of shape {tuple(attn_mask.shape)} is not a mask of {length} keys, "
+                                  "the only kind split attention here takes (a mask per query is not)")
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask
 
 
 def key_padding(attn_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

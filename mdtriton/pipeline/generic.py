@@ -53,11 +53,16 @@ class DiffusersPipelinePart(PipelinePart):
         check_plan(transformer_class, config, plan)
         return transformer_class.__name__
 
+    def context_parallel_plan(self, transformer: torch.nn.Module) -> dict | None:
+        """The plan the transformer is split by (diffusers' `_cp_plan` form), where its class's declared plan needs
+        mending for this pipeline's transformer; None: the class's own."""
+        return None
+
     def prepare(self, pipeline: Any, comm: Communicator) -> None:
         """Split the pipeline's transformer across comm's context-parallel group."""
         from mdtriton.pipeline.context_parallel import split_by_plan
 
-        split_by_plan(pipeline.transformer, comm)
+        split_by_plan(pipeline.transformer, comm, self.context_parallel_plan(pipeline.transformer))
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")

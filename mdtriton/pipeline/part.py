@@ -92,6 +92,11 @@ class PipelinePart(ABC):
         """The served outputs of the pipeline's result (called with output_type "pt"), on the pipeline's device: an
         engine answers on its communicator's device (mdtriton.engine.comm, the device contract)."""
 
+    def outputs_of(self, manifest: Manifest, result: Any) -> dict[str, torch.Tensor]:
+        """The served outputs of a request's result: `outputs`, and what a part adds from the model's manifest (LTX-2:
+        its sound's sample rate)."""
+        return self.outputs(result)
+
     @abstractmethod
     def transformer(self, engine: TorchEngine, pipeline: Any) -> nn.Module:
         """A transformer engine, called as the pipeline (the diffusers pipeline it serves in) calls its diffusers
