@@ -126,8 +126,10 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
-                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3); it is resized "
-                             "and center-cropped to the video's size")
+                        help="videos: image to video, the clip's first frame (a PNG or JPEG; Cosmos 3, Wan "
+                             "wan-i2v-pipeline); it is resized (Cosmos 3: and center-cropped) to the video's size")
+    parser.add_argument("--last-image", type=Path,
+                        help="videos: the clip's last frame (a PNG or JPEG; Wan 2.2 I2V A14B, Wan 2.1 FLF2V)")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
@@ -288,7 +290,11 @@ def generate_media(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
-        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline model")
+        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline or "
+                         "wan-i2v-pipeline model")
+    if args.last_image is not None and "last_image" not in takes:
+        raise ValueError(f"{args.model} takes no last image ({architecture}); first and last frame: a wan-i2v-pipeline "
+                         "model")
     if args.negative_prompt is not None and "negative_prompt" not in takes:
         raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
     steps = args.steps or defaults["num_inference_steps"]
@@ -308,7 +314,9 @@ def generate_media(args: argparse.Namespace) -> int:
             frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                     defaults["num_frames"], steps, guidance, args.seed, args.negative_prompt,
                                     args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
-                                    read_image(args.image) if args.image else None, **progress)[0]
+                                    read_image(args.image) if args.image else None,
+                                    last_image=read_image(args.last_image) if args.last_image else None,
+                                    **progress)[0]
         else:
             true_cfg = guidance_input == "true_cfg_scale"
             image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps,

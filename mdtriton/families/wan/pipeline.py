@@ -50,7 +50,7 @@ class EngineTransformer(EngineAsTransformer):
         self.pending: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
-                                      patch_size=tuple(config["patch_size"]))
+                                      patch_size=tuple(config["patch_size"]), image_dim=config["image_dim"])
 
     def cache_context(self, name: str, **step):
         """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context, which also tells
