@@ -90,7 +90,7 @@ def save_tiny_wan_i2v_pipeline(directory: Path, layout: str = "wan2.1-i2v", seed
     return Path(directory)
 
 
-def test_image(height: int, width: int, seed: int) -> np.ndarray:
+def sample_image(height: int, width: int, seed: int) -> np.ndarray:
     """A smooth random RGB image, UINT8 [height, width, 3] (a picture, not noise: the VAE encodes it as one)."""
     generator = torch.Generator().manual_seed(seed)
     coarse = torch.rand(1, 3, 3, 4, generator=generator)
