@@ -1,8 +1,11 @@
-"""The 1-GPU peer of `mdtriton bench`: diffusers' own transformer of the family (FluxTransformer2DModel,
+"""The peer of `mdtriton bench`: diffusers' own transformer of the family (FluxTransformer2DModel,
 WanTransformer3DModel, Cosmos3OmniTransformer) at the preset's size (random weights, batch 1, made in bf16 on the GPU;
 Cosmos 3's time embedder in float32, as diffusers keeps it), at the bench's requests (Family.media_request at the sizes
 in pixels; Cosmos 3's packed as Cosmos3OmniPipeline packs them), eager (torch's SDPA choice) and regionally compiled
-(its repeated blocks, `compile_repeated_blocks(fullgraph=True)`, cuDNN attention). It takes the bench's model
+(its repeated blocks, `compile_repeated_blocks(fullgraph=True)`, cuDNN attention); on one GPU, or with --gpus N on
+N GPUs with diffusers' own context parallelism (`enable_parallelism(ContextParallelConfig(ulysses_degree=N))`, or
+ring_degree with --cp-method ring; cuDNN attention, one process per GPU). Wan 2.1 I2V (--preset wan2.1-i2v-14b) is
+called with its image encoder's 257 tokens beside the 512 text tokens. It takes the bench's model
 arguments (mdtriton/harness.py: --architecture, --preset, --config, --height, --width, --frames, --device). Run it
 on the same machine as `mdtriton bench --architecture NAME --gpus 1` (on another GPU of it, at the same time, or
 right after), so both are timed on one machine, by the same timer. The first call per size is printed apart from the
@@ -10,6 +13,7 @@ median of the timed calls (a compile or a recompile shows there); the peak memor
 
     python benchmarks/diffusers_peer.py --architecture flux --height 1024,2048 --width 1024,2048
     python benchmarks/diffusers_peer.py --architecture wan          # 480p and 720p x 81 frames
+    python benchmarks/diffusers_peer.py --architecture wan --preset wan2.1-i2v-14b --height 720 --width 1280 --gpus 2
     python benchmarks/diffusers_peer.py --architecture cosmos3      # 480p and 720p x 189 frames
     python benchmarks/diffusers_peer.py --architecture wan --device cpu --preset tiny --height 32 --width 48 --frames 9
 """
@@ -21,11 +25,12 @@ import json
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mdtriton.families import family
-from mdtriton.harness import (add_model_arguments, markdown_table, model_config, model_sizes, precision, time_calls,
-                              timing)
+from mdtriton.harness import (add_model_arguments, init_rank, markdown_table, model_config, model_sizes, precision,
+                              run_ranks, time_calls, timing)
 
 
 def flux_model(config: dict) -> torch.nn.Module:
@@ -104,12 +109,48 @@ def time_peer(model: torch.nn.Module, modes: list[str], calls: dict[str, tuple[d
             with torch.inference_mode(), backends:
                 first, _ = time_calls(lambda: model(**arguments), cuda, 0, 1)
                 times, _ = time_calls(lambda: model(**arguments), cuda, 0, iterations)
-            row = {"peer": f"diffusers {mode}", "size": label, "tokens": tokens,
+            parallel = f" {parallel_label(model)}" if getattr(model, "_parallel_config", None) else ""
+            row = {"peer": f"diffusers {mode}{parallel}", "size": label, "tokens": tokens,
                    "median_ms": timing(times)["median_ms"], "first_call_s": first[0] / 1000,
                    "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(json.dumps(row), flush=True)
     return rows
+
+
+def parallel_label(model: torch.nn.Module) -> str:
+    """The context parallelism diffusers runs the model with, e.g. "ulysses 2"."""
+    config = model._parallel_config.context_parallel_config
+    return " x ".join(f"{kind} {getattr(config, f'{kind}_degree')}" for kind in ("ulysses", "ring")
+                      if (getattr(config, f"{kind}_degree") or 1) > 1)
+
+
+def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    """One rank of the peer: the model made from seed 0 (the same on every rank), split by diffusers' own context
+    parallelism over world_size ranks (NCCL on GPUs, gloo on CPU), timed at every size; rank 0 prints the table."""
+    device = init_rank(rank, world_size, port, args.device == "cuda")
+    config = model_config(args)
+    model_family = family(args.architecture)
+    dtype, _ = precision(device)
+    torch.manual_seed(0)
+    model = peer_model(args.architecture, config, device, dtype)
+    if world_size > 1:
+        from diffusers import ContextParallelConfig
+
+        model.set_attention_backend("_native_cudnn" if device.type == "cuda" else "native")
+        model.enable_parallelism(config=ContextParallelConfig(**{f"{args.cp_method}_degree": world_size}))
+    calls = {}
+    for size in model_sizes(args, config):
+        request = {name: tensor.to(device) for name, tensor in
+                   model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
+        calls[str(size)] = (PEERS[args.architecture][1](config, request),
+                            model_family.check_request(config, request).tokens)
+    rows = time_peer(model, args.modes.split(","), calls, device, args.iterations)
+    if rank == 0:
+        print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
+                             [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
+                               f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows]))
 
 
 def main() -> None:
@@ -117,24 +158,20 @@ def main() -> None:
     add_model_arguments(parser, list(PEERS))
     parser.add_argument("--modes", default="eager,compile", help="eager and/or compile (default both)")
     parser.add_argument("--iterations", type=int, default=2, help="timed forwards after the first (default 2)")
+    parser.add_argument("--gpus", default="1", help="GPU counts, each run in turn (default 1; e.g. 1,2): more than one "
+                                                    "runs diffusers' own context parallelism")
+    parser.add_argument("--cp-method", choices=("ulysses", "ring"), default="ulysses",
+                        help="diffusers' context parallelism on several GPUs (default ulysses)")
     args = parser.parse_args()
-    config = model_config(args)
-    sizes = model_sizes(args, config)
-    model_family = family(args.architecture)
-    call_keywords = PEERS[args.architecture][1]
-    device = torch.device(args.device)
-    dtype, _ = precision(device)
-    torch.manual_seed(0)
-    model = peer_model(args.architecture, config, device, dtype)
-    calls = {}
-    for size in sizes:
-        request = {name: tensor.to(device) for name, tensor in
-                   model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
-        calls[str(size)] = (call_keywords(config, request), model_family.check_request(config, request).tokens)
-    rows = time_peer(model, args.modes.split(","), calls, device, args.iterations)
-    print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],
-                         [[row["peer"], f"{row['size']} ({row['tokens']:,} tokens)", f"{row['median_ms']:,.0f}",
-                           f"{row['first_call_s']:.1f}", f"{row['peak_gib']:.1f}"] for row in rows]))
+    model_sizes(args, model_config(args))  # refuses a size before any rank starts
+    counts = [int(count) for count in args.gpus.split(",")]
+    if args.device == "cpu" and max(counts) > 1:
+        raise SystemExit("diffusers' context parallelism runs on GPUs only (enable_parallelism picks an accelerator per "
+                         "rank); on CPU give --gpus 1")
+    for world_size in counts:
+        problem = run_ranks(rank_main, world_size, (args,))
+        if problem:
+            raise SystemExit(problem)
 
 
 if __name__ == "__main__":

@@ -130,9 +130,11 @@ def add_parsers(subparsers) -> None:
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
     parser.add_argument("--image", type=Path,
                         help="an input image (a PNG or JPEG): videos: image to video, the clip's first frame (Cosmos "
-                             "3, LTX-2 image to video), resized (Cosmos 3: and center-cropped) to the video's size; "
-                             "images: the image to edit (FLUX.1 Kontext), used at its size rounded down to multiples "
-                             "of 16, which is also the size made unless --height and --width are given")
+                             "3, LTX-2 image to video, wan-i2v-pipeline), resized (Cosmos 3: and center-cropped) to "
+                             "the video's size; images: the image to edit (FLUX.1 Kontext), used at its size rounded "
+                             "down to multiples of 16, which is also the size made unless --height and --width are given")
+    parser.add_argument("--last-image", type=Path,
+                        help="videos: the clip's last frame (a PNG or JPEG; Wan 2.2 I2V A14B, Wan 2.1 FLF2V)")
     parser.add_argument("--cache", metavar="JSON",
                         help="step cache, e.g. '{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: "
                              "first_block, taylorseer, none; docs/client.md); default: the model's")
@@ -300,7 +302,11 @@ def generate_media(args: argparse.Namespace) -> int:
                          f"file, not {output}")
     if args.image is not None and "image" not in takes:
         raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline or "
-                         "ltx2-image-to-video-pipeline model; image editing: a flux-kontext-pipeline model")
+                         "ltx2-image-to-video-pipeline or wan-i2v-pipeline model; image editing: a "
+                         "flux-kontext-pipeline model")
+    if args.last_image is not None and "last_image" not in takes:
+        raise ValueError(f"{args.model} takes no last image ({architecture}); first and last frame: a wan-i2v-pipeline "
+                         "model")
     if args.negative_prompt is not None and "negative_prompt" not in takes:
         raise ValueError(f"{args.model} takes no negative prompt ({architecture})")
     if args.audio is not None and (not sound or args.audio.suffix.lower() != ".wav"):
@@ -329,7 +335,9 @@ def generate_media(args: argparse.Namespace) -> int:
             frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                     defaults["num_frames"], steps, guidance, args.seed, args.negative_prompt,
                                     args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
-                                    read_image(args.image) if args.image else None, **progress)[0]
+                                    read_image(args.image) if args.image else None,
+                                    last_image=read_image(args.last_image) if args.last_image else None,
+                                    **progress)[0]
         else:
             true_cfg = guidance_input == "true_cfg_scale"
             image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps,

@@ -56,18 +56,19 @@ def video_inputs(prompts: list[str], height: int | None, width: int | None, num_
                  num_inference_steps: int | None, guidance_scale: float | None, seed: int,
                  negative_prompts: list[str] | None = None, guidance_scale_2: float | None = None,
                  max_sequence_length: int | None = None, fps: float | None = None, image: np.ndarray | None = None,
-                 cache: str | dict | None = None,
-                 loras: dict[str, float] | None = None) -> list[grpcclient.InferInput]:
+                 cache: str | dict | None = None, loras: dict[str, float] | None = None,
+                 last_image: np.ndarray | None = None) -> list[grpcclient.InferInput]:
     """A video pipeline request's inputs (Wan's, Cosmos 3's), named and typed as the model declares them (prompts as
-    BYTES; image UINT8 [height, width, 3]; cache and loras as pipeline_inputs takes them); those given as None are
-    left out, for the model's default."""
+    BYTES; image and last_image UINT8 [height, width, 3]; cache and loras as pipeline_inputs takes them); those given
+    as None are left out, for the model's default."""
     arrays = request_arrays(
         {"prompt": prompts, "negative_prompt": negative_prompts},
         {"height": height, "width": width, "num_frames": num_frames, "num_inference_steps": num_inference_steps,
          "guidance_scale": guidance_scale, "seed": seed, "guidance_scale_2": guidance_scale_2,
          "max_sequence_length": max_sequence_length, "fps": fps}, cache, loras)
-    if image is not None:
-        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
+    for name, picture in (("image", image), ("last_image", last_image)):
+        if picture is not None:
+            arrays[name] = np.ascontiguousarray(picture, dtype=np.uint8)
     return infer_inputs(arrays)
 
 
@@ -141,7 +142,8 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int | 
                    guidance_scale_2: float | None = None, max_sequence_length: int | None = None,
                    fps: float | None = None, image: np.ndarray | None = None, cache: str | dict | None = None,
                    loras: dict[str, float] | None = None, on_step: Callable[[int, int | None], None] | None = None,
-                   on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None) -> np.ndarray:
+                   on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None,
+                   last_image: np.ndarray | None = None) -> np.ndarray:
     """Videos for prompt (one per prompt; Cosmos 3 makes one per request) as UINT8 [batch, frames, height, width, 3],
     as the model's diffusers pipeline (WanPipeline, Cosmos3OmniPipeline) makes them with
     `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
@@ -150,12 +152,14 @@ def generate_video(url: str, model: str, prompt: str | list[str], height: int | 
     Sizes, frames, steps and guidance left as None take the model's defaults (Wan: 480x832, 81 frames, 50 steps,
     5.0; Cosmos 3: 720x1280, 189 frames, 35 steps, 6.0). negative_prompt: one for all prompts or one each (default:
     none). guidance_scale_2: Wan 2.2 A14B's guidance for its low-noise expert (default: guidance_scale). fps (Cosmos
-    3): the clip's frame rate, which the model conditions on (default 24). image (Cosmos 3): UINT8 [height, width,
-    3], the first frame of an image-to-video clip. cache, loras and on_full_steps as generate's (with guidance, the
+    3): the clip's frame rate, which the model conditions on (default 24). image (Cosmos 3, Wan image to video):
+    UINT8 [height, width, 3], the first frame of an image-to-video clip; last_image (Wan 2.2 I2V A14B, Wan 2.1
+    FLF2V): its last frame. cache, loras and on_full_steps as generate's (with guidance, the
     count is of the conditional branch's calls). Failures raise ClientError (one line).
     """
     inputs = video_inputs(as_list(prompt), height, width, num_frames, num_inference_steps, guidance_scale, seed,
-                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, fps, image, cache, loras)
+                          as_list(negative_prompt), guidance_scale_2, max_sequence_length, fps, image, cache, loras,
+                          last_image)
     return ask(url, model, inputs, "video", num_inference_steps, on_step, on_full_steps, timeout)
 
 

@@ -26,7 +26,8 @@ __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipel
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
-            "mdtriton.families.wan:WAN", "mdtriton.families.cosmos3:COSMOS3")
+            "mdtriton.families.wan:WAN", "mdtriton.families.wan:WAN_I2V",
+            "mdtriton.families.cosmos3:COSMOS3")
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",

@@ -87,18 +87,18 @@ def check_sides(inputs: dict[str, torch.Tensor], multiple: int, why: str) -> tup
     return height, width
 
 
-def check_image(image: torch.Tensor, height: int, width: int) -> None:
+def check_image(image: torch.Tensor, height: int, width: int, name: str = "image") -> None:
     """A conditioning image (UINT8 [rows, columns, 3]) that the pipeline can resize to cover height x width within
     bounds: sides 1 to MAX_IMAGE_SIDE, and an aspect within MAX_IMAGE_ASPECT_FACTOR of the video's (the resized image
-    has the video's pixels times the ratio of the two aspects)."""
+    has the video's pixels times the ratio of the two aspects); name: the input's, for the message."""
     rows, columns = image.shape[0], image.shape[1]
     usual = "(any size and aspect near the video's: it is resized and center-cropped to height x width)"
     if not (1 <= rows <= MAX_IMAGE_SIDE and 1 <= columns <= MAX_IMAGE_SIDE):
-        raise RequestError(f"image has shape {list(image.shape)}; send UINT8 [height, width, 3] RGB pixels of sides 1 to "
-                           f"{MAX_IMAGE_SIDE} {usual}")
+        raise RequestError(f"{name} has shape {list(image.shape)}; send UINT8 [height, width, 3] RGB pixels of sides 1 "
+                           f"to {MAX_IMAGE_SIDE} {usual}")
     factor = max(columns * height / (rows * width), rows * width / (columns * height))
     if factor > MAX_IMAGE_ASPECT_FACTOR:
-        raise RequestError(f"image is {columns}x{rows}: its aspect differs from the video's ({width}x{height}) by a "
+        raise RequestError(f"{name} is {columns}x{rows}: its aspect differs from the video's ({width}x{height}) by a "
                            f"factor of {factor:.1f}, over the {MAX_IMAGE_ASPECT_FACTOR:g} taken (resized to cover the "
                            f"video it would have {factor:.1f} times the video's pixels); crop it nearer the video's aspect")
 

@@ -3,6 +3,8 @@ on every plan of 2, 3 and 4 real gloo ranks, with token counts that do not divid
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -95,9 +97,44 @@ def test_every_plan_equals_diffusers(tmp_path, world_size):
                 assert error < 1e-4, f"{name}, rank {rank}, latent {latent}: error {error:.2e}"
 
 
+# Image to video: Wan 2.1 I2V's image tokens beside the text (36 input channels here 9: a config value), and Wan 2.2
+# TI2V given an image, whose first latent frame's tokens have timestep 0. diffusers' I2V transformer takes the text as
+# its last 512 tokens.
+I2V_CONFIG = {**TINY_CONFIG, "in_channels": 9, "image_dim": 8, "added_kv_proj_dim": 72}
+I2V_PLANS = [ParallelPlan(cp_size=2, cp_method=m) for m in ("ulysses", "ring")] + [ParallelPlan(tp_size=2)]
+
+
+def image_cases() -> list[tuple[dict, dict]]:
+    """(config, inputs) for an image-to-video transformer with image tokens, and for a timestep per token."""
+    with_image = wan_inputs(I2V_CONFIG, (3, 6, 10), seed=5, text_len=512)
+    with_image["encoder_hidden_states_image"] = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
+    per_token = wan_inputs(TINY_CONFIG, (3, 6, 10), seed=7)
+    timestep = per_token["timestep"][:, None].repeat(1, 45)
+    timestep[:, :15] = 0  # the first latent frame: 3 x 5 patches
+    return [(I2V_CONFIG, with_image), (TINY_CONFIG, {**per_token, "timestep": timestep})]
+
+
+def test_image_to_video_on_one_and_two_ranks_equals_diffusers(tmp_path):
+    for i, (config, inputs) in enumerate(image_cases()):
+        model = diffusers_model(config, seed=8 + i)
+        (want,) = expected_samples(model, [inputs])
+        engine_dirs = {}
+        for plan in [ParallelPlan()] + I2V_PLANS:
+            name = f"case{i}_tp{plan.tp_size}_cp{plan.cp_size}_{plan.cp_method}"
+            engine_dirs[name] = str(write_engine(tmp_path / name, config, plan, model.state_dict(), "wan"))
+        one = engine_dirs.pop(f"case{i}_tp1_cp1_{ParallelPlan().cp_method}")
+        got = TorchEngine.load(Path(one), Manifest.read(Path(one)), WAN, Communicator.single()).forward(inputs)
+        assert max_relative_error(got["sample"], want) < 1e-5
+        for rank, results in enumerate(run_ranks(2, run_engines, engine_dirs, [inputs])):
+            for name, (sample,) in results.items():
+                error = max_relative_error(torch.from_numpy(sample), want)
+                assert error < 1e-4, f"{name}, rank {rank}: error {error:.2e}"
+
+
 @pytest.mark.parametrize("preset", sorted(WAN.presets()))
 def test_every_preset_builds_and_has_its_parameter_count(preset):
-    counts = {"tiny": 0.000143, "wan2.1-t2v-1.3b": 1.42, "wan2.1-t2v-14b": 14.29, "wan2.2-ti2v-5b": 5.0}
+    counts = {"tiny": 0.000143, "wan2.1-t2v-1.3b": 1.42, "wan2.1-t2v-14b": 14.29, "wan2.2-ti2v-5b": 5.0,
+              "wan2.1-i2v-14b": 16.4}
     module = meta_module(WAN, WAN.presets()[preset], ParallelPlan(), 0)
     assert sum(t.numel() for t in module.state_dict().values()) / 1e9 == pytest.approx(counts[preset], rel=0.02)
 
@@ -116,7 +153,7 @@ def test_requests_that_do_not_fit_say_what_to_send():
 def test_ulysses_with_indivisible_heads_says_what_to_use():
     with pytest.raises(ValueError, match="use cp_method allgather_kv or ring"):
         WAN.check_plan(TINY_CONFIG, ParallelPlan(cp_size=4, cp_method="ulysses"))
-    with pytest.raises(ValueError, match="image-to-video"):
+    with pytest.raises(ValueError, match="image_dim 1280 and added_kv_proj_dim None"):
         WAN.check_plan({**TINY_CONFIG, "image_dim": 1280}, ParallelPlan())
 
 

@@ -1,6 +1,8 @@
-"""Family "wan": Wan 2.x text-to-video (diffusers' WanTransformer3DModel: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V
-A14B's experts, Wan 2.2 TI2V 5B), tensor-parallel by heads and context-parallel by the video's tokens, with FP8
-weights on GPUs; and its whole pipeline ("wan-pipeline", diffusers' WanPipeline: prompt to video)."""
+"""Family "wan": Wan 2.x (diffusers' WanTransformer3DModel: Wan 2.1 T2V 1.3B and 14B, Wan 2.1 I2V 14B, Wan 2.2 T2V
+and I2V A14B's experts, Wan 2.2 TI2V 5B), tensor-parallel by heads and context-parallel by the video's tokens, with
+FP8 weights on GPUs; and its whole pipeline ("wan-pipeline", diffusers' WanPipeline: prompt to video). Family
+"wan-i2v" is the same transformer with diffusers' WanImageToVideoPipeline ("wan-i2v-pipeline": an image and a prompt
+to video)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import torch
 from mdtriton.engine.manifest import TensorSpec
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.family import Family, RequestSize, Signature
+from mdtriton.families.wan.image_pipeline import WanImageToVideoPipelinePart
 from mdtriton.families.wan.pipeline import WanPipelinePart
-from mdtriton.families.wan.transformer import (TINY_CONFIG, WAN_1_3B_CONFIG, WAN_5B_CONFIG, WAN_14B_CONFIG, Wan,
-                                               check_plan)
+from mdtriton.families.wan.transformer import (TINY_CONFIG, WAN_1_3B_CONFIG, WAN_5B_CONFIG, WAN_14B_CONFIG,
+                                               WAN_I2V_14B_CONFIG, Wan, check_plan)
 
 # The warm-up requests' (batch, patches along frames, height and width, text tokens), in order: batch 7 first,
 # whose graphs serve every batch of 2 or more, then batch 1 (a size-1 dimension is always specialised) at 480p x 81
@@ -22,6 +25,7 @@ from mdtriton.families.wan.transformer import (TINY_CONFIG, WAN_1_3B_CONFIG, WAN
 # no size of the warm-up equals a model dimension (Dynamo would take two equal sizes for one).
 WARM_UP_SHAPES = ((7, 3, 7, 11, 127), (1, 21, 30, 52, 509))
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length
+IMAGE_TOKENS = 257  # Wan 2.1 I2V's image encoder (CLIP ViT-H/14 at 224 px: 16 x 16 patches and its class token)
 # The VAE's compression: 4 frames after the first into one latent frame; 8x8 pixels into one latent (Wan 2.1's VAE,
 # 16 latent channels, and the tests' tiny one), 16x16 for Wan 2.2's VAE (48 latent channels, TI2V 5B).
 VAE_TEMPORAL = 4
@@ -30,8 +34,8 @@ WAN_2_2_VAE_CHANNELS = 48
 
 class WanFamily(Family):
     name = "wan"
-    description = ("Wan 2.x text-to-video transformer (diffusers' WanTransformer3DModel): tp, cp, tp x cp; FP8 on "
-                   "GPUs")
+    description = ("Wan 2.x text- and image-to-video transformer (diffusers' WanTransformer3DModel): tp, cp, tp x cp; "
+                   "FP8 on GPUs")
     module_class = Wan
     supports_fp8 = True
     pipeline = WanPipelinePart()
@@ -39,7 +43,8 @@ class WanFamily(Family):
 
     def presets(self) -> dict[str, dict]:
         return {"tiny": copy.deepcopy(TINY_CONFIG), "wan2.1-t2v-1.3b": copy.deepcopy(WAN_1_3B_CONFIG),
-                "wan2.1-t2v-14b": copy.deepcopy(WAN_14B_CONFIG), "wan2.2-ti2v-5b": copy.deepcopy(WAN_5B_CONFIG)}
+                "wan2.1-t2v-14b": copy.deepcopy(WAN_14B_CONFIG), "wan2.2-ti2v-5b": copy.deepcopy(WAN_5B_CONFIG),
+                "wan2.1-i2v-14b": copy.deepcopy(WAN_I2V_14B_CONFIG)}
 
     def config_from_diffusers(self, config_json: dict) -> dict:
         config = super().config_from_diffusers(config_json)
@@ -51,19 +56,26 @@ class WanFamily(Family):
 
     def signature(self, config: dict, data_type: str) -> Signature:
         """As diffusers' forward: the latent video [B, C, F, H, W], the timestep [B] (FP32: the time embedding is
-        computed in float32), the text embeddings [B, L, text_dim]; the sample like the latent."""
+        computed in float32), the text embeddings [B, L, text_dim], and for a model with an image encoder (Wan 2.1
+        I2V) the image's tokens [B, I, image_dim]; the sample like the latent."""
         out_channels = config["out_channels"] or config["in_channels"]
         inputs = (TensorSpec("hidden_states", data_type, (-1, config["in_channels"], -1, -1, -1)),
                   TensorSpec("timestep", "FP32", (-1,)),
                   TensorSpec("encoder_hidden_states", data_type, (-1, -1, config["text_dim"])))
+        if config["image_dim"] is not None:
+            inputs += (TensorSpec("encoder_hidden_states_image", data_type, (-1, -1, config["image_dim"])),)
         return inputs, (TensorSpec("sample", data_type, (-1, out_channels, -1, -1, -1)),)
 
     def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """The video's tokens (its patches); ValueError if the sizes do not divide into patches, exceed the rotary
-        table or disagree on the batch."""
+        table, disagree on the batch, or a timestep per token (in-process pipelines: Wan 2.2 TI2V given an image) has
+        another count of tokens, or an image-to-video model lacks its image's tokens."""
         batch, _, *sizes = inputs["hidden_states"].shape
-        for name in ("timestep", "encoder_hidden_states"):
-            if inputs[name].shape[0] != batch:
+        if config["image_dim"] is not None and "encoder_hidden_states_image" not in inputs:
+            raise ValueError("this Wan is an image-to-video one: send the image encoder's tokens as "
+                             "encoder_hidden_states_image")
+        for name in ("timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
+            if name in inputs and inputs[name].shape[0] != batch:
                 raise ValueError(f"{name} has batch size {inputs[name].shape[0]} but hidden_states has {batch}; "
                                  "every per-sample input needs the same batch size")
         grid = []
@@ -75,13 +87,20 @@ class WanFamily(Family):
                 raise ValueError(f"hidden_states has {size // patch} patches of {axis}, over the "
                                  f"{config['rope_max_seq_len']} the rotary embedding covers; send a smaller video")
             grid.append(size // patch)
-        return RequestSize(batch, math.prod(grid))
+        tokens = math.prod(grid)
+        if inputs["timestep"].ndim == 2 and inputs["timestep"].shape[1] != tokens:
+            raise ValueError(f"timestep has {inputs['timestep'].shape[1]} timesteps per sample but the video "
+                             f"{tokens} tokens; send one per sample or one per token")
+        return RequestSize(batch, tokens)
 
     def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
         """One frame of patches, cp_size patches wide (one per context-parallel rank), and cp_size text tokens."""
         p_t, p_h, p_w = config["patch_size"]
-        return {"hidden_states": [1, config["in_channels"], p_t, p_h, p_w * plan.cp_size], "timestep": [1],
-                "encoder_hidden_states": [1, plan.cp_size, config["text_dim"]]}
+        sample = {"hidden_states": [1, config["in_channels"], p_t, p_h, p_w * plan.cp_size], "timestep": [1],
+                  "encoder_hidden_states": [1, plan.cp_size, config["text_dim"]]}
+        if config["image_dim"] is not None:
+            sample["encoder_hidden_states_image"] = [1, image_tokens(config), config["image_dim"]]
+        return sample
 
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
         p_t, p_h, p_w = config["patch_size"]
@@ -121,11 +140,32 @@ class WanFamily(Family):
                batch: int = 1) -> dict[str, torch.Tensor]:
         """A seeded request (CPU): a random latent video of latent_size (frames, height, width), timestep 500."""
         generator = torch.Generator().manual_seed(0)
-        return {
+        inputs = {
             "hidden_states": torch.randn(batch, config["in_channels"], *latent_size, generator=generator).to(dtype),
             "timestep": torch.full((batch,), 500.0),
             "encoder_hidden_states": torch.randn(batch, text_tokens, config["text_dim"], generator=generator).to(dtype),
         }
+        if config["image_dim"] is not None:
+            inputs["encoder_hidden_states_image"] = torch.randn(batch, image_tokens(config), config["image_dim"],
+                                                                generator=generator).to(dtype)
+        return inputs
+
+
+def image_tokens(config: dict) -> int:
+    """The image encoder's tokens an image-to-video model takes: 257 per image (both images' with pos_embed_seq_len,
+    Wan 2.1 FLF2V)."""
+    return config["pos_embed_seq_len"] or IMAGE_TOKENS
+
+
+class WanImageToVideoFamily(WanFamily):
+    """The Wan transformer with diffusers' WanImageToVideoPipeline: Wan 2.1 I2V (an image encoder), Wan 2.2 I2V A14B
+    (two experts) and Wan 2.2 TI2V 5B given an image (a timestep per token)."""
+
+    name = "wan-i2v"
+    description = ("Wan 2.x image-to-video (diffusers' WanImageToVideoPipeline; the wan family's transformer): tp, cp, "
+                   "tp x cp; FP8 on GPUs")
+    pipeline = WanImageToVideoPipelinePart()
 
 
 WAN = WanFamily()
+WAN_I2V = WanImageToVideoFamily()

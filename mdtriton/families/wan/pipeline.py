@@ -31,8 +31,10 @@ MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default and UMT5's length
 class EngineTransformer(EngineAsTransformer):
     """WanPipeline's `transformer` (or `transformer_2`): a transformer engine called as WanTransformer3DModel is.
 
-    Wan 2.2 TI2V 5B's pipeline passes a timestep per token (expand_timesteps); for text to video they are all the
-    sample's timestep, which the engine takes once.
+    Wan 2.2 TI2V 5B's pipelines pass a timestep per token (expand_timesteps); for text to video they are all the
+    sample's timestep, which the engine takes once; given an image (WanImageToVideoPipeline) the first latent frame's
+    tokens have timestep 0, and the engine takes one per token. Wan 2.1 I2V's pipeline passes its image encoder's
+    tokens (encoder_hidden_states_image), which the engine takes beside the text.
 
     Guidance parallelism (cfg_size 2): WanPipeline calls the transformer for the conditional branch, then for the
     unconditional one, and combines them only after both. So the conditional call hands back an empty tensor and
@@ -48,7 +50,7 @@ class EngineTransformer(EngineAsTransformer):
         self.pending: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
-                                      patch_size=tuple(config["patch_size"]))
+                                      patch_size=tuple(config["patch_size"]), image_dim=config["image_dim"])
 
     def cache_context(self, name: str, **step):
         """WanPipeline names each transformer call's branch ("cond", "uncond") by its cache context, which also tells
@@ -56,13 +58,14 @@ class EngineTransformer(EngineAsTransformer):
         self.branch = name
         return super().cache_context(name)
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, attention_kwargs=None, return_dict=False):
-        if timestep.ndim == 2:
-            if not bool((timestep == timestep[:, :1]).all()):
-                raise ValueError("a timestep per token that differs within a sample (image to video) is not served")
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None,
+                attention_kwargs=None, return_dict=False):
+        if timestep.ndim == 2 and bool((timestep == timestep[:, :1]).all()):
             timestep = timestep[:, 0]
         inputs = {"hidden_states": hidden_states.to(self._dtype), "timestep": timestep.float(),
                   "encoder_hidden_states": encoder_hidden_states.to(self._dtype)}
+        if encoder_hidden_states_image is not None:
+            inputs["encoder_hidden_states_image"] = encoder_hidden_states_image.to(self._dtype)
         comm = self.engine.comm
         if comm.cfg_size == 1 or not self.pipeline.do_classifier_free_guidance:
             return (self.run_engine(inputs),)
