@@ -246,6 +246,36 @@ def summary_table(rows: list[dict], sizes: list[int]) -> str:
                            *(f"{phase}: images/s / mean s / p99 s / within" for phase in loads)], cells)
 
 
+def elastic_against_static(rows: list[dict], sizes: list[int]) -> list[str]:
+    """The elastic layout's results as the ratios its targets are stated in: lone latency against staticN's,
+    closed-loop throughput against static1's and staticN's, and each open-loop load's mean and p99 latency and share
+    within the deadline against the best static layout's. Nothing without elastic rows."""
+    by = {(row["layout"], row["phase"]): row for row in rows}
+    phases = list(dict.fromkeys(row["phase"] for row in rows if row["layout"] == "elastic"))
+    static = [layout for layout in dict.fromkeys(row["layout"] for row in rows) if layout != "elastic"]
+    lines = []
+    for phase in phases:
+        elastic = by["elastic", phase]
+        if phase == "lone" and ("staticN", phase) in by:
+            ratios = [elastic["sizes"][size]["p50_s"] / by["staticN", phase]["sizes"][size]["p50_s"] for size in sizes
+                      if elastic["sizes"][size]["p50_s"] and by["staticN", phase]["sizes"][size]["p50_s"]]
+            lines.append("lone latency, elastic / staticN: " + ", ".join(f"{r:.3f}x" for r in ratios))
+        elif phase.startswith("closed"):
+            lines += [f"{phase} throughput, elastic / {layout}: "
+                      f"{elastic['images_per_s'] / by[layout, phase]['images_per_s']:.3f}x"
+                      for layout in static if (layout, phase) in by]
+        elif phase != "lone" and any((layout, phase) in by for layout in static):
+            others = [by[layout, phase]["all"] for layout in static if (layout, phase) in by]
+            mean = min((o["mean_s"] for o in others if o["mean_s"] is not None), default=None)
+            p99 = min((o["p99_s"] for o in others if o["p99_s"] is not None), default=None)
+            within = max((o["within_deadline"] for o in others), default=None)
+            mine = elastic["all"]
+            lines.append(f"{phase}, elastic against the best static layout: mean {seconds(mine['mean_s'])} against "
+                         f"{seconds(mean)} s, p99 {seconds(mine['p99_s'])} against {seconds(p99)} s, within the "
+                         f"deadline {share(mine['within_deadline'])} against {share(within)}")
+    return lines
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Mean (solid) and p99 (dashed) latency against open-loop load, a colour per layout."""
     import matplotlib
@@ -361,6 +391,8 @@ def main() -> int:
         return 1
     print(f"\n{title}; lone: median of {args.lone_repeats}; loads: {args.requests} requests, deadline twice the "
           f"size's one-GPU time\n\n{summary_table(rows, sizes)}\n")
+    for line in elastic_against_static(rows, sizes):
+        print(line)
     if args.plot:
         plot(rows, args.plot, title)
         print(f"wrote {args.plot}")
