@@ -289,8 +289,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                         if row["layout"] == layout and row["load"] is not None and row["all"]["mean_s"] is not None)
         if points:
             line, = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{layout} mean")
-            axis.plot([p[0] for p in points], [p[2] for p in points], marker="x", linestyle="--", color=line.get_color(),
-                      label=f"{layout} p99")
+            axis.plot([p[0] for p in points], [p[2] for p in points], marker="x", linestyle="--",
+                      color=line.get_color(), label=f"{layout} p99")
     axis.set_title(title, fontsize="small", wrap=True)
     axis.set(xlabel="load (share of the one-GPU models' capacity)", ylabel="latency (s)")
     axis.legend(fontsize="small")
