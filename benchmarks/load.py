@@ -338,6 +338,8 @@ def main() -> int:
     gpus = args.gpus or (2 if args.tiny else torch.cuda.device_count())
     if gpus < 1:
         raise SystemExit("no GPU visible: run on a GPU host, or with --tiny on CPU ranks")
+    if args.requests < 1 or args.lone_repeats < 1 or args.clients < 0:
+        raise SystemExit("give --requests and --lone-repeats of 1 or more, --clients of 0 or more")
     sizes = [int(size) for size in (args.sizes or ("32,64,96" if args.tiny else "512,1024,1536")).split(",")]
     steps = args.steps or (3 if args.tiny else 28)
     loads = [float(load) for load in args.loads.split(",")] if args.loads else []
