@@ -325,15 +325,16 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def build_pipeline(repository: Path, model: str, architecture: str, pipeline_dir: Path, data_type: str,
-                   device: torch.device, plan: ParallelPlan = ParallelPlan()) -> Path:
+                   device: torch.device, plan: ParallelPlan = ParallelPlan(), **options) -> Path:
     """The model version `mdtriton build --architecture ARCHITECTURE --weights PIPELINE_DIR` makes of a diffusers
     pipeline directory whose transformer/ holds only its config: the transformer's random weights made on the device
-    (seed 0, so every plan and data type computes the same model), any request size allowed. Returns the version's
-    directory."""
+    (seed 0, so every plan and data type computes the same model), any request size allowed. options: further
+    build_model_version keywords, as their `mdtriton build` options would give them (e.g. the elastic layout's in
+    benchmarks/load.py). Returns the version's directory."""
     return build_model_version(repository, model, architecture, None, plan, data_type,
                                "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir,
                                limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
-                               random_device=device.type, progress=False)
+                               random_device=device.type, progress=False, **options)
 
 
 @contextmanager

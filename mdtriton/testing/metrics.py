@@ -69,3 +69,14 @@ def rank_counters(metrics_url: str, quiet: float = 0.5) -> dict[str, dict[str, f
         return counters
 
     return steady(read, quiet)
+
+
+def job_seconds(metrics_url: str, quiet: float = 0.5) -> float:
+    """The seconds of jobs run so far by every rank of every model served, summed (rank_counters' "job": compute and
+    collectives), once two readings `quiet` seconds apart agree: the GPUs' busy time, for a server that holds several
+    models."""
+    def read() -> float:
+        reading = scrape_all(metrics_url)
+        return sum(value for name in RANK_COUNTERS["job"] for value in reading.get(name, {}).values())
+
+    return steady(read, quiet)
