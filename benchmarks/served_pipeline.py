@@ -33,7 +33,7 @@ others; they have no build, server, requests at once or steps apart ("-").
         --concurrent 0 --xdit-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --architecture kontext --plans 1,ulysses2 --steps 10 --images 2 \\
-        --concurrent 0                          # Kontext: 1024x1024 made from a 1024x1024 input image (random pixels)
+        --concurrent 0 --workdir /dev/shm/sp    # Kontext: 1024x1024 made from a 1024x1024 input image (random pixels)
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
     python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --xdit-time-limit 300 --images 5 \\
         --concurrent 0 --workdir /dev/shm/sp                    # ours against xDiT's (compiled), on 4 GPUs

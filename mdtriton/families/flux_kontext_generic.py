@@ -15,7 +15,5 @@ from mdtriton.pipeline.generic import DiffusersPipelinePart
 class FluxKontextGenericPipelinePart(KontextRequest, DiffusersPipelinePart):
     """FluxKontextPipeline with diffusers' FluxTransformer2DModel split by its `_cp_plan`."""
 
-    diffusers_class = "FluxKontextPipeline"
-
 
 FLUX_KONTEXT_GENERIC = FluxKontextGenericPipelinePart()

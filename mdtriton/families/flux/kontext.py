@@ -153,7 +153,5 @@ def output_size(inputs: dict[str, torch.Tensor], multiple: int) -> tuple[int, in
 class FluxKontextPipelinePart(KontextRequest, FluxPipelinePart):
     """FluxKontextPipeline with our FLUX engine as its transformer (called as FluxPipeline calls it)."""
 
-    diffusers_class = "FluxKontextPipeline"
-
 
 FLUX_KONTEXT = FluxKontextPipelinePart()
