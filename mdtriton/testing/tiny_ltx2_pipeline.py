@@ -5,8 +5,9 @@ tokenizer class over byte tokens made locally (Gemma's special tokens, then one 
 no merges) and a Gemma 3 text encoder (two text layers of width 32, a one-layer SigLIP vision tower); the text
 connectors (video and audio streams); LTX2VideoTransformer3DModel (2 layers, 2 heads per stream, split RoPE);
 AutoencoderKLLTX2Video (2x in space and time: a clip of H x W pixels and F = 2k+1 frames is (k+1) x H/2 x W/2 video
-tokens), AutoencoderKLLTX2Audio (8 mel bins, 16 kHz) and the vocoder (stereo, 16 kHz); FLUX's flow-matching
-scheduler with its default config. A 2-step 32x32 clip of 5 frames takes about a second on one CPU core.
+tokens), AutoencoderKLLTX2Audio (8 mel bins, 16 kHz, a mel frame each 160 samples) and the vocoder (stereo, 16 kHz:
+160 samples a mel frame, so that the sound lasts as long as the clip, as LTX-2's does); FLUX's flow-matching scheduler
+with its default config. A 2-step 32x32 clip of 5 frames takes about a second on one CPU core.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def tiny_ltx2_parts(seed: int = 0) -> dict:
         resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
     vocoder = LTX2Vocoder(
-        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[20, 8, 8],
+        upsample_factors=[10, 4, 4],
         resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
         output_sampling_rate=16000)
     return dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
