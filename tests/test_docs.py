@@ -12,7 +12,8 @@ from mdtriton.families import pipeline_part
 
 CLIENT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "client.md"
 SECTIONS = {"flux-pipeline": "## Prompt to image (FLUX pipelines)",
-            "wan-pipeline": "## Prompt to video (Wan pipelines)"}
+            "wan-pipeline": "## Prompt to video (Wan pipelines)",
+            "wan-i2v-pipeline": "## Image to video (Wan image-to-video pipelines)"}
 
 
 def what_travels(architecture: str) -> str:

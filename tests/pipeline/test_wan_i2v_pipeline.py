@@ -7,6 +7,7 @@ uint8 level. Bad requests are refused naming the input (served: INVALID_ARGUMENT
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -80,12 +81,13 @@ def expected(pipelines):
 
 @pytest.fixture(scope="module")
 def engines(pipelines, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """An engine directory per layout and plan of 2 ranks."""
+    """An engine directory per layout and plan of 2 ranks (guidance parallelism, whose split is the same for every
+    layout, with Wan 2.1 I2V only)."""
     root = tmp_path_factory.mktemp("wan_i2v_engines")
     return {(layout, plan): build_model_version(root, f"{layout}_{plan}", "wan-i2v-pipeline", None, PLANS[plan],
                                                 "FP32", "cpu", weights_path=pipelines[layout], progress=False,
                                                 limits=LIMITS) / ENGINE_DIR
-            for layout in I2V_LAYOUTS for plan in PLANS}
+            for layout in I2V_LAYOUTS for plan in PLANS if plan != "cfg2" or layout == "wan2.1-i2v"}
 
 
 def run_pipelines(rank: int, world_size: int, engine_dirs: dict[str, str],
@@ -128,7 +130,8 @@ REFUSED = [
     ("wan2.1-i2v", {"last_image": LAST_IMAGE}, "last_image: this model's image encoder reads one image"),
     ("wan2.1-i2v", {"max_sequence_length": 64}, "max_sequence_length: Wan 2.1 image-to-video takes the whole 512"),
     ("wan2.2-ti2v", {"last_image": LAST_IMAGE}, "last_image: Wan 2.2 TI2V conditions only the first frame"),
-    ("wan2.2-ti2v", {"width": 48 + 16}, "width 64 is not a positive multiple of 32"),
+    ("wan2.2-ti2v", {"num_frames": 13, "height": 64, "width": 64}, "64x64 x 13 frames is 64 tokens, over this "
+                                                                    "engine's maximum of 48"),
     ("wan2.2-i2v-a14b", {"last_image": LAST_IMAGE[:1]}, "last_image is 48x1: its aspect differs"),
     ("wan2.2-i2v-a14b", {"num_frames": 7}, "num_frames 7 is not 4k+1; send 5 or 9"),
 ]
@@ -139,7 +142,7 @@ REFUSED = [
 def test_requests_a_layout_cannot_take_are_refused_naming_the_input(engines, layout, change, message):
     inputs = {**request(layout), **{name: torch.tensor([value], dtype=torch.int32) if isinstance(value, int)
                                     else torch.from_numpy(value) for name, value in change.items()}}
-    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(RequestError, match=re.escape(message)):
         WanImageToVideoPipelinePart().check_request(Manifest.read(engines[(layout, "ulysses2")]), inputs)
 
 
