@@ -166,8 +166,8 @@ def main() -> None:
     model_sizes(args, model_config(args))  # refuses a size before any rank starts
     counts = [int(count) for count in args.gpus.split(",")]
     if args.device == "cpu" and max(counts) > 1:
-        raise SystemExit("diffusers' context parallelism runs on GPUs only (enable_parallelism picks an accelerator per "
-                         "rank); on CPU give --gpus 1")
+        raise SystemExit("diffusers' context parallelism runs on GPUs only (enable_parallelism picks an accelerator "
+                         "per rank); on CPU give --gpus 1")
     for world_size in counts:
         problem = run_ranks(rank_main, world_size, (args,))
         if problem:

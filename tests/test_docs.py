@@ -13,7 +13,8 @@ from mdtriton.families import pipeline_part
 CLIENT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "client.md"
 SECTIONS = {"flux-pipeline": "## Prompt to image (FLUX pipelines)",
             "wan-pipeline": "## Prompt to video (Wan pipelines)",
-            "flux-kontext-pipeline": "## FLUX.1 Kontext: an image edited by a prompt"}
+            "flux-kontext-pipeline": "## FLUX.1 Kontext: an image edited by a prompt",
+            "wan-i2v-pipeline": "## Image to video (Wan image-to-video pipelines)"}
 
 
 def what_travels(architecture: str) -> str:

@@ -106,8 +106,8 @@ def reference_i2v_video(pipeline_dir: Path, prompt: list[str], image: np.ndarray
     pipeline.set_progress_bar_config(disable=True)
     if last_image is not None:
         options["last_image"] = PIL.Image.fromarray(last_image)
-    frames = pipeline(image=PIL.Image.fromarray(image), prompt=prompt, height=height, width=width, num_frames=num_frames,
-                      num_inference_steps=steps, guidance_scale=guidance,
+    frames = pipeline(image=PIL.Image.fromarray(image), prompt=prompt, height=height, width=width,
+                      num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance,
                       generator=torch.Generator().manual_seed(seed), output_type="np", **options).frames
     return (frames * 255).round().astype(np.uint8)
 

@@ -1,7 +1,7 @@
-"""Wan 2.1 image to video (wan-i2v-pipeline: its image encoder's tokens beside the text, 36-channel input in the
-published model, here the tiny one's) served in BF16 on one GPU and on 2 GPUs (NCCL ranks) with ulysses 2, tp 2 and
-cfg 2: two requests at once (so that both ranks receive one), each clip equal to the one-GPU clip within bf16
-rounding (the plans add and reduce in other orders)."""
+"""Wan 2.1 image to video (wan-i2v-pipeline: its image encoder's tokens beside the text and the image's latents
+beside the noise) served on one GPU and on 2 GPUs (NCCL ranks) with ulysses 2, tp 2 and cfg 2, float32 as the other
+served-pipeline GPU tests: two requests at once (so that both ranks receive one), each clip within 2 uint8 levels of
+the one-GPU clip (the plans add and reduce in other orders)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_wan_pipeline import save_tiny_wan_i2v_pipeline, sample_image
 from tests.conftest import start_server
-from tests.pipeline.pipelines import max_level_difference, mean_level_difference
+from tests.pipeline.pipelines import max_level_difference
 
 pytestmark = pytest.mark.gpu
 PLANS = {"i2v_1gpu": ParallelPlan(), "i2v_ulysses2": ParallelPlan(cp_size=2, cp_method="ulysses"),
@@ -33,7 +33,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan_i2v_gpu")
     weights = save_tiny_wan_i2v_pipeline(root / "wan-i2v", "wan2.1-i2v", seed=1)
     for name, plan in PLANS.items():
-        build_model_version(root / "repository", name, "wan-i2v-pipeline", None, plan, "BF16", "gpu", progress=False,
+        build_model_version(root / "repository", name, "wan-i2v-pipeline", None, plan, "FP32", "gpu", progress=False,
                             weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
     server = start_server(root / "repository", root / "server.log")
     yield server
@@ -41,7 +41,7 @@ def served(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_two_gpus_equal_one_gpu_within_bf16_rounding(served):
+def test_two_gpus_equal_one_gpu(served):
     def clips(model: str) -> list:
         with ThreadPoolExecutor(2) as pool:
             return list(pool.map(lambda seed: generate_video(served.grpc_address, model, "a red cat", **CLIP,
@@ -51,4 +51,4 @@ def test_two_gpus_equal_one_gpu_within_bf16_rounding(served):
     assert expected[0].std() > 10  # a real clip
     for model in PLANS:
         for seed, (clip, want) in enumerate(zip(clips(model), expected)):
-            assert mean_level_difference(clip, want) < 1.0 and max_level_difference(clip, want) <= 8, (model, seed)
+            assert max_level_difference(clip, want) <= 2, (model, seed)

@@ -362,8 +362,8 @@ class Wan(nn.Module):
         return carried if image is None else {**carried, "image": image}
 
     def other_blocks(self, x: torch.Tensor, temb: torch.Tensor, modulation: torch.Tensor, text: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, hidden_states: torch.Tensor, image: torch.Tensor | None = None,
-                     **_) -> dict[str, torch.Tensor]:
+                     cos: torch.Tensor, sin: torch.Tensor, hidden_states: torch.Tensor,
+                     image: torch.Tensor | None = None, **_) -> dict[str, torch.Tensor]:
         """Every block after the first, then the output: forward's outputs, and "hidden", the last block's output."""
         hidden = self.run_blocks(self.blocks[1:], x, modulation, text, image, cos, sin, hidden_states)
         return {**self.finish(hidden, temb, hidden_states), "hidden": hidden}
