@@ -27,7 +27,9 @@ BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.fam
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
-                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN"}
+                       "flux2-klein-pipeline": "mdtriton.families.flux2:FLUX2_KLEIN",
+                       "flux2-pipeline": "mdtriton.families.flux2:FLUX2",
+                       "qwen-image-edit-plus-pipeline": "mdtriton.families.qwen_image_edit_plus:QWEN_IMAGE_EDIT_PLUS"}
 
 
 def _load(reference: str, origin: str) -> Family:

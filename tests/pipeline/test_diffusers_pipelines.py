@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from PIL import Image
 from diffusers import Flux2KleinPipeline, QwenImagePipeline
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
-from mdtriton.client.pipeline import infer_inputs, request_arrays
+from mdtriton.client.pipeline import image_arrays, infer_inputs, request_arrays
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline
@@ -46,19 +47,27 @@ def qwen_image(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline) -> np.ndarray:
-    pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True)
+def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, **load_arguments) -> np.ndarray:
+    """diffusers' pipeline in this process with the directory's components (and load_arguments) for a request as
+    `served` takes it (its `images`, UINT8 arrays, given to the pipeline as PIL images)."""
+    pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True, **load_arguments)
     pipeline.set_progress_bar_config(disable=True)
-    arguments = {key: value for key, value in request.items() if key != "seed"}
+    arguments = {key: value for key, value in request.items() if key not in ("seed", "images")}
+    if "images" in request:
+        arguments["image"] = [Image.fromarray(image) for image in request["images"]]
     images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
     return (images * 255).round().astype(np.uint8)
 
 
 def served(server, model: str, request: dict) -> np.ndarray:
+    """The served image of a request: its texts, numbers and `images` (sent as image, image_2, image_3) or, for
+    requests the client would not make, `arrays` (input arrays by name, sent as they are)."""
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
-    numbers = {name: value for name, value in request.items() if name not in texts}
+    numbers = {name: value for name, value in request.items() if name not in (*texts, "images", "arrays")}
+    arrays = {**request_arrays(texts, numbers, None, None), **image_arrays(request.get("images", [])),
+              **request.get("arrays", {})}
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
-        result = client.infer(model, infer_inputs(request_arrays(texts, numbers, None, None)), client_timeout=300)
+        result = client.infer(model, infer_inputs(arrays), client_timeout=300)
     return result.as_numpy("image")
 
 
