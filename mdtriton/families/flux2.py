@@ -46,7 +46,7 @@ class Flux2PipelinePart(DiffusersPipelinePart):
     def signature(self) -> Signature:
         inputs = (
             TensorSpec("prompt", "STRING", (-1,)),
-            *image_specs(len(IMAGE_INPUTS)),
+            *image_specs(),
             TensorSpec("height", "INT32", (1,)),
             TensorSpec("width", "INT32", (1,)),
             TensorSpec("num_inference_steps", "INT32", (1,)),
@@ -72,7 +72,7 @@ class Flux2PipelinePart(DiffusersPipelinePart):
         text's tokens), a text length out of range, step counts, a guidance out of range, a batch over the limit."""
         prompts = prompts_of(inputs, "prompt")
         check_batch(manifest, prompts, "images")
-        check_images(inputs, 0, SMALLEST_INPUT_SIDE, LARGEST_INPUT_ASPECT, self.model_name)
+        check_images(inputs, SMALLEST_INPUT_SIDE, LARGEST_INPUT_ASPECT, self.model_name)
         multiple = 2 * manifest.config["vae_scale_factor"]
         input_sides = [cut_sides(inputs[name], multiple) for name in IMAGE_INPUTS if name in inputs]
         default = input_sides[0] if input_sides else (DEFAULT_SIDE, DEFAULT_SIDE)

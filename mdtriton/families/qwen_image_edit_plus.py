@@ -22,7 +22,7 @@ import torch
 from mdtriton.engine.manifest import Manifest, Signature, TensorSpec
 from mdtriton.engine.request_check import RequestError
 from mdtriton.families.qwen_image import MAX_IMAGE_TOKENS, QwenImagePipelinePart
-from mdtriton.pipeline.image_inputs import IMAGE_INPUTS, check_images, image_specs, pil_images
+from mdtriton.pipeline.image_inputs import check_images, image_specs, pil_images
 from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import check_sides, check_steps_and_guidance, prompts_of
 
@@ -38,7 +38,7 @@ class QwenImageEditPlusPipelinePart(QwenImagePipelinePart):
     def signature(self) -> Signature:
         inputs = (
             TensorSpec("prompt", "STRING", (-1,)),
-            *image_specs(len(IMAGE_INPUTS)),
+            *image_specs(),
             TensorSpec("negative_prompt", "STRING", (-1,)),
             TensorSpec("height", "INT32", (1,)),
             TensorSpec("width", "INT32", (1,)),
@@ -70,7 +70,7 @@ class QwenImageEditPlusPipelinePart(QwenImagePipelinePart):
                                "send one prompt")
         if "negative_prompt" in inputs and len(prompts_of(inputs, "negative_prompt")) != 1:
             raise RequestError(f"negative_prompt has {inputs['negative_prompt'].shape[0]} rows; send one, or none")
-        check_images(inputs, 1, SMALLEST_INPUT_SIDE, LARGEST_INPUT_ASPECT, "Qwen-Image-Edit-Plus")
+        check_images(inputs, SMALLEST_INPUT_SIDE, LARGEST_INPUT_ASPECT, "Qwen-Image-Edit-Plus")
         if ("height" in inputs) != ("width" in inputs):
             raise RequestError("send height and width together, or neither (about a megapixel of the last input "
                                "image's aspect)")

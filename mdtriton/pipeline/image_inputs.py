@@ -1,8 +1,9 @@
 """Input images, the one convention of every image pipeline that takes them (reference images to edit or to follow):
 up to three request inputs `image`, `image_2`, `image_3`, each UINT8 [height, width, 3] RGB pixels, the first one
-first. A pipeline declares how many it takes (image_specs) and checks them before the job is ordered (check_images:
-RequestError naming the input and what to send); they reach the diffusers pipeline as the PIL images diffusers'
-examples give it (pil_images), so a served image equals diffusers' given the same PIL images."""
+first. A pipeline declares them (image_specs; its optional_inputs say whether `image` is required) and checks them
+before the job is ordered (check_images: RequestError naming the input and what to send); they reach the diffusers
+pipeline as the PIL images diffusers' examples give it (pil_images), so a served image equals diffusers' given the
+same PIL images."""
 
 from __future__ import annotations
 
@@ -18,20 +19,17 @@ IMAGE_INPUTS = ("image", "image_2", "image_3")
 MAX_INPUT_SIDE = 4096
 
 
-def image_specs(most: int) -> tuple[TensorSpec, ...]:
-    """The request inputs of a pipeline that takes up to `most` input images (1 to 3)."""
-    return tuple(TensorSpec(name, "UINT8", (-1, -1, 3)) for name in IMAGE_INPUTS[:most])
+def image_specs() -> tuple[TensorSpec, ...]:
+    """The input images' request inputs, as a pipeline's signature declares them."""
+    return tuple(TensorSpec(name, "UINT8", (-1, -1, 3)) for name in IMAGE_INPUTS)
 
 
-def check_images(inputs: dict[str, torch.Tensor], least: int, smallest_side: int, largest_aspect: float,
-                 pipeline: str) -> int:
-    """How many input images the request sends, after checking them: at least `least`, in order (no `image_2`
-    without `image`), each with sides smallest_side to MAX_INPUT_SIDE and its long side at most largest_aspect times
-    its short one (pipeline: its name, for the messages). Triton itself refuses an input image of another data type,
-    rank or channel count, or one the pipeline does not declare (config.pbtxt), naming the input."""
+def check_images(inputs: dict[str, torch.Tensor], smallest_side: int, largest_aspect: float, pipeline: str) -> None:
+    """The request's input images in order (no `image_2` without `image`), each with sides smallest_side to
+    MAX_INPUT_SIDE and its long side at most largest_aspect times its short one (pipeline: its name, for the
+    messages). Triton itself refuses an input image of another data type, rank or channel count, one the pipeline does
+    not declare, and a required one left out (config.pbtxt), naming the input."""
     given = [name for name in IMAGE_INPUTS if name in inputs]
-    if len(given) < least:
-        raise RequestError(f"{pipeline} needs an input image: send image (UINT8 [height, width, 3] RGB pixels)")
     for index, name in enumerate(given):
         if name != IMAGE_INPUTS[index]:
             raise RequestError(f"{name} is sent without {IMAGE_INPUTS[index]}; input images fill image, image_2, "
@@ -45,7 +43,6 @@ def check_images(inputs: dict[str, torch.Tensor], least: int, smallest_side: int
         if aspect > largest_aspect:
             raise RequestError(f"{name} is {columns}x{rows} pixels, an aspect of {aspect:.1f}:1, over the "
                                f"{largest_aspect:g}:1 {pipeline} takes; crop it nearer to square")
-    return len(given)
 
 
 def pil_images(inputs: dict[str, torch.Tensor]) -> list[PIL.Image.Image]:

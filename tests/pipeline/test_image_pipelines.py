@@ -115,7 +115,7 @@ def edit_reference(pipeline_dir, request: dict) -> np.ndarray:
 
 
 EDIT_BAD = [
-    ({}, "Qwen-Image-Edit-Plus needs an input image: send image"),
+    ({}, "input(s) ['image'] missing"),
     ({"arrays": {"image": image_of(), "image_3": image_of()}}, "image_3 is sent without image_2"),
     ({"arrays": {"image": image_of(np.float32)}}, "image"),
     ({"arrays": {"image": image_of(shape=(64, 48))}}, "image"),
