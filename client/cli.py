@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mdtriton.client.grpc_client import SHM_THRESHOLD_BYTES, Client
-from mdtriton.client.pipeline import generate, generate_clip, generate_video, streams_progress
+from mdtriton.client.pipeline import IMAGE_INPUTS, generate, generate_clip, generate_video, streams_progress
 from mdtriton.client.sampler import sample_flux
 from mdtriton.client.tensors import read_tensors, write_tensors
 
@@ -98,17 +98,20 @@ def add_parsers(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "generate", help="prompt to image or video with a served pipeline model",
-        description="Send a prompt to a pipeline model (mdtriton build --architecture flux-pipeline, "
-                    "qwen-image-pipeline, flux-kontext-pipeline (an --image edited): an image; wan-pipeline, "
-                    "cosmos3-pipeline: a video; ltx2-pipeline: a video with sound), show each denoising step as the "
-                    "server finishes it, and "
+        description="Send a prompt, and input images where the model takes them (--image), to a pipeline model "
+                    "(mdtriton build --architecture flux-pipeline, qwen-image-pipeline, flux2-pipeline, "
+                    "qwen-image-edit-plus-pipeline, flux-kontext-pipeline, ...: an image; wan-pipeline, "
+                    "wan-i2v-pipeline, cosmos3-pipeline: a video; ltx2-pipeline: a video with sound), show each "
+                    "denoising step as the server finishes it, and "
                     "write the image as a PNG, or the video as an MP4 (H.264, with its sound as AAC) or as the raw "
                     "frames (.npy: UINT8 [frames, height, width, 3]), its sound also as a WAV (--audio); a video of one "
                     "frame (Cosmos 3: --num-frames 1) as a PNG too. The "
                     "model's outputs say which it makes; what is not given takes the model's defaults (its family's: "
                     "FLUX 1024x1024, 28 steps, guidance 3.5; Qwen-Image 1024x1024, 50 steps, 4.0 (its true_cfg_scale, "
-                    "with a --negative-prompt); Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 720x1280, 189 frames, "
-                    "35 steps, 6.0; LTX-2 512x768, 121 frames at 24 per second, 30 steps, 3.0).")
+                    "with a --negative-prompt); Qwen-Image-Edit-Plus the last input image's aspect at about a "
+                    "megapixel, 50 steps, 4.0 (true_cfg_scale); FLUX.2 the first input image's size, else "
+                    "1024x1024, 50 steps, guidance 4.0; Wan 480x832, 81 frames, 50 steps, 5.0; Cosmos 3 720x1280, "
+                    "189 frames, 35 steps, 6.0; LTX-2 512x768, 121 frames at 24 per second, 30 steps, 3.0).")
     parser.add_argument("model", help="model name of a pipeline")
     parser.add_argument("prompt", help="the prompt")
     parser.add_argument("--url", default="127.0.0.1:8001", help="server gRPC address (default 127.0.0.1:8001)")
@@ -125,14 +128,17 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--num-frames", type=int, help="videos: frames, 4k+1 (LTX-2: 8k+1; Cosmos 3: 1 makes an "
                                                        "image)")
     parser.add_argument("--negative-prompt", help="what to steer away from, for models that take one (Wan, Qwen-Image, "
-                                                  "LTX-2; default: none)")
+                                                  "Qwen-Image-Edit-Plus, LTX-2; default: none)")
     parser.add_argument("--guidance-2", type=float,
                         help="videos: Wan 2.2 A14B's guidance for its low-noise expert (default: --guidance)")
-    parser.add_argument("--image", type=Path,
-                        help="an input image (a PNG or JPEG): videos: image to video, the clip's first frame (Cosmos "
-                             "3, LTX-2 image to video, wan-i2v-pipeline), resized (Cosmos 3: and center-cropped) to "
-                             "the video's size; images: the image to edit (FLUX.1 Kontext), used at its size rounded "
-                             "down to multiples of 16, which is also the size made unless --height and --width are given")
+    parser.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+                        help="an input image (a PNG or JPEG); repeat for several, sent as image, image_2, image_3 in "
+                             "order. Images: the reference images to edit or follow (flux2-pipeline, "
+                             "flux2-klein-pipeline: up to 3; qwen-image-edit-plus-pipeline: 1 to 3; "
+                             "flux-kontext-pipeline: the image to edit, used at its size rounded down to multiples of "
+                             "16; the size left out is the images'). Videos: image to video, the clip's first frame "
+                             "(cosmos3-pipeline, wan-i2v-pipeline, ltx2-image-to-video-pipeline: 1), resized to the "
+                             "video's size")
     parser.add_argument("--last-image", type=Path,
                         help="videos: the clip's last frame (a PNG or JPEG; Wan 2.2 I2V A14B, Wan 2.1 FLF2V)")
     parser.add_argument("--cache", metavar="JSON",
@@ -300,10 +306,12 @@ def generate_media(args: argparse.Namespace) -> int:
     if output.suffix.lower() not in suffixes:
         raise ValueError(f"{args.model} makes {'videos' if video else 'images'}: write a {' or '.join(suffixes)} "
                          f"file, not {output}")
-    if args.image is not None and "image" not in takes:
-        raise ValueError(f"{args.model} takes no image ({architecture}); image to video: a cosmos3-pipeline or "
-                         "ltx2-image-to-video-pipeline or wan-i2v-pipeline model; image editing: a "
-                         "flux-kontext-pipeline model")
+    image_inputs = [name for name in IMAGE_INPUTS if name in takes]
+    if len(args.image) > len(image_inputs):
+        raise ValueError(f"{args.model} takes {f'at most {len(image_inputs)}' if image_inputs else 'no'} input image"
+                         f"{'' if len(image_inputs) == 1 else 's'} ({architecture}), not {len(args.image)}; input "
+                         "images: flux2-pipeline, flux2-klein-pipeline, qwen-image-edit-plus-pipeline (up to 3), "
+                         "flux-kontext-pipeline, cosmos3-pipeline, wan-i2v-pipeline, ltx2-image-to-video-pipeline (1)")
     if args.last_image is not None and "last_image" not in takes:
         raise ValueError(f"{args.model} takes no last image ({architecture}); first and last frame: a wan-i2v-pipeline "
                          "model")
@@ -329,13 +337,13 @@ def generate_media(args: argparse.Namespace) -> int:
         if sound:
             clip = generate_clip(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                  defaults["num_frames"], fps, steps, guidance, args.seed, args.negative_prompt,
-                                 read_image(args.image) if args.image else None, **progress)
+                                 read_image(args.image[0]) if args.image else None, **progress)
             frames, audio, sample_rate = clip[0][0], clip[1][0], clip[2]
         elif video:
             frames = generate_video(args.url, args.model, args.prompt, defaults["height"], defaults["width"],
                                     defaults["num_frames"], steps, guidance, args.seed, args.negative_prompt,
                                     args.guidance_2, args.max_sequence_length, fps if "fps" in takes else None,
-                                    read_image(args.image) if args.image else None,
+                                    read_image(args.image[0]) if args.image else None,
                                     last_image=read_image(args.last_image) if args.last_image else None,
                                     **progress)[0]
         else:
@@ -343,7 +351,7 @@ def generate_media(args: argparse.Namespace) -> int:
             image = generate(args.url, args.model, args.prompt, defaults["height"], defaults["width"], steps,
                              None if true_cfg else guidance, args.seed, args.prompt_2, args.max_sequence_length,
                              negative_prompt=args.negative_prompt, true_cfg_scale=guidance if true_cfg else None,
-                             image=read_image(args.image) if args.image else None, **progress)[0]
+                             images=[read_image(path) for path in args.image], **progress)[0]
     print(f"{full_steps[0]} of {steps} steps ran the whole transformer")
     if output.suffix.lower() == ".png":
         from PIL import Image  # Pillow (the `pipeline` extra): only this command needs it

@@ -27,6 +27,8 @@ from mdtriton.client.grpc_client import ClientError, status_of
 STREAM_HEADERS = {"triton_grpc_error": "true"}
 
 
+# The input images a request may carry, in order (mdtriton.pipeline.image_inputs): the first is `image`.
+IMAGE_INPUTS = ("image", "image_2", "image_3")
 # The data type of each number a pipeline takes (a [1] tensor), as the families' pipelines declare it.
 NUMBER_TYPES = {"height": np.int32, "width": np.int32, "num_frames": np.int32, "num_inference_steps": np.int32,
                 "guidance_scale": np.float32, "guidance_scale_2": np.float32, "seed": np.int64,
@@ -38,18 +40,25 @@ def pipeline_inputs(prompts: list[str], height: int, width: int, num_inference_s
                     guidance_scale: float | None, seed: int, prompts_2: list[str] | None = None,
                     max_sequence_length: int | None = None, cache: str | dict | None = None,
                     loras: dict[str, float] | None = None, negative_prompts: list[str] | None = None,
-                    true_cfg_scale: float | None = None, image: np.ndarray | None = None) -> list[grpcclient.InferInput]:
-    """An image pipeline request's inputs (FLUX's; Qwen-Image's negative prompt and true_cfg_scale; FLUX.1 Kontext's
-    input image, UINT8 [height, width, 3]), named and typed as the model declares them (prompts as BYTES; cache, a step
-    cache config: a dict or its JSON text; loras, adapter names and scales); those given as None are left out, for the
-    model's default."""
+                    true_cfg_scale: float | None = None,
+                    images: list[np.ndarray] | None = None) -> list[grpcclient.InferInput]:
+    """An image pipeline request's inputs (FLUX's; Qwen-Image's negative prompt and true_cfg_scale; input images),
+    named and typed as the model declares them (prompts as BYTES; cache, a step cache config: a dict or its JSON text;
+    loras, adapter names and scales; images, up to three UINT8 [height, width, 3], sent as image, image_2, image_3);
+    those given as None are left out, for the model's default."""
     arrays = request_arrays(
         {"prompt": prompts, "prompt_2": prompts_2, "negative_prompt": negative_prompts},
         {"height": height, "width": width, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
          "true_cfg_scale": true_cfg_scale, "seed": seed, "max_sequence_length": max_sequence_length}, cache, loras)
-    if image is not None:
-        arrays["image"] = np.ascontiguousarray(image, dtype=np.uint8)
-    return infer_inputs(arrays)
+    return infer_inputs({**arrays, **image_arrays(images or [])})
+
+
+def image_arrays(images: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Input images (each UINT8 [height, width, 3]) by input name: image, image_2, image_3 (ValueError for more)."""
+    if len(images) > len(IMAGE_INPUTS):
+        raise ValueError(f"{len(images)} input images; a request carries at most {len(IMAGE_INPUTS)} "
+                         f"({', '.join(IMAGE_INPUTS)})")
+    return {name: np.ascontiguousarray(image, dtype=np.uint8) for name, image in zip(IMAGE_INPUTS, images)}
 
 
 def video_inputs(prompts: list[str], height: int | None, width: int | None, num_frames: int | None,
@@ -110,20 +119,22 @@ def as_list(prompt: str | list[str] | None) -> list[str] | None:
     return [prompt] if isinstance(prompt, str) else None if prompt is None else list(prompt)
 
 
-def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, width: int = 1024,
+def generate(url: str, model: str, prompt: str | list[str], height: int | None = 1024, width: int | None = 1024,
              num_inference_steps: int = 28, guidance_scale: float | None = 3.5, seed: int = 0,
              prompt_2: str | list[str] | None = None, max_sequence_length: int | None = None,
              cache: str | dict | None = None, loras: dict[str, float] | None = None,
              on_step: Callable[[int, int], None] | None = None,
              on_full_steps: Callable[[int], None] | None = None, timeout: float | None = None,
              negative_prompt: str | list[str] | None = None, true_cfg_scale: float | None = None,
-             image: np.ndarray | None = None) -> np.ndarray:
+             images: list[np.ndarray] | None = None) -> np.ndarray:
     """Images for prompt (one per prompt) as UINT8 [batch, height, width, 3], as the model's diffusers pipeline
-    (FluxPipeline, QwenImagePipeline, FluxKontextPipeline) makes them with `generator=torch.Generator().manual_seed(seed)`;
-    on_step(done, total) is called as each step finishes, if the model streams its progress (built with --stream).
-    Qwen-Image takes negative_prompt and true_cfg_scale, and no guidance_scale (send None). FLUX.1 Kontext takes an
-    input image to edit, UINT8 [height, width, 3] (None: text to image), and height and width as None (the input
-    image's size).
+    (FluxPipeline, QwenImagePipeline, Flux2Pipeline, FluxKontextPipeline, ...) makes them with
+    `generator=torch.Generator().manual_seed(seed)`; on_step(done, total) is called as each step finishes, if the
+    model streams its progress (built with --stream).
+    Qwen-Image and Qwen-Image-Edit-Plus take negative_prompt and true_cfg_scale, and no guidance_scale (send None).
+    images: input images (each UINT8 [height, width, 3] RGB), sent as image, image_2, image_3: the reference images
+    of FLUX.2 (none to three), Qwen-Image-Edit-Plus (one to three) and FLUX.1 Kontext (the image to edit: none or one); height and width None: the model's default
+    (for these, the input images' size).
 
     cache: the step cache, e.g. {"method": "first_block", "threshold": 0.08} (docs/client.md; None: the model's
     default). loras: the model's adapters to apply, by name, each with its scale, e.g. {"style": 0.8} (`mdtriton lora
@@ -132,7 +143,7 @@ def generate(url: str, model: str, prompt: str | list[str], height: int = 1024, 
     """
     inputs = pipeline_inputs(as_list(prompt), height, width, num_inference_steps, guidance_scale, seed,
                              as_list(prompt_2), max_sequence_length, cache, loras, as_list(negative_prompt),
-                             true_cfg_scale, image)
+                             true_cfg_scale, images)
     return ask(url, model, inputs, "image", num_inference_steps, on_step, on_full_steps, timeout)
 
 

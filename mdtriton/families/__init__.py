@@ -31,7 +31,9 @@ BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.fam
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.
 DIFFUSERS_PIPELINES = {"qwen-image-pipeline": "mdtriton.families.qwen_image:QWEN_IMAGE",
-                       "flux2-klein-pipeline": "mdtriton.families.flux2_klein:FLUX2_KLEIN",
+                       "flux2-klein-pipeline": "mdtriton.families.flux2:FLUX2_KLEIN",
+                       "flux2-pipeline": "mdtriton.families.flux2:FLUX2",
+                       "qwen-image-edit-plus-pipeline": "mdtriton.families.qwen_image_edit_plus:QWEN_IMAGE_EDIT_PLUS",
                        "flux-kontext-generic-pipeline": "mdtriton.families.flux_kontext_generic:FLUX_KONTEXT_GENERIC",
                        "ltx2-pipeline": "mdtriton.families.ltx2:LTX2",
                        "ltx2-image-to-video-pipeline": "mdtriton.families.ltx2:LTX2_IMAGE_TO_VIDEO"}

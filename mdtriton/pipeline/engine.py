@@ -71,7 +71,7 @@ class PipelineEngine(Engine):
             dtypes = {"default": TORCH_DTYPES[manifest.data_type],
                       **dict.fromkeys(part.float32_components, torch.float32)}
             pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), dtype=dtypes,
-                                                         local_files_only=True, **part.load_arguments())
+                                                         local_files_only=True, **part.load_arguments(engine_dir))
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
         if type(pipeline).__name__ != part.diffusers_class:

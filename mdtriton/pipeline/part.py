@@ -65,9 +65,10 @@ class PipelinePart(ABC):
         """optional_inputs, and the shared inputs (all optional, none with a default of its own)."""
         return {**self.optional_inputs(), **{spec.name: None for spec in SHARED_INPUTS}}
 
-    def load_arguments(self) -> dict:
+    def load_arguments(self, pipeline_dir: Path) -> dict:
         """Arguments of the pipeline's `from_pretrained` beside the components (e.g. a component left out where the
-        environment lacks its package); read when a rank loads the pipeline."""
+        environment lacks its package, or one built from pipeline_dir otherwise); read when a rank loads the
+        pipeline."""
         return {}
 
     def prepare(self, pipeline: Any, comm: Communicator) -> None:

@@ -6,17 +6,29 @@ in Qwen's form; a Qwen2.5-VL text encoder (one text layer of width 16, a one-blo
 (8x in space); QwenImageTransformer2DModel (2x2 patches of latents: an image of H x W pixels, both multiples of 16, is
 H/16 x W/16 image tokens) and Qwen-Image's flow-matching scheduler (dynamic, exponential shift). A 2-step 64x64 image
 takes well under a second on one CPU core.
+
+Qwen-Image-Edit-Plus (QwenImageEditPlusPipeline) adds the text encoder's processor: Qwen2VLProcessor's image processor
+(at most 4 vision tokens an image) and the tokenizer, saved as a checkpoint's `processor` folder is. The pipeline
+resizes every input image to a megapixel for its VAE, so its tiny VAE compresses 16x (one more level, 4 channels
+throughout, no residual blocks: a 1024x1024 image is 1,024 tokens, encoded in about 2 s on a CPU); its encoder's
+latents are scaled up (ENCODER_GAIN) and its transformer's attention sharpened (mdtriton.testing.tiny_flux_pipeline.
+sharpen_attention), so that every input image changes the image.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                       QwenImageTransformer2DModel)
+from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
+                       QwenImagePipeline, QwenImageTransformer2DModel)
 from tokenizers import pre_tokenizers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from mdtriton.families.image_text_processor import ImageTextProcessor
+from mdtriton.testing.tiny_flux_pipeline import sharpen_attention
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -24,6 +36,9 @@ CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['rol
                  "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
                  "{%- endif %}{%- endif %}")
 TEXT_DIM = 16  # the text encoder's hidden size = the transformer's joint_attention_dim
+# Qwen-Image-Edit-Plus's tiny VAE at random weights encodes images to latents that differ by a few hundredths; its
+# encoder's last convolution is scaled by this, so that they differ by about one.
+ENCODER_GAIN = 20.0
 
 
 def qwen_tokenizer() -> Qwen2Tokenizer:
@@ -82,3 +97,34 @@ def save_tiny_qwen_image_pipeline(directory: Path, seed: int = 0) -> Path:
     """Write a tiny pipeline into directory (diffusers' layout, safetensors weights) and return directory."""
     tiny_qwen_image_pipeline(seed).save_pretrained(directory)
     return Path(directory)
+
+
+def tiny_qwen_image_edit_plus_pipeline(seed: int = 0) -> QwenImageEditPlusPipeline:
+    """Qwen-Image-Edit-Plus at toy sizes (a 16x VAE, sharpened attention), its random weights drawn from seed."""
+    parts = tiny_qwen_image_parts(seed)
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
+                                 temperal_downsample=[False, True, True, True], latents_mean=[0.0] * 4,
+                                 latents_std=[1.0] * 4)
+    with torch.no_grad():  # the encoder's latents spread (ENCODER_GAIN), the decoder's unchanged
+        vae.quant_conv.weight.mul_(ENCODER_GAIN)
+        vae.quant_conv.bias.mul_(ENCODER_GAIN)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    processor = ImageTextProcessor(image_processor=image_processor, tokenizer=parts["tokenizer"])
+    return QwenImageEditPlusPipeline(**{**parts, "vae": vae, "transformer": sharpen_attention(parts["transformer"])},
+                                     processor=processor)
+
+
+def save_tiny_qwen_image_edit_plus_pipeline(directory: Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image-Edit-Plus into directory as its checkpoints are laid out (model_index.json naming
+    transformers' Qwen2VLProcessor; the `processor` folder holding the image processor's and the tokenizer's files)
+    and return directory."""
+    directory = Path(directory)
+    pipeline = tiny_qwen_image_edit_plus_pipeline(seed)
+    pipeline.save_pretrained(directory)
+    index_path = directory / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_path.write_text(json.dumps(index, indent=2))
+    (directory / "processor" / "processor_config.json").unlink()
+    pipeline.processor.image_processor.save_pretrained(directory / "processor")
+    return directory

@@ -9,10 +9,11 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from diffusers import Flux2KleinPipeline, QwenImagePipeline
+from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
-from mdtriton.client.pipeline import infer_inputs, request_arrays
+from mdtriton.client.pipeline import image_arrays, infer_inputs, request_arrays
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline
@@ -46,19 +47,27 @@ def qwen_image(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline) -> np.ndarray:
-    pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True)
+def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, **load_arguments) -> np.ndarray:
+    """diffusers' pipeline in this process with the directory's components (and load_arguments) for a request as
+    `served` takes it (its `images`, UINT8 arrays, given to the pipeline as PIL images)."""
+    pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True, **load_arguments)
     pipeline.set_progress_bar_config(disable=True)
-    arguments = {key: value for key, value in request.items() if key != "seed"}
+    arguments = {key: value for key, value in request.items() if key not in ("seed", "images")}
+    if "images" in request:
+        arguments["image"] = [Image.fromarray(image) for image in request["images"]]
     images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
     return (images * 255).round().astype(np.uint8)
 
 
 def served(server, model: str, request: dict) -> np.ndarray:
+    """The served image of a request: its texts, numbers and `images` (sent as image, image_2, image_3) or, for
+    requests the client would not make, `arrays` (input arrays by name, sent as they are)."""
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
-    numbers = {name: value for name, value in request.items() if name not in texts}
+    numbers = {name: value for name, value in request.items() if name not in (*texts, "images", "arrays")}
+    arrays = {**request_arrays(texts, numbers, None, None), **image_arrays(request.get("images", [])),
+              **request.get("arrays", {})}
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
-        result = client.infer(model, infer_inputs(request_arrays(texts, numbers, None, None)), client_timeout=300)
+        result = client.infer(model, infer_inputs(arrays), client_timeout=300)
     return result.as_numpy("image")
 
 
@@ -77,6 +86,7 @@ def test_each_method_equals_diffusers_in_one_process(qwen_image, method):
     ({"num_inference_steps": 1}, "num_inference_steps 1 is too few for this pipeline's scheduler"),
     ({"negative_prompt": ["a", "b"]}, "negative_prompt has 2 rows, prompt 1"),
     ({"height": 4096, "width": 4096}, "over the largest image"),
+    ({"arrays": {"image": np.zeros((64, 48, 3), np.uint8)}}, "unexpected inference input 'image'"),
 ])
 def test_bad_requests_are_invalid_argument_and_the_server_serves_on(qwen_image, change, message):
     pipeline_dir, server = qwen_image
@@ -107,8 +117,6 @@ def test_every_rank_splits_the_transformer_by_its_plan(qwen_image):
 
 def test_mdtriton_generate_writes_the_image(qwen_image, tmp_path):
     """The CLI sends Qwen-Image's own inputs (negative prompt, --guidance as true_cfg_scale) and writes the PNG."""
-    from PIL import Image
-
     from mdtriton.cli import main
 
     pipeline_dir, server = qwen_image
@@ -118,6 +126,17 @@ def test_mdtriton_generate_writes_the_image(qwen_image, tmp_path):
                  REQUEST["negative_prompt"][0], "-o", str(output)]) == 0
     image = np.asarray(Image.open(output))[None]
     assert max_level_difference(image, reference(pipeline_dir, REQUEST)) <= 1
+
+
+def test_mdtriton_generate_refuses_an_image_for_a_model_that_takes_none(qwen_image, tmp_path, capsys):
+    from mdtriton.cli import main
+
+    _, server = qwen_image
+    Image.fromarray(np.zeros((64, 48, 3), np.uint8)).save(tmp_path / "in.png")
+    assert main(["generate", "qwen-ring", "a cat", "--url", server.grpc_address, "--image", str(tmp_path / "in.png"),
+                 "-o", str(tmp_path / "out.png")]) == 1
+    assert "qwen-ring takes no input images (qwen-image-pipeline), not 1" in capsys.readouterr().err
+    assert not (tmp_path / "out.png").exists()
 
 
 KLEIN_METHODS = ("ulysses", "allgather_kv")
@@ -142,6 +161,18 @@ def test_flux2_klein_equals_diffusers_in_one_process(flux2_klein, method):
     assert max_level_difference(image, reference(pipeline_dir, KLEIN_REQUEST, Flux2KleinPipeline)) <= 1
     assert (f"mdtriton rank 1 worker: Flux2Transformer2DModel split by its context-parallel plan across 2 ranks "
             f"({method})") in server.log_file.read_text()
+
+
+def test_flux2_klein_with_input_images_equals_diffusers(flux2_klein):
+    """Reference images (a third of another size), which change the image, sent as image, image_2, image_3."""
+    pipeline_dir, server = flux2_klein
+    images = [np.asarray(Image.fromarray(np.random.default_rng(seed).integers(0, 256, (16, 12, 3), np.uint8)).resize(
+        (64 + 16 * (seed == 2), 64))) for seed in range(3)]
+    request = {**KLEIN_REQUEST, "images": images}
+    image = served(server, "klein-allgather_kv", request)
+    expected = reference(pipeline_dir, request, Flux2KleinPipeline)
+    assert max_level_difference(image, expected) <= 1
+    assert max_level_difference(expected, reference(pipeline_dir, KLEIN_REQUEST, Flux2KleinPipeline)) > 2
 
 
 def test_flux2_klein_refuses_a_text_length_out_of_range(flux2_klein):

@@ -170,7 +170,7 @@ class Cosmos3PipelinePart(PipelinePart):
         return {"vae_scale_factor_temporal": vae_config.get("scale_factor_temporal", 4),
                 "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 16)}
 
-    def load_arguments(self) -> dict:
+    def load_arguments(self, pipeline_dir: Path) -> dict:
         """diffusers' safety checker only where `cosmos_guardrail` is installed (it makes one by default, and fails
         without the package)."""
         from diffusers.utils import is_cosmos_guardrail_available
