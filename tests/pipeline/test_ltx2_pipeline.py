@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import wave
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -130,6 +129,7 @@ def test_mdtriton_generate_writes_the_mp4_with_its_sound_and_the_wav(ltx2, expec
 
     _, server = ltx2
     frames, audio = expected
+    av = pytest.importorskip("av", reason="PyAV (the video extra) writes and reads the MP4")
     clip, sound = tmp_path / "clip.mp4", tmp_path / "clip.wav"
     assert main(["generate", "ltx2-ulysses", REQUEST["prompt"][0], "--url", server.grpc_address, "--height", "32",
                  "--width", "32", "--num-frames", "5", "--fps", "25", "--steps", "2", "--guidance", "3", "--seed", "7",
