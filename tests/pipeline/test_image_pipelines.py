@@ -115,8 +115,8 @@ def edit_reference(pipeline_dir, request: dict) -> np.ndarray:
 
 
 EDIT_BAD = [
-    ({}, "input(s) ['image'] missing"),
-    ({"arrays": {"image": image_of(), "image_3": image_of()}}, "image_3 is sent without image_2"),
+    ({"images": []}, "input(s) ['image'] missing"),
+    ({"arrays": {"image_3": image_of()}}, "image_3 is sent without image_2"),
     ({"arrays": {"image": image_of(np.float32)}}, "image"),
     ({"arrays": {"image": image_of(shape=(64, 48))}}, "image"),
     ({"arrays": {"image": image_of(shape=(64, 48, 4))}}, "image"),
@@ -134,16 +134,16 @@ def test_edit_plus_refuses_bad_requests_then_equals_diffusers_with_one_image(edi
     """Each bad request is refused naming the input (Triton refuses the data types and shapes config.pbtxt
     excludes); the good request after them equals diffusers'."""
     pipeline_dir, server = edit_plus
+    good = {**EDIT_REQUEST, "images": IMAGES[:1]}
     for change, message in EDIT_BAD:
-        request = {key: value for key, value in {**EDIT_REQUEST, **change}.items() if value is not None}
+        request = {key: value for key, value in {**good, **change}.items() if value is not None}
         with pytest.raises(InferenceServerException) as refused:
             served(server, "edit-ulysses", request)
         assert "INVALID_ARG" in str(refused.value.status()), change
         assert message in refused.value.message(), (change, refused.value.message())
-    request = {**EDIT_REQUEST, "images": IMAGES[:1]}
-    image = served(server, "edit-ulysses", request)
+    image = served(server, "edit-ulysses", good)
     assert image.shape == (1, 64, 64, 3)
-    assert max_level_difference(image, edit_reference(pipeline_dir, request)) <= 1
+    assert max_level_difference(image, edit_reference(pipeline_dir, good)) <= 1
 
 
 def test_edit_plus_with_three_images_equals_diffusers(edit_plus):
