@@ -49,6 +49,6 @@ def test_two_gpus_equal_one_gpu(served):
 
     expected = clips("i2v_1gpu")
     assert expected[0].std() > 10  # a real clip
-    for model in PLANS:
+    for model in [name for name in PLANS if name != "i2v_1gpu"]:
         for seed, (clip, want) in enumerate(zip(clips(model), expected)):
             assert max_level_difference(clip, want) <= 2, (model, seed)
