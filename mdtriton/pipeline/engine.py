@@ -119,8 +119,9 @@ class PipelineEngine(Engine):
                 agreement.step_done(step + 1, pipeline.num_timesteps, callback_kwargs.get("latents"))
                 return callback_kwargs
 
-            result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
-                                   callback_on_step_end=step_done)
+            arguments = self.part.call_arguments(self.manifest, inputs)
+            self.part.before_call(self.pipeline, arguments)
+            result = self.pipeline(**arguments, output_type="pt", callback_on_step_end=step_done)
             agreement.finish(self.pipeline.num_timesteps)
         except Exception as error:  # noqa: BLE001 - before the first collective, any failure is agreed on, then raised
             agreement.failed(*failure_message(error))

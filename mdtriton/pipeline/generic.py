@@ -1,10 +1,12 @@
 """A diffusers pipeline served with no model code of ours: its transformer is diffusers' own module, loaded whole on
 every rank with the pipeline's other components and split by sequence as its class declares
-(mdtriton.pipeline.context_parallel); the pipeline runs as diffusers runs it.
+(mdtriton.pipeline.context_parallel), and a guiding pipeline's two calls per step split across the guidance groups
+(mdtriton.pipeline.guidance); the pipeline runs as diffusers runs it.
 
 What each such pipeline still declares (a `DiffusersPipelinePart`) is only its request: the inputs it takes, their
-defaults and checks, and how they become the pipeline's call. Context parallelism only: every rank holds the whole
-transformer (no tensor parallelism, no FP8 weights of ours), no step cache and no LoRA adapters yet.
+defaults and checks, how they become the pipeline's call, and whether a call guides. Context and guidance parallelism
+only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights of ours), no step cache and no
+LoRA adapters yet.
 """
 
 from __future__ import annotations
@@ -48,16 +50,31 @@ class DiffusersPipelinePart(PipelinePart):
         if data_type not in ("FP32", "BF16", "FP16"):
             raise EngineError(f"{self.diffusers_class} runs in FP32, BF16 or FP16 (diffusers' own modules), not "
                               f"{data_type}")
-        if plan.cfg_size > 1:
-            raise EngineError(f"{self.diffusers_class} is not split by guidance here yet: build it with --cfg 1")
+        if plan.cfg_size > 1 and not self.guidance_branches:
+            raise EngineError(f"{self.diffusers_class} has no guidance branches to run on separate ranks: build it "
+                              "with --cfg 1")
         check_plan(transformer_class, config, plan)
         return transformer_class.__name__
 
     def prepare(self, pipeline: Any, comm: Communicator) -> None:
-        """Split the pipeline's transformer across comm's context-parallel group."""
+        """Split the pipeline's transformer across comm's context-parallel group, and its guided steps' two calls
+        across the guidance groups."""
         from mdtriton.pipeline.context_parallel import split_by_plan
+        from mdtriton.pipeline.guidance import split_by_guidance
 
         split_by_plan(pipeline.transformer, comm)
+        split_by_guidance(pipeline.transformer, comm)
+
+    def before_call(self, pipeline: Any, arguments: dict) -> None:
+        """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""
+        from mdtriton.pipeline.guidance import set_guided
+
+        set_guided(pipeline.transformer, self.guides(arguments))
+
+    def guides(self, arguments: dict) -> bool:
+        """Whether the pipeline called with arguments (call_arguments') makes a conditional and an unconditional
+        transformer call each step; a part with guidance_branches says when."""
+        return False
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")

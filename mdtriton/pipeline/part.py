@@ -74,6 +74,9 @@ class PipelinePart(ABC):
         """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits
         diffusers' own transformer splits it here); by default nothing."""
 
+    def before_call(self, pipeline: Any, arguments: dict) -> None:
+        """Ready the pipeline for one request's call with arguments (call_arguments'); by default nothing."""
+
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's
         scale factor); kept in the pipeline's manifest."""
