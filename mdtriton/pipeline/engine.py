@@ -55,12 +55,14 @@ class PipelineEngine(Engine):
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
-             part: PipelinePart, adapters: AdapterSettings | None = None) -> "PipelineEngine":
+             part: PipelinePart, adapters: AdapterSettings | None = None,
+             compile: bool | None = None) -> "PipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
         manifest: engine_dir's, read by the caller (the transformer's own manifest is read here); architecture: its
         transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
-        diffusers' LoRA loaders do)."""
+        diffusers' LoRA loaders do). compile: None compiles on GPUs only, as TorchEngine.load does (our engines, and
+        the part's `compile`: diffusers' own transformer's blocks)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):
@@ -80,8 +82,12 @@ class PipelineEngine(Engine):
         pipeline.to(comm.device)
         split_decode(pipeline.vae, comm)
         part.prepare(pipeline, comm)
+        compiled = comm.device.type == "cuda" if compile is None else compile
+        if compiled:
+            part.compile(pipeline)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
-        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm,
+                                            compiled)
                    for folder in transformer_engine_folders(engine_dir, part)}
         transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
         for folder, transformer in zip(engines, transformers):

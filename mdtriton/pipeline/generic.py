@@ -12,6 +12,7 @@ LoRA adapters yet.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.part import PipelinePart
+
+log = logging.getLogger(__name__)
 
 
 class DiffusersPipelinePart(PipelinePart):
@@ -64,6 +67,19 @@ class DiffusersPipelinePart(PipelinePart):
 
         split_by_plan(pipeline.transformer, comm)
         split_by_guidance(pipeline.transformer, comm)
+
+    def compile(self, pipeline: Any) -> None:
+        """Compile the transformer's repeated blocks (diffusers' `_repeated_blocks`, as its `compile_repeated_blocks`
+        does: one compiled code serves every block of a kind), with symbolic sizes; the split's hooks and our attention
+        run eagerly in between (graph breaks). The first call at a new shape compiles (the first request's first
+        step); deterministic, so a healed rank computes the same bits."""
+        transformer = pipeline.transformer
+        if not getattr(transformer, "_repeated_blocks", None):
+            log.info("%s names no repeated blocks: it runs eagerly", type(transformer).__name__)
+            return
+        transformer.compile_repeated_blocks(dynamic=True, options={"deterministic": True})
+        log.info("%s: its repeated blocks compiled (%s)", type(transformer).__name__,
+                 ", ".join(transformer._repeated_blocks))
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""

@@ -74,6 +74,10 @@ class PipelinePart(ABC):
         """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits
         diffusers' own transformer splits it here); by default nothing."""
 
+    def compile(self, pipeline: Any) -> None:
+        """Compile what of the prepared pipeline runs compiled on GPUs beside its transformer engines (which compile
+        themselves); by default nothing."""
+
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Ready the pipeline for one request's call with arguments (call_arguments'); by default nothing."""
 
