@@ -62,7 +62,7 @@ class PipelineEngine(Engine):
         transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
         diffusers' LoRA loaders do). compile: None compiles on GPUs only, as TorchEngine.load does (our engines, and
-        the part's `compile`: diffusers' own transformer's blocks)."""
+        diffusers' own transformer as the part prepares it)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):
@@ -81,10 +81,8 @@ class PipelineEngine(Engine):
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
         split_decode(pipeline.vae, comm)
-        part.prepare(pipeline, comm)
         compiled = comm.device.type == "cuda" if compile is None else compile
-        if compiled:
-            part.compile(pipeline)
+        part.prepare(pipeline, comm, compiled)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
         engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm,
                                             compiled)

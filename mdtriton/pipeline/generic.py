@@ -1,7 +1,8 @@
 """A diffusers pipeline served with no model code of ours: its transformer is diffusers' own module, loaded whole on
 every rank with the pipeline's other components and split by sequence as its class declares
 (mdtriton.pipeline.context_parallel), and a guiding pipeline's two calls per step split across the guidance groups
-(mdtriton.pipeline.guidance); the pipeline runs as diffusers runs it.
+(mdtriton.pipeline.guidance); on GPU ranks its repeated blocks compiled and its forwards replayed from CUDA graphs
+(mdtriton.pipeline.graphs). The pipeline runs as diffusers runs it.
 
 What each such pipeline still declares (a `DiffusersPipelinePart`) is only its request: the inputs it takes, their
 defaults and checks, how they become the pipeline's call, and whether a call guides. Context and guidance parallelism
@@ -59,27 +60,21 @@ class DiffusersPipelinePart(PipelinePart):
         check_plan(transformer_class, config, plan)
         return transformer_class.__name__
 
-    def prepare(self, pipeline: Any, comm: Communicator) -> None:
-        """Split the pipeline's transformer across comm's context-parallel group, and its guided steps' two calls
-        across the guidance groups."""
+    def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
+        """Split the pipeline's transformer across comm's context-parallel group; if compiled, compile its repeated
+        blocks and, on GPUs, replay its forwards from CUDA graphs; split its guided steps' two calls across the
+        guidance groups (that hook outermost, the split's innermost)."""
         from mdtriton.pipeline.context_parallel import split_by_plan
+        from mdtriton.pipeline.graphs import replay_graphs
         from mdtriton.pipeline.guidance import split_by_guidance
 
-        split_by_plan(pipeline.transformer, comm)
-        split_by_guidance(pipeline.transformer, comm)
-
-    def compile(self, pipeline: Any) -> None:
-        """Compile the transformer's repeated blocks (diffusers' `_repeated_blocks`, as its `compile_repeated_blocks`
-        does: one compiled code serves every block of a kind), with symbolic sizes; the split's hooks and our attention
-        run eagerly in between (graph breaks). The first call at a new shape compiles (the first request's first
-        step); deterministic, so a healed rank computes the same bits."""
         transformer = pipeline.transformer
-        if not getattr(transformer, "_repeated_blocks", None):
-            log.info("%s names no repeated blocks: it runs eagerly", type(transformer).__name__)
-            return
-        transformer.compile_repeated_blocks(dynamic=True, options={"deterministic": True})
-        log.info("%s: its repeated blocks compiled (%s)", type(transformer).__name__,
-                 ", ".join(transformer._repeated_blocks))
+        split_by_plan(transformer, comm)
+        if compiled:
+            compile_blocks(transformer)
+            if comm.device.type == "cuda":
+                replay_graphs(transformer)
+        split_by_guidance(transformer, comm)
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""
@@ -94,3 +89,16 @@ class DiffusersPipelinePart(PipelinePart):
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")
+
+
+def compile_blocks(transformer: torch.nn.Module) -> None:
+    """Compile the transformer's repeated blocks (diffusers' `_repeated_blocks`, as its `compile_repeated_blocks` does:
+    one compiled code serves every block of a kind) with symbolic sizes; the split's hooks and our attention run
+    eagerly in between (graph breaks). The first call at a new shape compiles (the first request's first step);
+    deterministic (Inductor times no kernel choices), so a healed rank computes the same bits."""
+    if not getattr(transformer, "_repeated_blocks", None):
+        log.info("%s names no repeated blocks: it runs eagerly", type(transformer).__name__)
+        return
+    transformer.compile_repeated_blocks(dynamic=True, options={"deterministic": True})
+    log.info("%s: its repeated blocks compiled (%s)", type(transformer).__name__,
+             ", ".join(transformer._repeated_blocks))

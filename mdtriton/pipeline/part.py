@@ -70,13 +70,9 @@ class PipelinePart(ABC):
         environment lacks its package); read when a rank loads the pipeline."""
         return {}
 
-    def prepare(self, pipeline: Any, comm: Communicator) -> None:
+    def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
         """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits
-        diffusers' own transformer splits it here); by default nothing."""
-
-    def compile(self, pipeline: Any) -> None:
-        """Compile what of the prepared pipeline runs compiled on GPUs beside its transformer engines (which compile
-        themselves); by default nothing."""
+        diffusers' own transformer splits it here, and compiles it if compiled: GPU ranks); by default nothing."""
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Ready the pipeline for one request's call with arguments (call_arguments'); by default nothing."""

@@ -162,7 +162,7 @@ def test_plans_that_cannot_split_a_transformer_are_refused_at_build():
 
 
 def compiled_on_ranks(rank: int, world_size: int, calls: list[dict]) -> tuple[list[torch.Tensor], int, bool]:
-    """Qwen-Image split by Ulysses with its blocks compiled as a GPU rank serves it (QwenImagePipelinePart.compile):
+    """Qwen-Image split by Ulysses with its blocks compiled as a GPU rank serves it (QwenImagePipelinePart.prepare):
     its output for each call, the graphs Dynamo made, and whether its blocks are compiled."""
     from torch._dynamo.utils import counters
 
@@ -171,8 +171,7 @@ def compiled_on_ranks(rank: int, world_size: int, calls: list[dict]) -> tuple[li
     comm = Communicator(ParallelPlan(cp_size=2, cp_method="ulysses"), rank, torch.device("cpu"))
     comm.join_groups()
     model = transformer("qwen-image")
-    split_by_plan(model, comm)
-    QWEN_IMAGE.compile(SimpleNamespace(transformer=model))
+    QWEN_IMAGE.prepare(SimpleNamespace(transformer=model), comm, compiled=True)
     with torch.no_grad():
         outputs = [model(**call, return_dict=False)[0] for call in calls]
     compiled = all(block._compiled_call_impl is not None for block in model.transformer_blocks)
