@@ -38,9 +38,8 @@ def served_pipeline(root, save, architecture: str, methods: tuple[str, ...], pre
     return pipeline_dir, start_server(repository, root / "server.log")
 
 
-# Guidance parallelism: the conditional and unconditional calls on 2 ranks, and on 2 x 2 with Ulysses in each group.
-GUIDANCE_PLANS = {"cfg": ParallelPlan(cfg_size=2), "cfg-ulysses": ParallelPlan(cfg_size=2, cp_size=2,
-                                                                             cp_method="ulysses")}
+# Guidance parallelism: the conditional and unconditional calls on 2 ranks.
+GUIDANCE_PLANS = {"cfg": ParallelPlan(cfg_size=2)}
 
 
 @pytest.fixture(scope="module")
