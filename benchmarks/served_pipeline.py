@@ -1,9 +1,13 @@
-"""The FLUX, FLUX.1 Kontext, Wan or Cosmos 3 pipeline served on 1 to N GPUs: prompt to image or clip through Triton,
-one model per parallel plan and data type.
+"""The FLUX, FLUX.1 Kontext, Wan, Cosmos 3 or Qwen-Image pipeline served on 1 to N GPUs: prompt to image or clip
+through Triton, one model per parallel plan and data type.
 
-Every component has random weights and FLUX.1-dev's (Kontext's too), Wan 2.1 T2V 14B's or Cosmos 3's published configs
+Every component has random weights and FLUX.1-dev's (Kontext's too), Wan 2.1 T2V 14B's, Cosmos 3's or Qwen-Image's
+published configs
 (mdtriton/testing/random_pipelines.py makes them); the transformer is built into each plan's engine from one seed, so
-every plan and data type computes the same model. For each data type (--data-types: BF16, FP8) and plan (one server
+every plan and data type computes the same model (Qwen-Image's is diffusers' own, its random weights in the pipeline
+directory, split by its plan and compiled on the ranks: mdtriton/pipeline/generic.py). Qwen-Image's request has a
+negative prompt (true classifier-free guidance, true_cfg_scale 4: two transformer calls a step), at 1328x1328 by
+default. For each data type (--data-types: BF16, FP8) and plan (one server
 each, the model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
 (a rank's first answer costs more: docs/benchmarks.md), --images more one after another (the client's wall time for
 each: the request, the whole pipeline on every rank, the answer back; and of it, "the ranks' job": the pipeline's time
@@ -15,6 +19,11 @@ medians give the time of one denoising step and, by a straight line through them
 encoding, VAE decode, transfer; computed, not timed). A failed request is a row's failure, not the script's: the table
 says how many. Rows are printed and appended to --output as each ends; --plot draws their speed-up over the first row
 against their GPUs.
+
+With --diffusers (Qwen-Image), after the served plans: diffusers' own pipeline with diffusers' own context parallelism
+(benchmarks/diffusers_cp_pipeline.py) in each configuration (1, ulyssesN, ringN), on the same pipeline directory with
+the same request and seed, one process per GPU, its repeated blocks compiled as our served ranks compile them
+(--diffusers-eager: uncompiled); its rows are timed and compared as xDiT's are.
 
 With --xdit (FLUX or Wan), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX or Wan 2.1 T2V
 runner runs it: benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random
@@ -35,6 +44,10 @@ others; they have no build, server, requests at once or steps apart ("-").
     python benchmarks/served_pipeline.py --architecture kontext --plans 1,ulysses2 --steps 10 --images 2 \\
         --concurrent 0 --workdir /dev/shm/sp    # Kontext: 1024x1024 made from a 1024x1024 input image (random pixels)
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
+    python benchmarks/served_pipeline.py --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers ulysses2 \
+        --steps 4 --images 2 --concurrent 0 --workdir /tmp/qi   # Qwen-Image 1328x1328 on 2 GPUs against diffusers'
+    python benchmarks/served_pipeline.py --tiny --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers 1 \
+        --diffusers-eager --images 1 --concurrent 0   # the same on CPU ranks (diffusers' own parallelism needs GPUs)
     python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --xdit-time-limit 300 --images 5 \\
         --concurrent 0 --workdir /dev/shm/sp                    # ours against xDiT's (compiled), on 4 GPUs
     PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \\
@@ -67,6 +80,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diffusers_cp_pipeline import DiffusersJob, run_diffusers
 from xdit_pipeline import XDiTJob, degrees_of, run_xdit
 
 from mdtriton.client.pipeline import generate, generate_video
@@ -75,12 +89,14 @@ from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, 
 from mdtriton.testing.metrics import rank_counters
 from mdtriton.testing.random_pipelines import (IMAGE_ARCHITECTURES, MODEL_SIZES, REQUESTS, add_pipeline_arguments,
                                                cosmos3_pipeline_dir, fill_clip_sizes, flux_pipeline_dir,
-                                               kontext_pipeline_dir, pipeline_device, plan_of, wan_pipeline_dir,
-                                               work_directory)
+                                               kontext_pipeline_dir, pipeline_device, plan_of,
+                                               qwen_image_pipeline_dir, wan_pipeline_dir, work_directory)
 
 # The architecture each --architecture builds.
 SERVED_ARCHITECTURES = {"flux": "flux-pipeline", "kontext": "flux-kontext-pipeline", "wan": "wan-pipeline",
-                        "cosmos3": "cosmos3-pipeline"}
+                        "cosmos3": "cosmos3-pipeline", "qwen-image": "qwen-image-pipeline"}
+# Qwen-Image's request: a negative prompt (true classifier-free guidance, as its model card runs it).
+QWEN_IMAGE_NEGATIVE_PROMPT = " "
 
 
 def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir: Path, device: torch.device,
@@ -101,6 +117,10 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
         def image(seed: int, steps: int = args.steps) -> np.ndarray | None:
             prompt, guidance = REQUESTS[args.architecture]
             try:
+                if args.architecture == "qwen-image":
+                    return generate(server.grpc_address, model, prompt, args.height, args.width, steps, None, seed,
+                                    negative_prompt=QWEN_IMAGE_NEGATIVE_PROMPT, true_cfg_scale=guidance,
+                                    timeout=600)[0]
                 if args.architecture not in IMAGE_ARCHITECTURES:
                     return generate_video(server.grpc_address, model, prompt, args.height, args.width,
                                           args.frames, steps, guidance, seed, timeout=1200)[0]
@@ -204,8 +224,9 @@ def plot(rows: list[dict], baseline_s: float, title: str, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", choices=tuple(SERVED_ARCHITECTURES), default="flux",
-                        help="FLUX.1-dev's pipeline (images), FLUX.1 Kontext [dev]'s (an image made from an input "
-                             "image of the same size), Wan 2.1 T2V 14B's or Cosmos 3's (clips; default flux)")
+                        help="FLUX.1-dev's or Qwen-Image's pipeline (images), FLUX.1 Kontext [dev]'s (an image made "
+                             "from an input image of the same size), Wan 2.1 T2V 14B's or Cosmos 3's (clips; default "
+                             "flux)")
     parser.add_argument("--plans", default="1,ulysses4", help="plans, the first the baseline (default 1,ulysses4)")
     parser.add_argument("--data-types", help="the transformer's data types, the first the baseline: BF16, FP8 (GPUs of "
                                              "compute capability 8.9+), FP32 (default BF16; --tiny: FP32)")
@@ -219,14 +240,21 @@ def main() -> int:
                                        "ringN, ulyssesNxringM; benchmarks/xdit_pipeline.py), compiled as xfuser's "
                                        "--use_torch_compile compiles it")
     parser.add_argument("--xdit-eager", action="store_true", help="xDiT uncompiled")
+    parser.add_argument("--diffusers", help="Qwen-Image: after the plans, diffusers' own pipeline and context "
+                                            "parallelism in these configurations (1, ulyssesN, ringN; "
+                                            "benchmarks/diffusers_cp_pipeline.py), compiled as ours")
+    parser.add_argument("--diffusers-eager", action="store_true", help="diffusers' rows uncompiled")
     parser.add_argument("--xdit-time-limit", type=float, default=0,
-                        help="seconds an xDiT configuration may take, loading included, before its ranks are stopped "
-                             "and its row marked failed, so that the table still prints (default 0: no limit)")
+                        help="seconds an xDiT (or diffusers) configuration may take, loading included, before its "
+                             "ranks are stopped and its row marked failed, so that the table still prints (default 0: "
+                             "no limit)")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     parser.add_argument("--plot", type=Path, help="draw each row's speed-up over the first row against its GPUs into "
                                                   "this PNG file, a line per method (ours and xDiT's)")
     args = parser.parse_args()
     fill_clip_sizes(args)
+    if args.architecture == "qwen-image" and not args.tiny:
+        args.height, args.width = args.height or 1328, args.width or 1328
     device = pipeline_device(args, tiny_steps=3)
     if args.also_steps and not 0 < args.also_steps < args.steps:
         raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
@@ -237,11 +265,14 @@ def main() -> int:
         raise SystemExit("--xdit runs xDiT's FLUX or Wan pipeline: give it with --architecture flux or wan")
     for name in xdit_configs:
         degrees_of(name)
+    diffusers_configs = args.diffusers.split(",") if args.diffusers else []
+    if diffusers_configs and args.architecture != "qwen-image":
+        raise SystemExit("--diffusers runs diffusers' Qwen-Image pipeline: give it with --architecture qwen-image")
 
     rows = []
     with work_directory(args) as workdir:
         make_pipeline_dir = {"flux": flux_pipeline_dir, "kontext": kontext_pipeline_dir, "wan": wan_pipeline_dir,
-                             "cosmos3": cosmos3_pipeline_dir}[args.architecture]
+                             "cosmos3": cosmos3_pipeline_dir, "qwen-image": qwen_image_pipeline_dir}[args.architecture]
         pipeline_dir, _ = make_pipeline_dir(workdir / "pipeline", args.tiny, device)
 
         def record(row: dict) -> None:
@@ -257,6 +288,12 @@ def main() -> int:
             for name, plan in plans.items():
                 record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
         prompt, guidance = REQUESTS[args.architecture]
+        diffusers_job = DiffusersJob(pipeline_dir, device.type, not args.diffusers_eager,
+                                     dict(prompt=prompt, negative_prompt=QWEN_IMAGE_NEGATIVE_PROMPT, height=args.height,
+                                          width=args.width, num_inference_steps=args.steps, true_cfg_scale=guidance),
+                                     0, args.images, workdir / "diffusers", args.xdit_time_limit)
+        for name in diffusers_configs:  # after the served plans, on the same pipeline directory
+            record(run_diffusers(name, diffusers_job))
         xdit_job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.xdit_eager, prompt, args.height,
                            args.width, args.steps, guidance, 0, args.images, workdir / "xdit", args.xdit_time_limit,
                            args.frames or 1)

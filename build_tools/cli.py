@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
                         help="Ulysses group size of --cp-method ulysses_ring (dividing --cp; the ring is --cp / this)")
     parser.add_argument("--cfg", type=int, default=1, choices=CFG_SIZES,
                         help="guidance parallelism: 2 runs a guiding pipeline's conditional and unconditional "
-                             "transformer calls on two groups of tp x cp ranks at once (wan-pipeline; default 1)")
+                             "transformer calls on two groups of tp x cp ranks at once (wan-pipeline, "
+                             "qwen-image-pipeline; default 1)")
     parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16", "FP8"),
                         help="engine data type; FP8: the transformer blocks' linear weights in e4m3 with a scale per "
                              "row, activations quantized per token, the rest and the inputs/outputs in BF16 "

@@ -27,6 +27,7 @@ MAX_IMAGE_TOKENS = 128 * 128
 
 class QwenImagePipelinePart(DiffusersPipelinePart):
     diffusers_class = "QwenImagePipeline"
+    guidance_branches = True
 
     def signature(self) -> Signature:
         inputs = (
@@ -84,6 +85,10 @@ class QwenImagePipelinePart(DiffusersPipelinePart):
             "true_cfg_scale": float(inputs["true_cfg_scale"][0]),
             "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
         }
+
+    def guides(self, arguments: dict) -> bool:
+        """As QwenImagePipeline decides: true_cfg_scale over 1 with a negative prompt."""
+        return arguments["true_cfg_scale"] > 1 and arguments["negative_prompt"] is not None
 
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]}, rounded as diffusers' numpy_to_pil."""

@@ -32,7 +32,7 @@ import torch
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import EngineError, Manifest, Signature, TensorSpec
 from mdtriton.engine.request_check import RequestError
-from mdtriton.pipeline.generic import DiffusersPipelinePart
+from mdtriton.pipeline.generic import DiffusersPipelinePart, compile_blocks
 from mdtriton.pipeline.part import to_uint8
 from mdtriton.pipeline.prompts import read_prompts
 from mdtriton.pipeline.request_checks import (MAX_IMAGE_SIDE, check_batch, check_sides, check_steps_and_guidance,
@@ -65,8 +65,6 @@ SIDE_MULTIPLE = 8  # every diffusers VAE compresses by 8 at least
 MAX_SIDE = MAX_IMAGE_SIDE
 MAX_FRAMES = 1025
 MAX_TEXT_TOKENS = 4096
-# The components split by context parallelism where the pipeline has them: a second expert is `transformer_2`.
-TRANSFORMERS = ("transformer", "transformer_2")
 
 
 def read_call(pipeline_dir: Path) -> dict:
@@ -133,14 +131,16 @@ class AnyPipelinePart(DiffusersPipelinePart):
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         return {"call": self.call}
 
-    def prepare(self, pipeline: Any, comm: Communicator) -> None:
-        """Split each of the pipeline's transformers across comm's context-parallel group (Wan 2.2 A14B's
-        high-noise and low-noise experts: transformer and transformer_2)."""
+    def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
+        """As every diffusers pipeline's (DiffusersPipelinePart.prepare), and a second expert (Wan 2.2 A14B's
+        low-noise `transformer_2`) split across comm's context-parallel group too, and compiled with the first."""
         from mdtriton.pipeline.context_parallel import split_by_plan
 
-        for name in TRANSFORMERS:
-            if getattr(pipeline, name, None) is not None:
-                split_by_plan(getattr(pipeline, name), comm)
+        super().prepare(pipeline, comm, compiled)
+        if getattr(pipeline, "transformer_2", None) is not None:
+            split_by_plan(pipeline.transformer_2, comm)
+            if compiled:
+                compile_blocks(pipeline.transformer_2)
 
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts (and second and negative prompts, one per prompt or none) that are not UTF-8, a batch over the

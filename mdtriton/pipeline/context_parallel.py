@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 SPLIT_HOOK = "mdtriton_cp_split---{}"
 GATHER_HOOK = "mdtriton_cp_gather---{}"
+START_HOOK = "mdtriton_cp_start"
 
 
 def context_parallel_plan(transformer_class: type) -> dict:
@@ -93,7 +94,6 @@ def split_by_plan(transformer: nn.Module, comm: Communicator, plan: dict | None 
     if comm.cp_size == 1:
         return
     state = SplitState(comm)
-    transformer.register_forward_pre_hook(state.start)
     for module_name, entry in (plan or context_parallel_plan(type(transformer))).items():
         for module in submodules(transformer, module_name):
             registry = HookRegistry.check_if_exists_or_initialize(module)
@@ -102,6 +102,9 @@ def split_by_plan(transformer: nn.Module, comm: Communicator, plan: dict | None 
             else:
                 entries = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
                 registry.register_hook(GatherHook(entries, state), GATHER_HOOK.format(module_name))
+    # Outside the plan's hooks on the transformer itself, inside any registered later (CUDA graphs, guidance): every
+    # run of the forward starts afresh, a graph's warm-up and capture in one call among them.
+    HookRegistry.check_if_exists_or_initialize(transformer).register_hook(StartHook(state), START_HOOK)
     attention = RankAttention(state, CP_ATTENTION[comm.plan.cp_method])
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
@@ -139,8 +142,8 @@ class SplitState:
         self.known_lengths: dict[tuple, list[int]] = {}
         self.known_positions: dict[tuple, torch.Tensor] = {}
 
-    def start(self, module: nn.Module, args: tuple) -> None:
-        """At each forward's start (the transformer's forward pre-hook)."""
+    def start(self) -> None:
+        """At each run of the transformer's forward (StartHook)."""
         self.uneven = False
         self.split_lengths = []
         self.exchanges = 0
@@ -193,6 +196,18 @@ def pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = length - x.shape[dim]
     return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+class StartHook(ModelHook):
+    """Starts the split state afresh at each run of the transformer's forward."""
+
+    def __init__(self, state: SplitState):
+        super().__init__()
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.state.start()
+        return args, kwargs
 
 
 class SplitHook(ModelHook):

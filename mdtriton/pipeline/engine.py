@@ -55,12 +55,14 @@ class PipelineEngine(Engine):
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
-             part: PipelinePart, adapters: AdapterSettings | None = None) -> "PipelineEngine":
+             part: PipelinePart, adapters: AdapterSettings | None = None,
+             compile: bool | None = None) -> "PipelineEngine":
         """Load this rank's transformer shard and the pipeline's other components from engine_dir (no download);
         manifest: engine_dir's, read by the caller (the transformer's own manifest is read here); architecture: its
         transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
-        diffusers' LoRA loaders do)."""
+        diffusers' LoRA loaders do). compile: None compiles on GPUs only, as TorchEngine.load does (our engines, and
+        diffusers' own transformer as the part prepares it)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):
@@ -79,9 +81,11 @@ class PipelineEngine(Engine):
                               f"{manifest.architecture} serves")
         pipeline.to(comm.device)
         split_decode(pipeline.vae, comm)
-        part.prepare(pipeline, comm)
+        compiled = comm.device.type == "cuda" if compile is None else compile
+        part.prepare(pipeline, comm, compiled)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
-        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm)
+        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm,
+                                            compiled)
                    for folder in transformer_engine_folders(engine_dir, part)}
         transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
         for folder, transformer in zip(engines, transformers):
@@ -119,8 +123,9 @@ class PipelineEngine(Engine):
                 agreement.step_done(step + 1, pipeline.num_timesteps, callback_kwargs.get("latents"))
                 return callback_kwargs
 
-            result = self.pipeline(**self.part.call_arguments(self.manifest, inputs), output_type="pt",
-                                   callback_on_step_end=step_done)
+            arguments = self.part.call_arguments(self.manifest, inputs)
+            self.part.before_call(self.pipeline, arguments)
+            result = self.pipeline(**arguments, output_type="pt", callback_on_step_end=step_done)
             agreement.finish(self.pipeline.num_timesteps)
         except Exception as error:  # noqa: BLE001 - before the first collective, any failure is agreed on, then raised
             agreement.failed(*failure_message(error))

@@ -1,15 +1,19 @@
 """A diffusers pipeline served with no model code of ours: its transformer is diffusers' own module, loaded whole on
 every rank with the pipeline's other components and split by sequence as its class declares
-(mdtriton.pipeline.context_parallel); the pipeline runs as diffusers runs it.
+(mdtriton.pipeline.context_parallel), and a guiding pipeline's two calls per step split across the guidance groups
+(mdtriton.pipeline.guidance); on GPU ranks its repeated blocks compiled and its forwards replayed from CUDA graphs
+(mdtriton.pipeline.graphs). The pipeline runs as diffusers runs it.
 
 What each such pipeline still declares (a `DiffusersPipelinePart`) is only its request: the inputs it takes, their
-defaults and checks, and how they become the pipeline's call. Context parallelism only: every rank holds the whole
-transformer (no tensor parallelism, no FP8 weights of ours), no step cache and no LoRA adapters yet.
+defaults and checks, how they become the pipeline's call, and whether a call guides. Context and guidance parallelism
+only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights of ours), no step cache and no
+LoRA adapters yet.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ from mdtriton.engine.engine import TorchEngine
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.part import PipelinePart
+
+log = logging.getLogger(__name__)
 
 
 class DiffusersPipelinePart(PipelinePart):
@@ -48,8 +54,9 @@ class DiffusersPipelinePart(PipelinePart):
         if data_type not in ("FP32", "BF16", "FP16"):
             raise EngineError(f"{self.diffusers_class} runs in FP32, BF16 or FP16 (diffusers' own modules), not "
                               f"{data_type}")
-        if plan.cfg_size > 1:
-            raise EngineError(f"{self.diffusers_class} is not split by guidance here yet: build it with --cfg 1")
+        if plan.cfg_size > 1 and not self.guidance_branches:
+            raise EngineError(f"{self.diffusers_class} has no guidance branches to run on separate ranks: build it "
+                              "with --cfg 1")
         check_plan(transformer_class, config, plan)
         return transformer_class.__name__
 
@@ -58,11 +65,45 @@ class DiffusersPipelinePart(PipelinePart):
         mending for this pipeline's transformer; None: the class's own."""
         return None
 
-    def prepare(self, pipeline: Any, comm: Communicator) -> None:
-        """Split the pipeline's transformer across comm's context-parallel group."""
+    def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
+        """Split the pipeline's transformer across comm's context-parallel group; if compiled, compile its repeated
+        blocks and, on GPUs, replay its forwards from CUDA graphs; split its guided steps' two calls across the
+        guidance groups (that hook outermost, the split's innermost)."""
         from mdtriton.pipeline.context_parallel import split_by_plan
+        from mdtriton.pipeline.graphs import replay_graphs
+        from mdtriton.pipeline.guidance import split_by_guidance
 
-        split_by_plan(pipeline.transformer, comm, self.context_parallel_plan(pipeline.transformer))
+        transformer = pipeline.transformer
+        split_by_plan(transformer, comm, self.context_parallel_plan(transformer))
+        if compiled:
+            compile_blocks(transformer)
+            if comm.device.type == "cuda":
+                replay_graphs(transformer)
+        split_by_guidance(transformer, comm)
+
+    def before_call(self, pipeline: Any, arguments: dict) -> None:
+        """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""
+        from mdtriton.pipeline.guidance import set_guided
+
+        set_guided(pipeline.transformer, self.guides(arguments))
+
+    def guides(self, arguments: dict) -> bool:
+        """Whether the pipeline called with arguments (call_arguments') makes a conditional and an unconditional
+        transformer call each step; a part with guidance_branches says when."""
+        return False
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")
+
+
+def compile_blocks(transformer: torch.nn.Module) -> None:
+    """Compile the transformer's repeated blocks (diffusers' `_repeated_blocks`, as its `compile_repeated_blocks` does:
+    one compiled code serves every block of a kind) with symbolic sizes; the split's hooks and our attention run
+    eagerly in between (graph breaks). The first call at a new shape compiles (the first request's first step);
+    deterministic (Inductor times no kernel choices), so a healed rank computes the same bits."""
+    if not getattr(transformer, "_repeated_blocks", None):
+        log.info("%s names no repeated blocks: it runs eagerly", type(transformer).__name__)
+        return
+    transformer.compile_repeated_blocks(dynamic=True, options={"deterministic": True})
+    log.info("%s: its repeated blocks compiled (%s)", type(transformer).__name__,
+             ", ".join(transformer._repeated_blocks))

@@ -71,9 +71,12 @@ class PipelinePart(ABC):
         pipeline."""
         return {}
 
-    def prepare(self, pipeline: Any, comm: Communicator) -> None:
+    def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
         """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits
-        diffusers' own transformer splits it here); by default nothing."""
+        diffusers' own transformer splits it here, and compiles it if compiled: GPU ranks); by default nothing."""
+
+    def before_call(self, pipeline: Any, arguments: dict) -> None:
+        """Ready the pipeline for one request's call with arguments (call_arguments'); by default nothing."""
 
     def pipeline_config(self, pipeline_dir: Path) -> dict:
         """What the request checks need to know of the directory beside the transformer's config (e.g. the VAE's

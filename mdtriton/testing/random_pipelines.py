@@ -4,7 +4,8 @@ A pipeline here is a diffusers directory whose transformer/ holds only its confi
 NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.harness.build_pipeline): FLUX.1-dev's
 components (T5-XXL, CLIP-L, the 16-channel VAE), Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) or Cosmos 3's (the Wan 2.2
 VAE; its text runs inside the transformer) with random weights made on the GPU, or the tests' tiny pipelines (--tiny,
-on the CPU). The tokenizers are small local ones: token ids do not change the work (T5 always gets max_sequence_length
+on the CPU). Qwen-Image's (served with diffusers' own transformer, which the build copies with the directory) holds
+its transformer's random weights too, with Qwen2.5-VL 7B's text encoder and Qwen-Image's VAE. The tokenizers are small local ones: token ids do not change the work (T5 always gets max_sequence_length
 tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as its bytes).
 """
 
@@ -29,6 +30,7 @@ from mdtriton.families.cosmos3 import COSMOS3
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 from mdtriton.families.wan import WAN
 from mdtriton.testing.tiny_cosmos3_pipeline import byte_tokenizer, tiny_cosmos3_pipeline
+from mdtriton.testing.tiny_qwen_image_pipeline import qwen_image_scheduler, qwen_tokenizer, tiny_qwen_image_parts
 from mdtriton.testing.tiny_flux_pipeline import clip_tokenizer, t5_tokenizer, tiny_flux_pipeline
 from mdtriton.testing.tiny_wan_pipeline import tiny_wan_pipeline
 
@@ -37,12 +39,29 @@ WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
 KONTEXT_PROMPT = "make the cat wear a red hat"
 # Each architecture's prompt and guidance scale, as the pipeline benchmarks ask for its images or clips (ours and xDiT's).
 REQUESTS = {"flux": (FLUX_PROMPT, 3.5), "kontext": (KONTEXT_PROMPT, 2.5), "wan": (WAN_PROMPT, 5.0),
-            "cosmos3": (WAN_PROMPT, 5.0)}
+            "cosmos3": (WAN_PROMPT, 5.0), "qwen-image": (FLUX_PROMPT, 4.0)}
 # The published size whose configs each architecture's random pipeline has, for tables' titles.
 MODEL_SIZES = {"flux": "FLUX.1-dev size", "kontext": "FLUX.1 Kontext [dev] size", "wan": "Wan 2.1 T2V 14B size",
-               "cosmos3": "Cosmos 3 15B size"}
+               "cosmos3": "Cosmos 3 15B size", "qwen-image": "Qwen-Image 20B size"}
 # Architectures whose pipelines make images (the others make clips).
-IMAGE_ARCHITECTURES = ("flux", "kontext")
+IMAGE_ARCHITECTURES = ("flux", "kontext", "qwen-image")
+# Qwen/Qwen-Image's transformer/config.json.
+QWEN_IMAGE_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                              num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                              axes_dims_rope=(16, 56, 56))
+# Qwen-Image's text encoder: Qwen2.5-VL 7B Instruct's config (its text model and vision tower).
+QWEN2_5_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                          num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+                          max_position_embeddings=128000,
+                          rope_parameters=dict(rope_type="default", mrope_section=[16, 24, 24], rope_theta=1e6))
+QWEN2_5_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                            fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
+                            spatial_merge_size=2, temporal_patch_size=2, in_chans=3, hidden_act="silu")
+# Qwen-Image's VAE (vae/config.json), its latent statistics left at 0 and 1 (random weights: they do not change the
+# work).
+QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                      temperal_downsample=[False, True, True], dropout=0.0, latents_mean=[0.0] * 16,
+                      latents_std=[1.0] * 16)
 # FLUX.1-dev's components (their config.json files), T5 = google/t5-v1_1-xxl's encoder, CLIP = ViT-L/14's text model.
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, bos_token_id=0, eos_token_id=2)
@@ -139,14 +158,17 @@ def save_pipeline_dir(directory: Path, index: dict, components: dict, transforme
     model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class] and any other); the
     components' entries are added."""
     index = dict(index)
+    if "transformer" in components:
+        index.pop("transformer", None)
     for name, component in components.items():
         component.save_pretrained(directory / name)
         index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
     components.clear()
     free_memory()
     (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
-                                                                       **transformer_config}))
+    if "transformer" not in index:  # a transformer among the components wrote its own config with its weights
+        (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
+                                                                           **transformer_config}))
     (directory / MODEL_INDEX).write_text(json.dumps(index))
     return directory
 
@@ -213,6 +235,41 @@ def cosmos3_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> t
         components.update(text_tokenizer=byte_tokenizer(), scheduler=flow_scheduler())
         config = COSMOS3.presets()["cosmos3-15b"]
     return save_pipeline_dir(directory, COSMOS3_INDEX, components, config), config
+
+
+def qwen_image_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A Qwen-Image pipeline directory with its transformer's weights (the published configs: the 20B transformer and
+    Qwen2.5-VL 7B made on device in bf16 from seed 0, the VAE in bf16, a local byte-level tokenizer with Qwen's special
+    tokens, Qwen-Image's scheduler; or the tests' tiny ones, float32) and its transformer's config."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if tiny:
+        components = tiny_qwen_image_parts()
+        config = {key: value for key, value in components["transformer"].config.items() if not key.startswith("_")}
+    else:
+        tokenizer = qwen_tokenizer()
+        image_pad, video_pad, vision_start, vision_end = tokenizer.convert_tokens_to_ids(
+            ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+        text_config = dict(QWEN2_5_VL_7B_TEXT, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        encoder_config = Qwen2_5_VLConfig(text_config=text_config, vision_config=QWEN2_5_VL_7B_VISION,
+                                          image_token_id=image_pad, video_token_id=video_pad,
+                                          vision_start_token_id=vision_start, vision_end_token_id=vision_end)
+        torch.manual_seed(0)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # made in bf16: the 20B transformer in float32 would not fit beside
+        try:
+            with torch.device(device):
+                components = {"transformer": QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER),
+                              "text_encoder": Qwen2_5_VLForConditionalGeneration(encoder_config).eval(),
+                              "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
+        finally:
+            torch.set_default_dtype(previous)
+        components.update(tokenizer=tokenizer, scheduler=qwen_image_scheduler())
+        config = dict(QWEN_IMAGE_TRANSFORMER)
+    index = {"_class_name": "QwenImagePipeline", "transformer": ["diffusers", "QwenImageTransformer2DModel"]}
+    return save_pipeline_dir(directory, index, components, config), config
 
 
 def free_memory() -> None:

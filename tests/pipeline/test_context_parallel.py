@@ -3,6 +3,8 @@ methods: each equals the same transformer in one process (float32)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel
@@ -157,3 +159,30 @@ def test_plans_that_cannot_split_a_transformer_are_refused_at_build():
         check_plan(QwenImageTransformer2DModel, config, ParallelPlan(tp_size=2))
     with pytest.raises(EngineError, match="declares no context-parallel plan"):
         check_plan(torch.nn.Linear, {}, PLANS[0])
+
+
+def compiled_on_ranks(rank: int, world_size: int, calls: list[dict]) -> tuple[list[torch.Tensor], int, bool]:
+    """Qwen-Image split by Ulysses with its blocks compiled as a GPU rank serves it (QwenImagePipelinePart.prepare):
+    its output for each call, the graphs Dynamo made, and whether its blocks are compiled."""
+    from torch._dynamo.utils import counters
+
+    from mdtriton.families.qwen_image import QWEN_IMAGE
+
+    comm = Communicator(ParallelPlan(cp_size=2, cp_method="ulysses"), rank, torch.device("cpu"))
+    comm.join_groups()
+    model = transformer("qwen-image")
+    QWEN_IMAGE.prepare(SimpleNamespace(transformer=model), comm, compiled=True)
+    with torch.no_grad():
+        outputs = [model(**call, return_dict=False)[0] for call in calls]
+    compiled = all(block._compiled_call_impl is not None for block in model.transformer_blocks)
+    return outputs, counters["stats"]["unique_graphs"], compiled
+
+
+def test_compiled_blocks_split_by_the_plan_equal_one_process():
+    """What a GPU rank runs (the repeated blocks compiled with symbolic sizes, the split's hooks and our attention
+    eager between them), on 2 gloo ranks: an even split and an uneven one (padded, masked) equal the eager model."""
+    calls = [request("qwen-image"), request("qwen-image", text_tokens=5, side=3)]
+    for outputs, graphs, compiled in run_ranks(2, compiled_on_ranks, calls):
+        assert compiled and graphs > 0
+        for output, call in zip(outputs, calls):
+            torch.testing.assert_close(output, one_process("qwen-image", call), rtol=1e-4, atol=1e-5)

@@ -26,23 +26,28 @@ REQUEST = dict(prompt=["a red cat on a blue mat"], negative_prompt=["blurry"], h
                num_inference_steps=2, true_cfg_scale=4.0, seed=7)
 
 
-def served_pipeline(root, save, architecture: str, methods: tuple[str, ...], prefix: str):
+def served_pipeline(root, save, architecture: str, methods: tuple[str, ...], prefix: str,
+                    plans: dict[str, ParallelPlan] | None = None):
     """A tiny pipeline's directory (save writes it) and a server of it built on 2 ranks by each method, as
-    PREFIX-METHOD."""
+    PREFIX-METHOD, and by each of plans, as PREFIX-NAME."""
     pipeline_dir = save(root / "pipeline")
     repository = root / "repository"
-    for method in methods:
-        build_model_version(repository, f"{prefix}-{method}", architecture, None,
-                            ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu", weights_path=pipeline_dir,
-                            progress=False)
+    plans = {**{method: ParallelPlan(cp_size=2, cp_method=method) for method in methods}, **(plans or {})}
+    for name, plan in plans.items():
+        build_model_version(repository, f"{prefix}-{name}", architecture, None, plan, "FP32", "cpu",
+                            weights_path=pipeline_dir, progress=False)
     return pipeline_dir, start_server(repository, root / "server.log")
+
+
+# Guidance parallelism: the conditional and unconditional calls on 2 ranks.
+GUIDANCE_PLANS = {"cfg": ParallelPlan(cfg_size=2)}
 
 
 @pytest.fixture(scope="module")
 def qwen_image(tmp_path_factory):
-    """The tiny Qwen-Image directory and a server of it built on 2 ranks by each method."""
+    """The tiny Qwen-Image directory and a server of it built on 2 ranks by each method and by guidance."""
     pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("qwen-image"), save_tiny_qwen_image_pipeline,
-                                           "qwen-image-pipeline", METHODS, "qwen")
+                                           "qwen-image-pipeline", METHODS, "qwen", GUIDANCE_PLANS)
     yield pipeline_dir, server
     server.stop()
 
@@ -79,6 +84,22 @@ def test_each_method_equals_diffusers_in_one_process(qwen_image, method):
     assert max_level_difference(image, reference(pipeline_dir, REQUEST)) <= 1
 
 
+@pytest.mark.parametrize("plan", GUIDANCE_PLANS)
+def test_guidance_parallelism_equals_diffusers_in_one_process(qwen_image, plan):
+    """Each guidance group runs one branch of the guided steps; a request without a negative prompt (no guidance)
+    runs alike on both groups."""
+    pipeline_dir, server = qwen_image
+    assert max_level_difference(served(server, f"qwen-{plan}", REQUEST), reference(pipeline_dir, REQUEST)) <= 1
+    log = server.log_file.read_text()
+    layout = GUIDANCE_PLANS[plan]
+    for rank in range(layout.world_size):
+        branch = "unconditional" if layout.cfg_rank(rank) else "conditional"
+        assert (f"mdtriton rank {rank} worker: QwenImageTransformer2DModel split by guidance: this rank runs the "
+                f"{branch} branch") in log
+    unguided = {key: value for key, value in REQUEST.items() if key != "negative_prompt"}
+    assert max_level_difference(served(server, f"qwen-{plan}", unguided), reference(pipeline_dir, unguided)) <= 1
+
+
 @pytest.mark.parametrize("change, message", [
     ({"height": 60}, "height 60 is not a positive multiple of 16"),
     ({"true_cfg_scale": float("nan")}, "true_cfg_scale"),
@@ -97,10 +118,9 @@ def test_bad_requests_are_invalid_argument_and_the_server_serves_on(qwen_image, 
 
 def test_plans_it_cannot_serve_are_refused_at_build(tmp_path):
     pipeline_dir = save_tiny_qwen_image_pipeline(tmp_path / "pipeline")
-    for plan, message in ((ParallelPlan(tp_size=2), "--tp 1"), (ParallelPlan(cfg_size=2), "--cfg 1")):
-        with pytest.raises(EngineError, match=message):
-            build_model_version(tmp_path / "repository", "qwen", "qwen-image-pipeline", None, plan, "FP32", "cpu",
-                                weights_path=pipeline_dir, progress=False)
+    with pytest.raises(EngineError, match="--tp 1"):
+        build_model_version(tmp_path / "repository", "qwen", "qwen-image-pipeline", None, ParallelPlan(tp_size=2),
+                            "FP32", "cpu", weights_path=pipeline_dir, progress=False)
     assert not (tmp_path / "repository" / "qwen").exists()
 
 
