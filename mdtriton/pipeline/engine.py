@@ -140,7 +140,8 @@ class PipelineEngine(Engine):
         full_steps = torch.tensor([ran], dtype=torch.int32, device=self.comm.device)
         # Answered on this rank's device (mdtriton.engine.comm, the device contract): a moving no-op for outputs made
         # there, and a copy back for what a component hands back on the host (Cosmos 3's safety checker's frames).
-        outputs = {name: tensor.to(self.comm.device) for name, tensor in self.part.outputs_of(self.manifest, result).items()}
+        outputs = {name: tensor.to(self.comm.device)
+                   for name, tensor in self.part.outputs_of(self.manifest, result).items()}
         return {**outputs, "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
 
 
