@@ -9,11 +9,14 @@ stream waits for them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+
+log = logging.getLogger("mdtriton.backend")
 
 
 class JobTimer:
@@ -54,9 +57,12 @@ class JobTimer:
         self._waited = seconds
 
     @contextmanager
-    def job(self):
-        """Time one job and report its split into communication and compute."""
+    def job(self, span_of: str | None = None):
+        """Time one job and report its split into communication and compute. span_of: what the job is (an elastic
+        model's job and its group), logged with the job's span in wall-clock time, so that the jobs that ran at once
+        on different groups can be seen in the log."""
         started = time.perf_counter()
+        began = time.time()
         self._in_job = True
         try:
             yield
@@ -70,4 +76,6 @@ class JobTimer:
         wall = time.perf_counter() - started
         communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
         waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
+        if span_of is not None:
+            log.info("%s ran from %.3f to %.3f", span_of, began, time.time())
         self._on_job(communication, max(wall - communication, 0.0), waited)
