@@ -28,7 +28,7 @@ from tests.pipeline.pipelines import max_level_difference, save_pipelines
 PLAN = ParallelPlan(cp_size=2, cp_method="ulysses")
 LIMITS = EngineLimits(max_batch_size=1, max_tokens=600)
 GOOD = dict(height=48, width=64, num_inference_steps=3, guidance_scale=3.5)
-LONG_STEPS = 24  # a request that keeps both ranks busy while the next ones queue
+LONG_STEPS = 200  # a request that keeps both ranks busy while the next ones queue (25 ms a step here)
 SPAN = re.compile(r"rank (\d) worker: job (\w+) on ranks \[([\d, ]+)\] ran from ([\d.]+) to ([\d.]+)")
 
 
@@ -64,21 +64,23 @@ def image(server, model: str, seed: int, steps: int = GOOD["num_inference_steps"
                     timeout=240, on_step=on_step)
 
 
-def queued_pair(server, seeds: tuple[int, int], while_running=None) -> dict[int, np.ndarray]:
-    """A long request alone, then, once it runs, two requests at once (they queue behind it); their images by seed.
-    while_running(started) is called once both have made a step (started: seed -> steps seen)."""
+def queued_pair(server, seeds: tuple[int, int], steps: int = GOOD["num_inference_steps"],
+                while_running=None) -> dict[int, np.ndarray]:
+    """A long request alone, then, once it runs, two requests of `steps` steps at once (they queue behind it); their
+    images by seed. while_running() is called once both have made a step."""
     started = {seed: [] for seed in seeds}
     first_step = threading.Event()
     with ThreadPoolExecutor(3) as pool:
         pool.submit(image, server, "elastic", 1, LONG_STEPS, lambda done, total: first_step.set())
         assert first_step.wait(120)
-        answers = {seed: pool.submit(image, server, "elastic", seed, on_step=lambda done, total, s=seed:
+        answers = {seed: pool.submit(image, server, "elastic", seed, steps, lambda done, total, s=seed:
                                      started[s].append(done)) for seed in seeds}
         if while_running is not None:
             deadline = time.monotonic() + 120
             while not all(started.values()) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            while_running(started)
+                time.sleep(0.01)
+            assert all(started.values()), "the two requests did not run at once"
+            while_running()
         return {seed: answer.result() for seed, answer in answers.items()}
 
 
@@ -118,7 +120,7 @@ def test_a_request_cancelled_in_its_group_leaves_the_other_group_running(served)
         assert first_step.wait(120)
         client = grpcclient.InferenceServerClient(served.grpc_address)
         client.start_stream(callback=lambda result, error: responses.append((result, error)))
-        client.async_stream_infer("elastic", pipeline_inputs(["a cat"], 48, 64, 40, 3.5, 0))
+        client.async_stream_infer("elastic", pipeline_inputs(["a cat"], 48, 64, 400, 3.5, 0))
         other = pool.submit(image, served, "elastic", 12, 6, lambda done, total: steps.append(done))
         deadline = time.monotonic() + 120
         while not (responses and steps) and time.monotonic() < deadline:
@@ -130,7 +132,7 @@ def test_a_request_cancelled_in_its_group_leaves_the_other_group_running(served)
     assert steps == [1, 2, 3, 4, 5, 6]
     assert max_level_difference(got, image(served, "whole", seed=12, steps=6)) <= 1
     time.sleep(0.5)
-    assert re.search(r"request \w+ ended on ranks \[\d\]: JobStopped stopped after \d+ of 40 steps",
+    assert re.search(r"request \w+ ended on ranks \[\d\]: JobStopped stopped after \d+ of 400 steps",
                      served.log_file.read_text(errors="replace")), "the cancelled request was not stopped in its group"
 
 
@@ -138,14 +140,14 @@ def test_a_request_cancelled_in_its_group_leaves_the_other_group_running(served)
 def test_a_rank_killed_while_two_groups_run_heals_and_both_requests_are_answered(served):
     killed = []
 
-    def kill_rank_1(started):
+    def kill_rank_1():
         workers = {worker_rank(pids[0]): pids[0] for name, pids in rank_workers(served.process.pid).items()
                    if name.startswith("elastic/")}
         os.kill(workers[1], signal.SIGKILL)
         killed.append(workers[1])
 
-    images = queued_pair(served, (21, 22), while_running=kill_rank_1)
+    images = queued_pair(served, (21, 22), steps=100, while_running=kill_rank_1)
     assert killed
     for seed, got in images.items():
-        assert max_level_difference(got, image(served, "whole", seed=seed)) <= 1
+        assert max_level_difference(got, image(served, "whole", seed=seed, steps=100)) <= 1
     assert max_level_difference(image(served, "elastic", seed=3), image(served, "whole", seed=3)) <= 1
