@@ -197,7 +197,7 @@ class Submit:
 class Finished:
     """An elastic model's rank has ended a job (or left it): the hub may start another job on it."""
 
-    kind: ClassVar[str] = "finished"
+    kind: ClassVar[str] = "job_finished"
     job: str
     rank: int
 
