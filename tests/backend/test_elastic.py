@@ -1,8 +1,9 @@
-"""An elastic model on a real tritonserver (tiny FLUX pipeline, ulysses on 2 CPU ranks, gloo, built with --elastic): a
-request alone runs on both ranks; requests that queue run at once on one rank each (their spans, logged by the
-ranks' job timers, overlap); every image equals the same request's on a model that is not elastic; a request
-cancelled in its group leaves the other group's running and answered; a rank killed while two groups run heals,
-and both requests are answered."""
+"""An elastic model on a real tritonserver (tiny FLUX pipeline, ulysses on 2 CPU ranks, gloo, built with --elastic,
+streaming its steps): a request alone runs on both ranks; requests that queue run at once on one rank each (their
+spans, logged by the ranks' job timers, overlap); every image equals the same request's on a model that is not
+elastic; a request cancelled in its group leaves the other group's running and answered; a rank killed while two
+groups run heals, and both requests are answered. And an elastic transformer engine (tiny FLUX, ring), answering
+once per request (unary), answers requests sent at once as one rank computes them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+import torch
+
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.client.grpc_client import Client
 from mdtriton.client.pipeline import generate, pipeline_inputs
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.triton_processes import rank_workers, worker_rank
 from tests.conftest import start_server
+from mdtriton.families.flux.transformer import example_inputs
 from tests.pipeline.pipelines import max_level_difference, save_pipelines
+from tests.served_models import FLUX_CONFIG, FLUX_SEED, flux_reference_module
 
 PLAN = ParallelPlan(cp_size=2, cp_method="ulysses")
 LIMITS = EngineLimits(max_batch_size=1, max_tokens=600)
@@ -42,6 +48,9 @@ def served(tmp_path_factory):
         build_model_version(root / "repository", name, "flux-pipeline", None,
                             ParallelPlan(cp_size=2, cp_method="ulysses", elastic=elastic), "FP32", "cpu",
                             weights_path=pipeline_dir, progress=False, limits=LIMITS, stream=True)
+    build_model_version(root / "repository", "elastic_flux", "flux", FLUX_CONFIG,
+                        ParallelPlan(cp_size=2, cp_method="ring", elastic=True), "FP32", "cpu", seed=FLUX_SEED,
+                        progress=False)
     server = start_server(root / "repository", root / "server.log")
     yield server
     server.stop()
@@ -151,3 +160,15 @@ def test_a_rank_killed_while_two_groups_run_heals_and_both_requests_are_answered
     for seed, got in images.items():
         assert max_level_difference(got, image(served, "whole", seed=seed, steps=100)) <= 1
     assert max_level_difference(image(served, "elastic", seed=3), image(served, "whole", seed=3)) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_a_unary_elastic_engine_answers_requests_sent_at_once_as_one_rank_does(served):
+    cases = [example_inputs(FLUX_CONFIG, 3 + i, 8, torch.float32, batch=1) for i in range(6)]
+    with torch.inference_mode():
+        expected = [flux_reference_module()(**case)["sample"] for case in cases]
+    with Client(served.grpc_address) as client, ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: client.infer("elastic_flux", {k: v.numpy() for k, v in case.items()},
+                                                          timeout=120)["sample"], cases))
+    for got, want in zip(answers, expected):
+        assert torch.allclose(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
