@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
 
@@ -42,13 +43,16 @@ class JobHub:
     """Runs on rank 0 in its own thread; lives as long as one rendezvous generation."""
 
     def __init__(self, address: str, token: str, world_size: int,
-                 partitions: dict[int, list[list[int]]] | None = None):
+                 partitions: dict[int, list[list[int]]] | None = None,
+                 on_queue_length: Callable[[int], None] | None = None):
         """partitions: an elastic model's groups by size (each job runs on one of them); None: every job on every
-        rank."""
+        rank. on_queue_length(waiting): told, in the hub's thread, how many of an elastic model's jobs wait for a
+        group, whenever that changes (the rank's metrics)."""
         self.address = address
         self.token = token
         self.world_size = world_size
         self.partitions = partitions
+        self.on_queue_length = on_queue_length
         self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
         os.chmod(address, PRIVATE_FILE_MODE)  # its directory is private already; the socket too, for good measure
         self._stopping = threading.Event()
@@ -128,7 +132,7 @@ class JobHub:
         ranks = {connection: rank for rank, connection in links.items()}
         scheduler = GroupScheduler(self.partitions)
         origins: dict[str, int] = {}  # the origin of every job submitted and not yet answered
-        sequence = 0
+        sequence, reported = 0, 0
 
         def tell(rank: int, message: Message) -> None:
             try:
@@ -151,6 +155,9 @@ class JobHub:
                                    submit.tensors))
                 if submit.origin not in group:
                     tell(submit.origin, Run(submit.job, submit.origin, submit.inputs, sequence, group))
+            if len(scheduler.waiting) != reported and self.on_queue_length is not None:
+                reported = len(scheduler.waiting)
+                self.on_queue_length(reported)
             deadline = scheduler.next_deadline()
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01
             for connection in wait(list(ranks) + [self._wake_reader], timeout):

@@ -108,14 +108,17 @@ class GenerationEnd:
 class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
                  timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
-                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None]):
+                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None],
+                 on_queue_length: Callable[[int], None]):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
         lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
         on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
         submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
-        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread)."""
+        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread; an elastic model's
+        also in the thread that reads the hub's link); on_queue_length(waiting): an elastic model's hub, on rank 0,
+        says how many jobs wait for a group (in the hub's thread)."""
         self.engine = engine
         self.comm = comm
         self.rendezvous = rendezvous
@@ -126,6 +129,7 @@ class JobRunner:
         self._on_serving = on_serving
         self._on_started = on_started
         self._on_progress = on_progress
+        self._on_queue_length = on_queue_length
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, RankJob] = {}
         self._link: HubLink | SingleRankLink | None = None
@@ -297,7 +301,8 @@ class JobRunner:
         plan = self.comm.plan
         if self.comm.rank == 0:
             partitions = {size: plan.group_partition(size) for size in plan.group_sizes()} if plan.elastic else None
-            self._hub = JobHub(generation.hub_address, generation.token, plan.world_size, partitions).start()
+            self._hub = JobHub(generation.hub_address, generation.token, plan.world_size, partitions,
+                               self._on_queue_length).start()
         return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
 
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
@@ -471,7 +476,7 @@ class JobRunner:
                     pass  # the hub has gone: the generation is ending
 
         control = JobControl(on_progress=on_progress, timeout=self.timeout, stop_requested=stop_requested)
-        with self.timer.job(f"job {run.job} on ranks {run.group}"):
+        with self.timer.job(run.job, run.group):
             inputs = self._fresh_copy(run.tensors)
             try:
                 with controlled_by(control), self.comm.bound_to(len(run.group)):

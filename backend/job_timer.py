@@ -21,10 +21,10 @@ log = logging.getLogger("mdtriton.backend")
 
 class JobTimer:
     """`time_collective` is the Communicator's hook, `job` wraps each job, `waited` is told how long a job this rank
-    received waited before it began; on_job(communication_s, compute_s, waited_s) runs after each job (waited_s is
-    0 for the jobs of requests other ranks received)."""
+    received waited before it began; on_job(communication_s, compute_s, waited_s, group) runs after each job (waited_s
+    is 0 for the jobs of requests other ranks received; group: the ranks of an elastic model's job, "" otherwise)."""
 
-    def __init__(self, device: torch.device, on_job: Callable[[float, float, float], None]):
+    def __init__(self, device: torch.device, on_job: Callable[[float, float, float, str], None]):
         self.device = device
         self._on_job = on_job
         self._in_job = False  # jobs and their collectives all run in the job runner's thread
@@ -57,10 +57,10 @@ class JobTimer:
         self._waited = seconds
 
     @contextmanager
-    def job(self, span_of: str | None = None):
-        """Time one job and report its split into communication and compute. span_of: what the job is (an elastic
-        model's job and its group), logged with the job's span in wall-clock time, so that the jobs that ran at once
-        on different groups can be seen in the log."""
+    def job(self, elastic_job: str | None = None, group: list[int] | None = None):
+        """Time one job and report its split into communication and compute. An elastic model's job (its id) and its
+        group are logged with the job's span in wall-clock time, so that the jobs that ran at once on different groups
+        can be seen in the log."""
         started = time.perf_counter()
         began = time.time()
         self._in_job = True
@@ -76,6 +76,7 @@ class JobTimer:
         wall = time.perf_counter() - started
         communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
         waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
-        if span_of is not None:
-            log.info("%s ran from %.3f to %.3f", span_of, began, time.time())
-        self._on_job(communication, max(wall - communication, 0.0), waited)
+        if elastic_job is not None:
+            log.info("job %s on ranks %s ran from %.3f to %.3f", elastic_job, group, began, time.time())
+        self._on_job(communication, max(wall - communication, 0.0), waited,
+                     ",".join(map(str, group)) if group is not None else "")

@@ -142,12 +142,22 @@ class Stopped:
 
 @dataclass(frozen=True)
 class JobTimed:
-    """A job's seconds in collectives, in compute, and waiting for the ranks."""
+    """A job's seconds in collectives, in compute, and waiting for the ranks; group: the ranks an elastic model's job
+    ran on, e.g. "0,1" ("" for every other model's)."""
 
     kind: ClassVar[str] = "job_timed"
     communication: float
     compute: float
     waited: float
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class QueueLength:
+    """How many jobs of an elastic model wait for a group of ranks now (rank 0's worker, where the job hub is)."""
+
+    kind: ClassVar[str] = "queue_length"
+    waiting: int
 
 
 @dataclass(frozen=True)
@@ -263,9 +273,10 @@ class EndGeneration:
 
 
 Message = (RunRequest | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
-           | Ended | GivenUp | Hello | Submit | Finished | Result | Withdraw | Leave | Run | EndGeneration)
+           | QueueLength | Ended | GivenUp | Hello | Submit | Finished | Result | Withdraw | Leave | Run | EndGeneration)
 KINDS: dict[str, type] = {cls.kind: cls for cls in (RunRequest, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
-                                                     Refused, Failed, Stopped, JobTimed, Ended, GivenUp, Hello, Submit,
+                                                     Refused, Failed, Stopped, JobTimed, QueueLength, Ended, GivenUp,
+                                                     Hello, Submit,
                                                      Finished, Result, Withdraw, Leave, Run, EndGeneration)}
 
 

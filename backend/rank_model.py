@@ -137,7 +137,8 @@ class RankModel:
         self.workers = WorkerKeeper(spec, self.placement.world_size,
                                     heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
                                     heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
-                                    on_job_timed=self.metrics.job_done).start()
+                                    on_job_timed=self.metrics.job_done,
+                                    on_queue_length=self.metrics.queue_length).start()
         if not self.workers.wait_serving(INITIALIZE_JOIN_WAIT_S):
             if self.workers.given_up:
                 # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance

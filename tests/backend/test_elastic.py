@@ -25,6 +25,7 @@ from mdtriton.client.grpc_client import Client
 from mdtriton.client.pipeline import generate, pipeline_inputs
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.testing.metrics import settled
 from mdtriton.testing.triton_processes import rank_workers, worker_rank
 from tests.conftest import start_server
 from mdtriton.families.flux.transformer import example_inputs
@@ -115,6 +116,14 @@ def test_queued_requests_run_at_once_on_one_rank_each_and_equal_the_whole_world(
     (second_rank, (second_group, second_start, second_end)), = jobs[1].items()
     assert {first_rank, second_rank} == {0, 1} and [first_rank] == first_group and [second_rank] == second_group
     assert first_start < second_end and second_start < first_end, "the two jobs did not run at the same time"
+    # The metrics endpoint counts each rank's jobs per group, and the hub's queue (on rank 0).
+    group_jobs = {(labels["rank"], labels["group"]): value for labels, value in (
+        (dict(key), value) for key, value in settled(served.metrics_url, "mdtriton_group_jobs_total").items())
+        if labels["model"] == "elastic"}
+    assert group_jobs[("0", "0")] >= 1 and group_jobs[("1", "1")] >= 1 and group_jobs[("0", "0,1")] >= 2, group_jobs
+    queued = {dict(key)["rank"]: value for key, value in settled(served.metrics_url, "mdtriton_queued_jobs").items()
+              if dict(key)["model"] == "elastic"}
+    assert queued == {"0": 0}, queued
 
 
 @pytest.mark.timeout(300)
