@@ -87,6 +87,7 @@ class RankJob:
     submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
     on_device: dict[str, torch.Tensor] | None = None  # the inputs copied to this rank's device, once checked
     stop_reason: str | None = None  # set when its request no longer waits for it (cancel)
+    submitted_to_hub: bool = False  # an elastic model's job, checked and sent to the hub
     started: bool = False  # an elastic model's job that the hub has started, on whichever group
 
     def not_awaited(self) -> str | None:
@@ -167,9 +168,13 @@ class JobRunner:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
-            # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below what
-            # the pipe holds (64 KiB, 36 bytes a job).
-            self._arrivals_writer.send_bytes(job.id.encode())
+            link = self._link
+            if not self.comm.plan.elastic:
+                # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below
+                # what the pipe holds (64 KiB, 36 bytes a job).
+                self._arrivals_writer.send_bytes(job.id.encode())
+        if self.comm.plan.elastic:
+            self._check_and_submit_elastic(job, link)
         return job
 
     def cancel(self, job_id: str, reason: str) -> None:
@@ -180,7 +185,7 @@ class JobRunner:
             if job is not None and job.stop_reason is None:
                 job.stop_reason = reason
             link = self._link
-        if job is not None and job.on_device is not None and self.comm.plan.elastic and link is not None:
+        if job is not None and job.submitted_to_hub and link is not None:
             try:
                 link.send(Withdraw(job_id, reason))  # submitted: the hub drops it, or its group stops it
             except OSError:
@@ -342,11 +347,27 @@ class JobRunner:
             self._end_job(job, error)
             return
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
-        # An elastic model's job may run on a group without this rank: its checked inputs go with it, in host memory.
-        elastic = ({"deadline": job.deadline, "tensors": {name: t.cpu() for name, t in job.on_device.items()}}
-                   if self.comm.plan.elastic else {})
         try:
-            link.send(Submit(job.id, self.comm.rank, header, **elastic))
+            link.send(Submit(job.id, self.comm.rank, header))
+        except OSError:
+            pass  # the hub has gone, so this generation is ending: the job fails with it
+
+    def _check_and_submit_elastic(self, job: RankJob, link: HubLink) -> None:
+        """An elastic model's job: check its inputs in host memory and submit them with it, in the calling thread (the
+        worker's, which takes the stub's jobs), not the runner thread: that may run another group's job meanwhile, and
+        the hub must see every job that waits. The group that runs it copies the inputs to its devices."""
+        if job.not_awaited() is not None:
+            self._drop(job)
+            return
+        try:
+            check_finite(job.inputs)
+        except RequestError as error:
+            self._end_job(job, error)
+            return
+        header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.inputs.items()]
+        job.submitted_to_hub = True
+        try:
+            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs))
         except OSError:
             pass  # the hub has gone, so this generation is ending: the job fails with it
 
@@ -603,7 +624,8 @@ class JobRunner:
         (checked while no job runs): the hub is stopped or stuck. A job behind others is ordered when they are."""
         now = time.monotonic()
         with self._lock:
-            waiting = [job.submitted for job in self._pending.values() if job.on_device is not None and not job.started]
+            waiting = [job.submitted for job in self._pending.values()
+                       if (job.on_device is not None or job.submitted_to_hub) and not job.started]
         return bool(waiting) and now - max(min(waiting), self._hub_heard) > self.timeout
 
     def _lost_ranks(self, generation: Generation) -> str:

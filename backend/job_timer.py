@@ -78,5 +78,9 @@ class JobTimer:
         waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
         if elastic_job is not None:
             log.info("job %s on ranks %s ran from %.3f to %.3f", elastic_job, group, began, time.time())
-        self._on_job(communication, max(wall - communication, 0.0), waited,
-                     ",".join(map(str, group)) if group is not None else "")
+        self._on_job(communication, max(wall - communication, 0.0), waited, group_label(group) if group else "")
+
+
+def group_label(group: list[int]) -> str:
+    """A group of consecutive ranks as a metric label: "2" for one rank, "0-3" for ranks 0 to 3."""
+    return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"

@@ -143,7 +143,7 @@ class Stopped:
 @dataclass(frozen=True)
 class JobTimed:
     """A job's seconds in collectives, in compute, and waiting for the ranks; group: the ranks an elastic model's job
-    ran on, e.g. "0,1" ("" for every other model's)."""
+    ran on, e.g. "0-1" ("" for every other model's)."""
 
     kind: ClassVar[str] = "job_timed"
     communication: float

@@ -14,7 +14,7 @@ every rank take part in every job and where its time goes:
                                         their jobs began (their inputs' copy to the device and check, the job
                                         hub's ordering, earlier jobs)
 An elastic model (mdtriton build --elastic) also has:
-  mdtriton_group_jobs_total             jobs this rank ran on each group of ranks (label group, e.g. "0,1")
+  mdtriton_group_jobs_total             jobs this rank ran on each group of ranks (label group: "0-1" for ranks 0 and 1, "2" for rank 2)
   mdtriton_queued_jobs                  jobs waiting for a group of ranks now (rank 0, where the job hub is)
 The rank's worker process measures each job (backend/job_timer.py) and tells its stub, which owns these
 counters (only the stub can reach Triton's metrics API).
