@@ -180,7 +180,8 @@ class JobHub:
                         origins[submit.job] = submit.origin
                         scheduler.submit(submit)
                     case Finished(job=job, rank=rank):
-                        scheduler.finished(job, rank)
+                        if scheduler.finished(job, rank):
+                            origins.pop(job, None)  # answered by now (its leader's Result comes before its Finished)
                     case Result(job=job) if job in origins:
                         tell(origins.pop(job), message)
                     case Progress(id=job) if job in origins:

@@ -40,15 +40,18 @@ class GroupScheduler:
     def submit(self, submit: Submit) -> None:
         self.waiting.append(submit)
 
-    def finished(self, job: str, rank: int) -> None:
-        """A rank has ended a job: it is free again once it has ended every job it was given (one at a time)."""
+    def finished(self, job: str, rank: int) -> bool:
+        """A rank has ended a job: it is free again (a rank is given one job at a time). Whether every rank of the
+        job's group has ended it now."""
         running = self.running.get(job)
         if running is None or rank not in running.running_on:
-            return
+            return False
         running.running_on.discard(rank)
         self.busy.discard(rank)
-        if not running.running_on:
-            del self.running[job]
+        if running.running_on:
+            return False
+        del self.running[job]
+        return True
 
     def withdraw(self, job: str) -> Submit | RunningJob | None:
         """A job whose request no longer waits: removed from the queue if it waits there (the Submit), else the

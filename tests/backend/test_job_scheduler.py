@@ -32,8 +32,7 @@ def test_a_job_alone_takes_the_largest_free_group_and_queued_jobs_one_rank_each(
     for name in "bcde":
         schedule.submit(job(name))
     assert starts(schedule) == []  # every rank busy
-    for rank in range(4):
-        schedule.finished("a", rank)
+    assert [schedule.finished("a", rank) for rank in range(4)] == [False, False, False, True]
     # b, c, d each have others behind them: one rank each; e, alone at last, takes the largest group left (one rank).
     assert starts(schedule) == [("b", [0]), ("c", [1]), ("d", [2]), ("e", [3])]
     schedule.finished("c", 1)
