@@ -180,4 +180,4 @@ def test_a_unary_elastic_engine_answers_requests_sent_at_once_as_one_rank_does(s
         answers = list(pool.map(lambda case: client.infer("elastic_flux", {k: v.numpy() for k, v in case.items()},
                                                           timeout=120)["sample"], cases))
     for got, want in zip(answers, expected):
-        assert torch.allclose(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
