@@ -13,6 +13,15 @@ unloading, and ends: the generation is over for all of them.
 
 A world of one rank has nothing to order: it uses no hub, but a SingleRankLink, which hands its
 jobs straight back to it.
+
+An elastic model's hub also schedules (backend/job_scheduler.py): it holds the submitted jobs in arrival order and
+starts each on a group of ranks when one is free, sending the Run, with the job's inputs (the Submit brings them in
+host memory), to the group's ranks only, and to the origin, so it knows its job started. Jobs on disjoint groups run at
+once; each rank runs the jobs of its groups in the one global order. The ranks say when they have finished a job
+(Finished); the leader of its group sends its answer (Result) and progress, which the hub passes to the origin, so
+the origin need not take part (it may be busy in another group). A job whose request no longer waits (Withdraw) is
+dropped if it waits, or its group's leader is told to stop it; one past its deadline is dropped when it is looked at
+(its request has been answered UNAVAILABLE by its stub already).
 """
 
 from __future__ import annotations
@@ -20,21 +29,30 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
 
-from mdtriton.backend.messages import (EndGeneration, Hello, Leave, Message, ProtocolError, Run, Submit, receive_over,
-                                       send_over)
+from mdtriton.backend.job_scheduler import GroupScheduler
+from mdtriton.backend.messages import (EndGeneration, Finished, Hello, Leave, Message, Progress, ProtocolError, Result,
+                                       Run, Submit, Withdraw, receive_over, send_over)
 from mdtriton.backend.private_directory import PRIVATE_FILE_MODE
 
 
 class JobHub:
     """Runs on rank 0 in its own thread; lives as long as one rendezvous generation."""
 
-    def __init__(self, address: str, token: str, world_size: int):
+    def __init__(self, address: str, token: str, world_size: int,
+                 partitions: dict[int, list[list[int]]] | None = None,
+                 on_queue_length: Callable[[int], None] | None = None):
+        """partitions: an elastic model's groups by size (each job runs on one of them); None: every job on every
+        rank. on_queue_length(waiting): told, in the hub's thread, how many of an elastic model's jobs wait for a
+        group, whenever that changes (the rank's metrics)."""
         self.address = address
         self.token = token
         self.world_size = world_size
+        self.partitions = partitions
+        self.on_queue_length = on_queue_length
         self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
         os.chmod(address, PRIVATE_FILE_MODE)  # its directory is private already; the socket too, for good measure
         self._stopping = threading.Event()
@@ -76,6 +94,9 @@ class JobHub:
         if len(links) < self.world_size or self._stopping.is_set():
             self._stop(links, "the ranks did not all connect to rank 0's job hub")
             return
+        if self.partitions is not None:
+            self._schedule(links)
+            return
         ranks = {connection: rank for rank, connection in links.items()}
         sequence = 0
         while True:
@@ -102,6 +123,77 @@ class JobHub:
                                 send_over(link, Run(job, origin, inputs, sequence))
                             except OSError:
                                 pass  # that rank is gone: its closed socket ends the generation on the next wait()
+                    case _:
+                        self._stop(links, f"rank {ranks[connection]} sent the hub {message}, not a job or a leave")
+                        return
+
+    def _schedule(self, links: dict[int, Connection]) -> None:
+        """An elastic model's jobs: start each on a free group as the policy says, until the generation ends."""
+        ranks = {connection: rank for rank, connection in links.items()}
+        scheduler = GroupScheduler(self.partitions)
+        origins: dict[str, int] = {}  # the origin of every job submitted and not yet answered
+        sequence, reported = 0, 0
+
+        def tell(rank: int, message: Message) -> None:
+            try:
+                send_over(links[rank], message)
+            except OSError:
+                pass  # that rank is gone: its closed socket ends the generation on the next wait()
+
+        def drop(submit: Submit, why: str) -> None:
+            origins.pop(submit.job, None)
+            tell(submit.origin, Result(submit.job, "stopped", why))
+
+        while True:
+            for submit in scheduler.expired(time.monotonic()):
+                drop(submit, "past its deadline")
+            while (started := scheduler.start_next()) is not None:
+                submit, group = started
+                sequence += 1
+                for rank in group:
+                    tell(rank, Run(submit.job, submit.origin, submit.inputs, sequence, group, submit.deadline,
+                                   submit.tensors))
+                if submit.origin not in group:
+                    tell(submit.origin, Run(submit.job, submit.origin, submit.inputs, sequence, group))
+            if len(scheduler.waiting) != reported and self.on_queue_length is not None:
+                reported = len(scheduler.waiting)
+                self.on_queue_length(reported)
+            deadline = scheduler.next_deadline()
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01
+            for connection in wait(list(ranks) + [self._wake_reader], timeout):
+                if connection is self._wake_reader:
+                    self._stop(links, "rank 0 ended this generation")
+                    return
+                try:
+                    message = receive_over(connection)
+                except (EOFError, OSError):
+                    self._stop(links, f"rank {ranks[connection]} disconnected")
+                    return
+                except ProtocolError as error:
+                    self._stop(links, f"rank {ranks[connection]}: {error}")
+                    return
+                match message:
+                    case Leave(reason=reason, unloading=unloading):
+                        self._stop(links, f"rank {ranks[connection]} left: {reason}", unloading)
+                        return
+                    case Submit() as submit:
+                        origins[submit.job] = submit.origin
+                        scheduler.submit(submit)
+                    case Finished(job=job, rank=rank):
+                        if scheduler.finished(job, rank):
+                            origins.pop(job, None)  # answered by now (its leader's Result comes before its Finished)
+                    case Result(job=job) if job in origins:
+                        tell(origins.pop(job), message)
+                    case Progress(id=job) if job in origins:
+                        tell(origins[job], message)
+                    case Result() | Progress():
+                        pass  # its request was dropped meanwhile
+                    case Withdraw(job=job) as withdraw:
+                        found = scheduler.withdraw(job)
+                        if isinstance(found, Submit):
+                            drop(found, withdraw.reason)
+                        elif found is not None:
+                            tell(found.group[0], withdraw)
                     case _:
                         self._stop(links, f"rank {ranks[connection]} sent the hub {message}, not a job or a leave")
                         return

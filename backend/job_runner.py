@@ -27,11 +27,20 @@ stuck; a busy hub orders other jobs, so a long queue is no sign of it), or a job
 (its peers may be waiting in a collective that will never complete, so the job order cannot be trusted any more).
 Every job still pending then fails at once, saying why, and the runner ends: its worker exits, and the stub starts a
 new worker, which meets the other ranks' new workers in a new generation (backend/worker_keeper.py).
+
+An elastic model (ParallelPlan.elastic) runs each job on the group of ranks the hub chose (backend/job_scheduler.py),
+with the engine bound to that group's communicator (Communicator.bound_to); jobs on disjoint groups run at once. The
+origin need not take part: its checked inputs travel with its Submit, in host memory, through the hub to the group,
+and the group's leader (its first rank) sends the answer, and its progress, back through the hub. A thread of the
+runner reads the hub's link: it hands the runner thread the jobs to run and completes this rank's waiting jobs with
+their answers, so an answer never waits for a job this rank runs meanwhile. A cancelled job is withdrawn at the hub:
+dropped if it waits, or stopped by its group after the next step.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +54,8 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.messages import EndGeneration, Leave, ProtocolError, RanksUnavailable, Run, Submit
+from mdtriton.backend.messages import (EndGeneration, Finished, Leave, Message, Progress, ProtocolError,
+                                       RanksUnavailable, Result, Run, Submit, Withdraw)
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
 from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import CommunicationError, Communicator
@@ -77,6 +87,8 @@ class RankJob:
     submitted: float = field(default_factory=time.monotonic)  # when this rank's worker took it
     on_device: dict[str, torch.Tensor] | None = None  # the inputs copied to this rank's device, once checked
     stop_reason: str | None = None  # set when its request no longer waits for it (cancel)
+    submitted_to_hub: bool = False  # an elastic model's job, checked and sent to the hub
+    started: bool = False  # an elastic model's job that the hub has started, on whichever group
 
     def not_awaited(self) -> str | None:
         """Why its request no longer waits for this job (it should not start, or go on), or None."""
@@ -97,14 +109,17 @@ class GenerationEnd:
 class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
                  timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
-                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None]):
+                 on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None],
+                 on_queue_length: Callable[[int], None]):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
         lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
         on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
         submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
-        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread)."""
+        reports steps of (pipelines do), whichever rank submitted it (all in the runner thread; an elastic model's
+        also in the thread that reads the hub's link); on_queue_length(waiting): an elastic model's hub, on rank 0,
+        says how many jobs wait for a group (in the hub's thread)."""
         self.engine = engine
         self.comm = comm
         self.rendezvous = rendezvous
@@ -115,6 +130,7 @@ class JobRunner:
         self._on_serving = on_serving
         self._on_started = on_started
         self._on_progress = on_progress
+        self._on_queue_length = on_queue_length
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, RankJob] = {}
         self._link: HubLink | SingleRankLink | None = None
@@ -127,6 +143,10 @@ class JobRunner:
         self._generation: Generation | None = None
         self._hub: JobHub | None = None
         self._hub_heard = time.monotonic()  # when the job order last moved: a job ordered, or ended, on this rank
+        # An elastic model's: the hub's orders for the runner thread, handed over by the thread that reads the link.
+        self._orders: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._orders_ready, self._orders_writer = Pipe(duplex=False)
+        self._group_job: RankJob | None = None  # the elastic job this rank runs now (the hub may withdraw it)
         self._thread = threading.Thread(target=self._run, name="mdtriton-job-runner", daemon=True)
 
     def start(self) -> None:
@@ -148,9 +168,13 @@ class JobRunner:
             if self._link is None:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
-            # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below what
-            # the pipe holds (64 KiB, 36 bytes a job).
-            self._arrivals_writer.send_bytes(job.id.encode())
+            link = self._link
+            if not self.comm.plan.elastic:
+                # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below
+                # what the pipe holds (64 KiB, 36 bytes a job).
+                self._arrivals_writer.send_bytes(job.id.encode())
+        if self.comm.plan.elastic:
+            self._check_and_submit_elastic(job, link)
         return job
 
     def cancel(self, job_id: str, reason: str) -> None:
@@ -160,6 +184,12 @@ class JobRunner:
             job = self._pending.get(job_id)
             if job is not None and job.stop_reason is None:
                 job.stop_reason = reason
+            link = self._link
+        if job is not None and job.submitted_to_hub and link is not None:
+            try:
+                link.send(Withdraw(job_id, reason))  # submitted: the hub drops it, or its group stops it
+            except OSError:
+                pass  # the generation is ending: the job fails with it
 
     def stop(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
         """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us. If the
@@ -209,18 +239,25 @@ class JobRunner:
         serving, watcher = threading.Event(), None
         serving.set()
         try:
+            started = time.monotonic()
             self.comm.connect(generation.store_path, self.timeout)
             link = self._connect_to_hub(generation)
             with self._lock:
                 self._link = link
-            log.info("rank %d joined generation %d of %s", rank, generation.number, self.comm.plan)
+            # An elastic plan forms every group of every size here: the time it adds is in this line.
+            log.info("rank %d joined generation %d of %s (process groups formed in %.2f s)", rank, generation.number,
+                     self.comm.plan, time.monotonic() - started)
             self._on_serving(generation)
             if self.comm.device.type == "cuda" and self.comm.plan.world_size > 1:
                 watcher = threading.Thread(target=self._abort_when_a_peer_exits, args=(generation, serving),
                                            name="mdtriton-peer-watch", daemon=True)
                 watcher.start()
+            orders = link
+            if self.comm.plan.elastic:
+                threading.Thread(target=self._read_hub, args=(link,), name="mdtriton-hub-reader", daemon=True).start()
+                orders = self._orders_ready
             while True:
-                ready = wait([self._arrivals, link], WATCH_INTERVAL_S)
+                ready = wait([self._arrivals, orders], WATCH_INTERVAL_S)
                 if not ready:
                     if self._hub_quiet():
                         return (f"rank 0's job hub ordered no job for {self.timeout:.0f} s while a job of rank {rank} "
@@ -228,16 +265,23 @@ class JobRunner:
                     continue
                 if self._arrivals in ready:
                     self._check_and_submit(self._arrivals.recv_bytes().decode(), link)
-                if link not in ready:
+                if orders not in ready:
                     continue
-                message = link.receive()
-                self._hub_heard = time.monotonic()
+                if orders is link:
+                    message = link.receive()
+                    self._hub_heard = time.monotonic()
+                else:
+                    orders.recv_bytes()
+                    message = self._orders.get()
                 match message:
                     case EndGeneration(reason=reason, unloading=unloading):
                         if unloading:
                             # Triton unloads every instance of the model: this rank's own stop follows.
                             self._stopping.set()
                         return reason
+                    case Run() as run if self.comm.plan.elastic:
+                        self._execute_in_group(run, link)
+                        self._hub_heard = time.monotonic()
                     case Run() as run:
                         self._execute(run)
                         self._hub_heard = time.monotonic()
@@ -259,8 +303,11 @@ class JobRunner:
         has no order to agree on: its jobs come straight back to it (SingleRankLink), without a hub."""
         if self.comm.plan.world_size == 1:
             return SingleRankLink()
+        plan = self.comm.plan
         if self.comm.rank == 0:
-            self._hub = JobHub(generation.hub_address, generation.token, self.comm.plan.world_size).start()
+            partitions = {size: plan.group_partition(size) for size in plan.group_sizes()} if plan.elastic else None
+            self._hub = JobHub(generation.hub_address, generation.token, plan.world_size, partitions,
+                               self._on_queue_length).start()
         return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
 
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
@@ -302,6 +349,25 @@ class JobRunner:
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.on_device.items()]
         try:
             link.send(Submit(job.id, self.comm.rank, header))
+        except OSError:
+            pass  # the hub has gone, so this generation is ending: the job fails with it
+
+    def _check_and_submit_elastic(self, job: RankJob, link: HubLink) -> None:
+        """An elastic model's job: check its inputs in host memory and submit them with it, in the calling thread (the
+        worker's, which takes the stub's jobs), not the runner thread: that may run another group's job meanwhile, and
+        the hub must see every job that waits. The group that runs it copies the inputs to its devices."""
+        if job.not_awaited() is not None:
+            self._drop(job)
+            return
+        try:
+            check_finite(job.inputs)
+        except RequestError as error:
+            self._end_job(job, error)
+            return
+        header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.inputs.items()]
+        job.submitted_to_hub = True
+        try:
+            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs))
         except OSError:
             pass  # the hub has gone, so this generation is ending: the job fails with it
 
@@ -364,6 +430,117 @@ class JobRunner:
         elif isinstance(outcome, JobFailed):
             log.warning("rank %d: request %s failed on every rank before its collectives (the ranks serve on): %s",
                         self.comm.rank, job.id, outcome)
+        self._end_job(job, outcome)
+
+    def _read_hub(self, link: HubLink) -> None:
+        """An elastic model's reader of the hub's link (its own thread): the jobs to run and the generation's end go
+        to the runner thread; answers and progress of this rank's jobs, run by other groups, go to their requests at
+        once; a withdrawal stops the job this rank leads."""
+        while True:
+            try:
+                message = link.receive()
+            except (EOFError, OSError, ProtocolError):
+                message = EndGeneration("rank 0's job hub went away", False)
+            self._hub_heard = time.monotonic()
+            match message:
+                case Run(job=job_id, group=group) if self.comm.rank not in group:  # a job of this rank, started elsewhere
+                    with self._lock:
+                        job = self._pending.get(job_id)
+                    if job is not None:
+                        job.started = True
+                        self._on_started(job_id)
+                case Run() | EndGeneration():
+                    self._orders.put(message)
+                    try:
+                        self._orders_writer.send_bytes(b"")
+                    except OSError:
+                        return  # the generation has ended
+                    if isinstance(message, EndGeneration):
+                        return
+                case Result() as result:
+                    self._take_result(result)
+                case Progress(id=job_id, done=done, total=total):
+                    self._on_progress(job_id, done, total)
+                case Withdraw(job=job_id, reason=reason):
+                    running = self._group_job
+                    if running is not None and running.id == job_id and running.stop_reason is None:
+                        running.stop_reason = reason
+                case _:
+                    self._orders.put(EndGeneration(f"rank 0's job hub sent {message}, not a job or an answer", False))
+                    self._orders_writer.send_bytes(b"")
+                    return
+
+    def _execute_in_group(self, run: Run, link: HubLink) -> None:
+        """Run an elastic model's job on its group (this rank among them), with the engine bound to the group, and tell
+        the hub that this rank has finished it; the group's leader answers it (to this rank's waiting request, or
+        through the hub to its origin's). Every rank of the group ends a job that fails or stops together (the order
+        holds); anything else ends the generation, as for every job."""
+        leader = run.group[0] == self.comm.rank
+        with self._lock:
+            own = self._pending.get(run.job) if run.origin == self.comm.rank else None
+        running = RankJob({}, deadline=run.deadline, id=run.job)
+        self._group_job = running
+        if own is not None:
+            own.started = True
+            self._on_started(own.id)
+            self.timer.waited(time.monotonic() - own.submitted)
+
+        def stop_requested() -> bool:
+            return running.not_awaited() is not None or (own is not None and own.not_awaited() is not None)
+
+        def on_progress(done: int, total: int) -> None:
+            self._on_progress(run.job, done, total)
+            if leader and run.origin not in run.group:
+                try:
+                    link.send(Progress(run.job, done, total))
+                except OSError:
+                    pass  # the hub has gone: the generation is ending
+
+        control = JobControl(on_progress=on_progress, timeout=self.timeout, stop_requested=stop_requested)
+        with self.timer.job(run.job, run.group):
+            inputs = self._fresh_copy(run.tensors)
+            try:
+                with controlled_by(control), self.comm.bound_to(len(run.group)):
+                    outcome = self.engine.forward(inputs)
+                    self.comm.check_device("the answer", *outcome.values())
+            except (JobFailed, JobStopped) as ended:  # every rank of the group ended it at the same point
+                outcome = ended
+            if self.comm.device.type == "cuda":
+                wait_for_device(self.timeout)
+                if self._aborted.is_set():
+                    raise CommunicationError("the process groups were aborted during the job (a peer exited)")
+        self._group_job = None
+        if isinstance(outcome, (JobFailed, JobStopped)):
+            log.info("rank %d: request %s ended on ranks %s: %s %s", self.comm.rank, run.job, run.group,
+                     type(outcome).__name__, outcome)
+        try:
+            if leader and own is not None:
+                self._end_job(own, outcome)
+            elif leader:
+                link.send(result_of(run.job, outcome))
+            link.send(Finished(run.job, self.comm.rank))
+        except OSError:
+            pass  # the hub has gone: the generation is ending, and the request runs again on the next one
+
+    def _take_result(self, result: Result) -> None:
+        """Complete a job of this rank with the answer its group's leader sent (or the hub's word that it was
+        dropped); called by the thread that reads the hub's link."""
+        with self._lock:
+            job = self._pending.get(result.job)
+        if job is None:
+            return
+        match result.outcome:
+            case "done":
+                outcome = result.tensors
+            case "stopped":
+                log.info("rank %d: request %s stopped: %s", self.comm.rank, job.id, result.reason or job.stop_reason)
+                outcome = JobStopped(result.done, result.total)
+            case "refused":
+                outcome = JobFailed(result.reason, request_error=True)
+            case _:
+                log.warning("rank %d: request %s failed on every rank of its group (the ranks serve on): %s",
+                            self.comm.rank, job.id, result.reason)
+                outcome = JobFailed(result.reason)
         self._end_job(job, outcome)
 
     def _skip(self, job: RankJob | None, origin: int) -> bool:
@@ -447,7 +624,8 @@ class JobRunner:
         (checked while no job runs): the hub is stopped or stuck. A job behind others is ordered when they are."""
         now = time.monotonic()
         with self._lock:
-            waiting = [job.submitted for job in self._pending.values() if job.on_device is not None]
+            waiting = [job.submitted for job in self._pending.values()
+                       if (job.on_device is not None or job.submitted_to_hub) and not job.started]
         return bool(waiting) and now - max(min(waiting), self._hub_heard) > self.timeout
 
     def _lost_ranks(self, generation: Generation) -> str:
@@ -459,3 +637,17 @@ class JobRunner:
                 return lost
             time.sleep(0.05)
         return ""
+
+
+def result_of(job: str, outcome) -> Result:
+    """The Result message that carries an elastic model's job's outcome (its outputs, in host memory, or how every
+    rank of its group ended it) to its origin."""
+    match outcome:
+        case JobStopped(done=done, total=total):
+            return Result(job, "stopped", done=done, total=total)
+        case JobFailed(request_error=True):
+            return Result(job, "refused", str(outcome))
+        case JobFailed():
+            return Result(job, "failed", str(outcome))
+        case _:
+            return Result(job, "done", tensors={name: tensor.cpu() for name, tensor in outcome.items()})

@@ -9,19 +9,22 @@ stream waits for them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
+log = logging.getLogger("mdtriton.backend")
+
 
 class JobTimer:
     """`time_collective` is the Communicator's hook, `job` wraps each job, `waited` is told how long a job this rank
-    received waited before it began; on_job(communication_s, compute_s, waited_s) runs after each job (waited_s is
-    0 for the jobs of requests other ranks received)."""
+    received waited before it began; on_job(communication_s, compute_s, waited_s, group) runs after each job (waited_s
+    is 0 for the jobs of requests other ranks received; group: the ranks of an elastic model's job, "" otherwise)."""
 
-    def __init__(self, device: torch.device, on_job: Callable[[float, float, float], None]):
+    def __init__(self, device: torch.device, on_job: Callable[[float, float, float, str], None]):
         self.device = device
         self._on_job = on_job
         self._in_job = False  # jobs and their collectives all run in the job runner's thread
@@ -54,9 +57,12 @@ class JobTimer:
         self._waited = seconds
 
     @contextmanager
-    def job(self):
-        """Time one job and report its split into communication and compute."""
+    def job(self, elastic_job: str | None = None, group: list[int] | None = None):
+        """Time one job and report its split into communication and compute. An elastic model's job (its id) and its
+        group are logged with the job's span in wall-clock time, so that the jobs that ran at once on different groups
+        can be seen in the log."""
         started = time.perf_counter()
+        began = time.time()
         self._in_job = True
         try:
             yield
@@ -70,4 +76,11 @@ class JobTimer:
         wall = time.perf_counter() - started
         communication = self._host_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1000
         waited, self._host_seconds, self._events, self._waited = self._waited, 0.0, [], 0.0
-        self._on_job(communication, max(wall - communication, 0.0), waited)
+        if elastic_job is not None:
+            log.info("job %s on ranks %s ran from %.3f to %.3f", elastic_job, group, began, time.time())
+        self._on_job(communication, max(wall - communication, 0.0), waited, group_label(group) if group else "")
+
+
+def group_label(group: list[int]) -> str:
+    """A group of consecutive ranks as a metric label: "2" for one rank, "0-3" for ranks 0 to 3."""
+    return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"

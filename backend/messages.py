@@ -3,7 +3,8 @@
 - Between a rank's stub (WorkerKeeper) and its worker process (RankWorker), over a TensorLink (a message's tensors
   travel beside its header, in shared memory): `send` and `receive`.
 - Between a worker's job runner and rank 0's job hub (or, in a world of one rank, SingleRankLink), over a
-  multiprocessing Connection: `send_over` and `receive_over`.
+  multiprocessing Connection: `send_over` and `receive_over` (an elastic model's inputs and answers travel there too,
+  as host memory: each tensor's bytes in a frame of their own after the header).
 
 A header of a kind not listed here is a ProtocolError, never taken for another kind.
 """
@@ -18,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
+from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 
 
 class ProtocolError(RuntimeError):
@@ -140,12 +142,22 @@ class Stopped:
 
 @dataclass(frozen=True)
 class JobTimed:
-    """A job's seconds in collectives, in compute, and waiting for the ranks."""
+    """A job's seconds in collectives, in compute, and waiting for the ranks; group: the ranks an elastic model's job
+    ran on, e.g. "0-1" ("" for every other model's)."""
 
     kind: ClassVar[str] = "job_timed"
     communication: float
     compute: float
     waited: float
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class QueueLength:
+    """How many jobs of an elastic model wait for a group of ranks now (rank 0's worker, where the job hub is)."""
+
+    kind: ClassVar[str] = "queue_length"
+    waiting: int
 
 
 @dataclass(frozen=True)
@@ -179,12 +191,49 @@ class Hello:
 
 @dataclass(frozen=True)
 class Submit:
-    """A job this rank received, to be put in the order: its id, this rank, its inputs' [name, data type, shape]."""
+    """A job this rank received, to be put in the order: its id, this rank, its inputs' [name, data type, shape]. An
+    elastic model's job also brings its deadline (time.monotonic(), one clock for the machine) and its checked inputs
+    (in host memory), which the hub hands to the group that runs it."""
 
     kind: ClassVar[str] = "submit"
     job: str
     origin: int
     inputs: list
+    deadline: float | None = None
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """An elastic model's rank has ended a job (or left it): the hub may start another job on it."""
+
+    kind: ClassVar[str] = "job_finished"
+    job: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """How an elastic model's job ended, from the leader of its group to its origin, through the hub: `outcome` done
+    (the outputs in `tensors`), refused or failed (`reason`), or stopped (after `done` of `total` steps)."""
+
+    kind: ClassVar[str] = "result"
+    job: str
+    outcome: str
+    reason: str = ""
+    done: int = 0
+    total: int = 0
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """An elastic model's job whose request no longer waits for it (why: reason), from its origin to the hub, which
+    drops it if it waits, or tells the leader of its group, which stops it after its next step."""
+
+    kind: ClassVar[str] = "withdraw"
+    job: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -200,13 +249,18 @@ class Leave:
 
 @dataclass(frozen=True)
 class Run:
-    """Run this job now, every rank: a Submit, numbered in the order."""
+    """Run this job now, every rank: a Submit, numbered in the order. An elastic model's job runs on `group` only
+    (global ranks; its first, the leader, answers), with its deadline and inputs; its origin, if not in the group,
+    is told too (without the inputs): its job has started."""
 
     kind: ClassVar[str] = "run"
     job: str
     origin: int
     inputs: list
     sequence: int
+    group: list | None = None
+    deadline: float | None = None
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -219,10 +273,11 @@ class EndGeneration:
 
 
 Message = (RunRequest | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
-           | Ended | GivenUp | Hello | Submit | Leave | Run | EndGeneration)
+           | QueueLength | Ended | GivenUp | Hello | Submit | Finished | Result | Withdraw | Leave | Run | EndGeneration)
 KINDS: dict[str, type] = {cls.kind: cls for cls in (RunRequest, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
-                                                     Refused, Failed, Stopped, JobTimed, Ended, GivenUp, Hello, Submit,
-                                                     Leave, Run, EndGeneration)}
+                                                     Refused, Failed, Stopped, JobTimed, QueueLength, Ended, GivenUp,
+                                                     Hello, Submit,
+                                                     Finished, Result, Withdraw, Leave, Run, EndGeneration)}
 
 
 def header_of(message: Message) -> tuple[dict, dict[str, torch.Tensor] | None]:
@@ -261,10 +316,24 @@ def receive(link: TensorLink) -> Message:
 
 
 def send_over(connection: Connection, message: Message) -> None:
-    """Send message (without tensors) over a runner-hub connection."""
-    connection.send_bytes(json.dumps(header_of(message)[0]).encode())
+    """Send message over a runner-hub connection: its header, then the bytes of each of its tensors (host memory), if
+    it has any."""
+    header, tensors = header_of(message)
+    if tensors is not None:
+        header["tensors"] = [[name, TRITON_TYPES[tensor.dtype], list(tensor.shape)] for name, tensor in tensors.items()]
+    connection.send_bytes(json.dumps(header).encode())
+    for tensor in (tensors or {}).values():
+        connection.send_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def receive_over(connection: Connection) -> Message:
-    """The next message on a runner-hub connection."""
-    return message_of(json.loads(connection.recv_bytes()))
+    """The next message on a runner-hub connection (its tensors in host memory)."""
+    header = json.loads(connection.recv_bytes())
+    if header.get("tensors") is not None:
+        tensors = {}
+        for name, data_type, shape in header["tensors"]:
+            data = connection.recv_bytes()
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = raw.view(TORCH_DTYPES[data_type]).reshape(shape)
+        header["tensors"] = tensors
+    return message_of(header)

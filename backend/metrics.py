@@ -13,6 +13,9 @@ every rank take part in every job and where its time goes:
   mdtriton_wait_seconds_total           how long the requests this rank received waited in its worker before
                                         their jobs began (their inputs' copy to the device and check, the job
                                         hub's ordering, earlier jobs)
+An elastic model (mdtriton build --elastic) also has:
+  mdtriton_group_jobs_total             jobs this rank ran on each group of ranks (label group: "0-1" for ranks 0 and 1, "2" for rank 2)
+  mdtriton_queued_jobs                  jobs waiting for a group of ranks now (rank 0, where the job hub is)
 The rank's worker process measures each job (backend/job_timer.py) and tells its stub, which owns these
 counters (only the stub can reach Triton's metrics API).
 """
@@ -43,12 +46,35 @@ class RankMetrics:
         ]
         self._requests, self._jobs, self._communication, self._compute, self._wait = (
             family.Metric(labels=labels) for family in self._families)
+        self._labels = labels
+        self._group_family = None  # an elastic model's, made at its first job on a group
+        self._group_jobs: dict[str, object] = {}
+        self._queue_family = None
+        self._queue = None
 
     def received(self, count: int) -> None:
         self._requests.increment(count)
 
-    def job_done(self, communication_seconds: float, compute_seconds: float, waited_seconds: float) -> None:
+    def job_done(self, communication_seconds: float, compute_seconds: float, waited_seconds: float,
+                 group: str) -> None:
+        """Count a job the rank's worker ran and timed; group: the ranks of an elastic model's job ("" otherwise)."""
+        if group:
+            if self._group_family is None:
+                self._group_family = _counter("mdtriton_group_jobs_total",
+                                              "Jobs this rank ran on each group of ranks (elastic models)")
+            if group not in self._group_jobs:
+                self._group_jobs[group] = self._group_family.Metric(labels={**self._labels, "group": group})
+            self._group_jobs[group].increment(1)
         self._jobs.increment(1)
         self._communication.increment(communication_seconds)
         self._compute.increment(compute_seconds)
         self._wait.increment(waited_seconds)
+
+    def queue_length(self, waiting: int) -> None:
+        """An elastic model's jobs waiting for a group of ranks now (reported by rank 0, where the job hub is)."""
+        if self._queue_family is None:
+            self._queue_family = pb_utils.MetricFamily(name="mdtriton_queued_jobs",
+                                                       description="Jobs waiting for a group of ranks (elastic models)",
+                                                       kind=pb_utils.MetricFamily.GAUGE)
+            self._queue = self._queue_family.Metric(labels=self._labels)
+        self._queue.set(waiting)

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -136,7 +137,8 @@ class RankModel:
         self.workers = WorkerKeeper(spec, self.placement.world_size,
                                     heal_limit=int(parameters.get("heal_limit", DEFAULT_HEAL_LIMIT)),
                                     heal_window_s=float(parameters.get("heal_window_s", DEFAULT_HEAL_WINDOW_S)),
-                                    on_job_timed=self.metrics.job_done).start()
+                                    on_job_timed=self.metrics.job_done,
+                                    on_queue_length=self.metrics.queue_length).start()
         if not self.workers.wait_serving(INITIALIZE_JOIN_WAIT_S):
             if self.workers.given_up:
                 # Fail this instance's load too: Triton 2.51 was seen to crash (SIGSEGV) warming up one instance
@@ -161,6 +163,8 @@ class RankModel:
 
     def execute(self, requests: list) -> list | None:
         self.watchdog.check()
+        if self.manifest.plan.elastic:
+            return self._execute_elastic(requests)
         senders = [request.get_response_sender() for request in requests] if self.decoupled else [None] * len(requests)
         # Each request's one deadline, set here, as this stub receives it: the stub answers UNAVAILABLE at it, and the
         # ranks drop its job if it has not started by then, or stop it after its next step.
@@ -175,11 +179,32 @@ class RankModel:
             send(sender, self._answer(item, sender.is_cancelled), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
-    def _submit(self, request, sender, deadline: float):
+    def _execute_elastic(self, requests: list) -> None:
+        """An elastic model's requests: submitted, then answered each from a thread of its own through its response
+        sender (unary and streaming models alike), so that this instance takes its next requests at once. The ranks'
+        job hub must see every request that waits to run them at once on groups of ranks: an instance that waited
+        for its answer would leave the next requests in Triton's queue, where the hub cannot see them."""
+        deadline = time.monotonic() + self.request_timeout
+        for request in requests:
+            sender = request.get_response_sender()
+            item = self._submit(request, sender if self.decoupled else None, deadline, own_copy=True)
+            threading.Thread(target=self._answer_later, args=(sender, item), name="mdtriton-answer",
+                             daemon=True).start()
+        self.metrics.received(len(requests))
+        return None
+
+    def _answer_later(self, sender, item) -> None:
+        send(sender, self._answer(item, sender.is_cancelled), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _submit(self, request, sender, deadline: float, own_copy: bool = False):
         """The request's job, or the error response that answers it now; sender (decoupled models) gets progress;
-        deadline: the time.monotonic() by which the ranks must answer it."""
+        deadline: the time.monotonic() by which the ranks must answer it; own_copy: the inputs copied out of Triton's
+        memory (a request answered after execute returns)."""
         try:
-            inputs = with_defaults(self.manifest, self._inputs(request), self.parameters)
+            inputs = self._inputs(request)
+            if own_copy:
+                inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+            inputs = with_defaults(self.manifest, inputs, self.parameters)
             check_request(self.manifest, inputs, self.adapters_dir)
             return self.workers.submit(inputs, deadline, on_progress=partial(send_progress, sender) if sender else None)
         except RequestError as error:

@@ -29,8 +29,8 @@ import torch
 from mdtriton.backend.job_runner import JobRunner
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop,
-                                       Stopped, receive, send)
+                                       ProtocolError, QueueLength, RanksUnavailable, Refused, RunRequest, Serving,
+                                       Started, Stop, Stopped, receive, send)
 from mdtriton.backend.process_state import end_with_parent
 from mdtriton.backend.rendezvous import Generation, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
@@ -74,7 +74,7 @@ class RankWorker:
         comm.collective_timer = timer.time_collective
         runner = JobRunner(engine, comm, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
                            on_serving=self._report_serving, on_started=self._report_started,
-                           on_progress=self._report_progress)
+                           on_progress=self._report_progress, on_queue_length=self._report_queue_length)
         runner.start()
         threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
         end = runner.wait_ended()
@@ -143,8 +143,11 @@ class RankWorker:
     def _report_progress(self, job_id: str, done: int, total: int) -> None:
         send(self.link, Progress(job_id, done, total))
 
-    def _report_job_time(self, communication: float, compute: float, waited: float) -> None:
-        send(self.link, JobTimed(communication, compute, waited))
+    def _report_job_time(self, communication: float, compute: float, waited: float, group: str) -> None:
+        send(self.link, JobTimed(communication, compute, waited, group))
+
+    def _report_queue_length(self, waiting: int) -> None:
+        send(self.link, QueueLength(waiting))
 
 
 def main(argv: list[str]) -> None:

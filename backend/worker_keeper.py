@@ -42,8 +42,8 @@ from mdtriton.backend.rendezvous import Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, JobTimed, Loaded, Progress,
-                                       ProtocolError, RanksUnavailable, Refused, RunRequest, Serving, Started, Stop,
-                                       Stopped, receive, send)
+                                       ProtocolError, QueueLength, RanksUnavailable, Refused, RunRequest, Serving,
+                                       Started, Stop, Stopped, receive, send)
 from mdtriton.engine.job_control import JobFailed, JobStopped, ProgressListener
 from mdtriton.engine.request_check import RequestError
 
@@ -101,17 +101,21 @@ def how_it_ended(returncode: int) -> str:
 
 
 class WorkerKeeper:
-    def __init__(self, spec: WorkerSpec, world_size: int, heal_limit: int, heal_window_s: float, on_job_timed):
-        """on_job_timed(communication_s, compute_s, waited_s): called for every job the worker ran
+    def __init__(self, spec: WorkerSpec, world_size: int, heal_limit: int, heal_window_s: float, on_job_timed,
+                 on_queue_length):
+        """on_job_timed(communication_s, compute_s, waited_s, group): called for every job the worker ran
         (backend/metrics.py), on the keeper thread, when no answer of this instance is on its way back (see
-        _record_job_times)."""
+        _record_job_times); on_queue_length(waiting): likewise, with the last count of an elastic model's jobs
+        waiting for a group that rank 0's worker reported."""
         self.spec = spec
         self.rank = spec.rank
         self.world_size = world_size
         self.heal_limit = heal_limit
         self.heal_window_s = heal_window_s
         self._on_job_timed = on_job_timed
-        self._job_times: list[tuple[float, float, float]] = []  # reported by the worker, not recorded yet
+        self._job_times: list[tuple[float, float, float, str]] = []  # reported by the worker, not recorded yet
+        self._on_queue_length = on_queue_length
+        self._queue_length: int | None = None  # reported by the worker, not recorded yet
         self._lock = threading.Lock()  # guards the fields below, shared by the keeper thread and Triton's
         self._requests: dict[str, Request] = {}
         self._link: TensorLink | None = None  # to the current worker, once its ranks have met
@@ -329,8 +333,10 @@ class WorkerKeeper:
                             and done > request.steps_reported):
                         request.steps_reported = done
                         request.on_progress(done, total)
-                case JobTimed(communication=communication, compute=compute, waited=waited):
-                    self._job_times.append((communication, compute, waited))
+                case JobTimed(communication=communication, compute=compute, waited=waited, group=group):
+                    self._job_times.append((communication, compute, waited, group))
+                case QueueLength(waiting=waiting):
+                    self._queue_length = waiting
                 case Ended() | GivenUp():  # the worker exits next
                     return message, members
                 case _:
@@ -353,6 +359,9 @@ class WorkerKeeper:
         for times in self._job_times:
             self._on_job_timed(*times)
         self._job_times.clear()
+        if self._queue_length is not None:
+            self._on_queue_length(self._queue_length)
+            self._queue_length = None
 
     def _now_serving(self, link: TensorLink) -> None:
         with self._lock:

@@ -69,6 +69,12 @@ def add_parser(subparsers) -> None:
                         help="guidance parallelism: 2 runs a guiding pipeline's conditional and unconditional "
                              "transformer calls on two groups of tp x cp ranks at once (wan-pipeline, "
                              "qwen-image-pipeline; default 1)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="run each request on a group of the ranks instead of all of them: alone, a request takes "
+                             "every rank; when requests queue, they run at once on groups of 1, 2, 4, ... ranks (each at "
+                             "the plan's method, shrunk to the group), so no rank idles while a request waits. For "
+                             "plans whose ranks each hold the whole transformer (--cp, --cfg; not --tp), on 2, 4, 8, ... "
+                             "ranks")
     parser.add_argument("--dtype", default="FP32", choices=("FP32", "FP16", "BF16", "FP8"),
                         help="engine data type; FP8: the transformer blocks' linear weights in e4m3 with a scale per "
                              "row, activations quantized per token, the rest and the inputs/outputs in BF16 "
@@ -111,7 +117,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = ParallelPlan(tp_size=args.tp, cp_size=args.cp, cp_method=args.cp_method, cfg_size=args.cfg,
-                        ulysses_size=args.ulysses)
+                        ulysses_size=args.ulysses, elastic=args.elastic)
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     default_tokens = (DEFAULT_MAX_TOKENS if is_diffusers_pipeline(args.architecture)
                       else family(args.architecture).max_tokens)

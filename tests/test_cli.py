@@ -129,6 +129,8 @@ def test_infer_against_no_server_fails_in_one_line(tmp_path):
     (["--name", "../evil"], "model name '../evil': use 1 to 100 letters"),
     (["--name", "a b"], "model name 'a b': use 1 to 100 letters"),
     (["--name", "a/b"], "model name 'a/b': use 1 to 100 letters"),
+    (["--tp", "2", "--elastic"], "--elastic runs each job on a group of ranks that each hold the whole transformer; "
+                                 "tensor parallelism (--tp 2) splits it"),
 ])
 def test_build_refuses_a_request_timeout_or_name_it_cannot_serve(tmp_path, capsys, arguments, message):
     """One `error:` line, exit code 1, nothing written (in the repository or beside it)."""

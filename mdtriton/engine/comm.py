@@ -60,38 +60,84 @@ def first_sentence(error: Exception) -> str:
     return text.splitlines()[0].split(". ")[0] if text else type(error).__name__
 
 
-class Communicator:
-    """This rank's tensor-parallel, context-parallel and guidance groups, and the collectives over them."""
+# What a Communicator holds of the group of ranks it spans: what bound_to swaps for one job (an elastic plan).
+GROUP_STATE = ("plan", "rank", "members", "partition", "tp_rank", "cp_rank", "cfg_rank", "_world_group", "_tp_group",
+               "_cp_group", "_cfg_group", "_ulysses_group", "_ring_group", "_ulysses_ranks", "_ring_ranks")
 
-    def __init__(self, plan: ParallelPlan, rank: int, device: torch.device):
+
+class Communicator:
+    """This rank's tensor-parallel, context-parallel and guidance groups, and the collectives over them.
+
+    It spans the whole world, or, for an elastic plan's job, one group of the ranks: `members` (global ranks, in the
+    order of the group's plan) of a partition of the world (`partition`, every group of that size, which every rank
+    forms together). `rank` and every rank a collective names are places in `members`."""
+
+    def __init__(self, plan: ParallelPlan, rank: int, device: torch.device, members: list[int] | None = None,
+                 partition: list[list[int]] | None = None):
+        """members, partition: for a group's communicator, the group (global ranks; this rank at place `rank`) and
+        every group of the world of its size, members among them; None: the whole world (rank: the global rank)."""
         self.plan = plan
+        self.members = members if members is not None else list(range(plan.world_size))
+        self.partition = partition if partition is not None else [self.members]
         self.rank = rank
         self.device = torch.device(device)
         self.tp_rank = plan.tp_rank(rank)
         self.cp_rank = plan.cp_rank(rank)
         self.cfg_rank = plan.cfg_rank(rank)
+        self._world_group = None  # None: torch's default group, the whole world
         self._tp_group = None
         self._cp_group = None
         self._cfg_group = None
         self._ulysses_group = None
         self._ring_group = None
-        # The ranks of this rank's Ulysses group and ring, in order: ulysses_ring's subgroups of the context-parallel
-        # group; for ulysses and ring, the context-parallel group is the one that exchanges heads or passes blocks.
-        cp_ranks = group_with(rank, plan.cp_group_ranks())
+        # The global ranks of this rank's Ulysses group and ring, in order: ulysses_ring's subgroups of the
+        # context-parallel group; for ulysses and ring, the context-parallel group is the one that exchanges heads
+        # or passes blocks.
+        cp_ranks = self._global(group_with(rank, plan.cp_group_ranks()))
         match plan.cp_method:
             case "ulysses_ring":
-                self._ulysses_ranks = group_with(rank, plan.ulysses_group_ranks())
-                self._ring_ranks = group_with(rank, plan.ring_group_ranks())
+                self._ulysses_ranks = self._global(group_with(rank, plan.ulysses_group_ranks()))
+                self._ring_ranks = self._global(group_with(rank, plan.ring_group_ranks()))
             case "ulysses":
-                self._ulysses_ranks, self._ring_ranks = cp_ranks, [rank]
+                self._ulysses_ranks, self._ring_ranks = cp_ranks, [self.members[rank]]
             case "ring":
-                self._ulysses_ranks, self._ring_ranks = [rank], cp_ranks
+                self._ulysses_ranks, self._ring_ranks = [self.members[rank]], cp_ranks
             case _:
-                self._ulysses_ranks = self._ring_ranks = [rank]
+                self._ulysses_ranks = self._ring_ranks = [self.members[rank]]
         # Optional hook: a callable returning a context manager wrapped around every collective (the
         # backend's metrics time them with it).
         self.collective_timer = None
         self._rehearsing = False
+        # An elastic plan's communicators of this rank's smaller groups, by size (formed with the world's).
+        self.groups: dict[int, Communicator] = {}
+        if plan.elastic:
+            for size in plan.group_sizes()[:-1]:
+                groups = plan.group_partition(size)
+                members = group_with(rank, groups)
+                self.groups[size] = Communicator(plan.group_plan(size), members.index(rank), device, members, groups)
+
+    def _global(self, places: list[int]) -> list[int]:
+        return [self.members[place] for place in places]
+
+    @contextmanager
+    def bound_to(self, size: int):
+        """Within it, this communicator is that of this rank's group of `size` ranks (an elastic plan's job there).
+
+        The engine's modules keep the communicator they were loaded with: binding it to a group for a job (this
+        rank's state of the group swapped in, and back after) is how one loaded engine runs on any group. The whole
+        world's size binds nothing."""
+        if size == self.plan.world_size:
+            yield self
+            return
+        group = self.groups[size]
+        saved = {name: getattr(self, name) for name in GROUP_STATE}
+        for name in GROUP_STATE:
+            setattr(self, name, getattr(group, name))
+        try:
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
 
     @contextmanager
     def rehearsal(self):
@@ -156,7 +202,10 @@ class Communicator:
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-        self._tp_group = self._cp_group = self._cfg_group = self._ulysses_group = self._ring_group = None
+        for communicator in (self, *self.groups.values()):
+            communicator._world_group = None
+            communicator._tp_group = communicator._cp_group = communicator._cfg_group = None
+            communicator._ulysses_group = communicator._ring_group = None
 
     @contextmanager
     def _collective(self, what: str, timed: bool = True):
@@ -171,34 +220,50 @@ class Communicator:
             raise CommunicationError(f"{what} failed on rank {self.rank}: {first_sentence(error)}") from error
 
     def join_groups(self, timeout: timedelta | None = None) -> None:
-        """Create the tensor-parallel, context-parallel and guidance groups; every rank calls this together.
+        """Create the tensor-parallel, context-parallel and guidance groups (an elastic plan's: those of every group
+        of ranks too); every rank calls this together.
 
         timeout bounds their collectives (a group does not inherit the world's timeout; None: torch's default).
         """
         plan = self.plan
         if plan.world_size == 1:
             return
-        if not dist.is_initialized() or dist.get_world_size() != plan.world_size:
+        world_size = sum(map(len, self.partition))
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise RuntimeError(
-                f"the plan needs {plan.world_size} ranks in an initialised torch.distributed world "
+                f"the plan needs {world_size} ranks in an initialised torch.distributed world "
                 f"(found {dist.get_world_size() if dist.is_initialized() else 'none'})"
             )
-        # new_group is collective over the whole world: every rank creates every group, in order.
-        self._tp_group = self._group_of(plan.tp_group_ranks(), timeout)
-        self._cp_group = self._group_of(plan.cp_group_ranks(), timeout)
-        self._cfg_group = self._group_of(plan.cfg_group_ranks(), timeout)
-        if plan.cp_method == "ulysses_ring":
-            self._ulysses_group = self._group_of(plan.ulysses_group_ranks(), timeout)
-            self._ring_group = self._group_of(plan.ring_group_ranks(), timeout)
-        else:
-            self._ulysses_group = self._ring_group = self._cp_group
+        # new_group is collective over the whole world: every rank creates every group, in order (for a group's
+        # communicator: those of every group of its partition, one after another).
+        for members in self.partition:
+            mine = members is self.members
+            if self.partition[1:]:
+                world_group = dist.new_group(members, timeout=timeout)
+                if mine:
+                    self._world_group = world_group
+            tp = self._group_of(members, plan.tp_group_ranks(), timeout)
+            cp = self._group_of(members, plan.cp_group_ranks(), timeout)
+            cfg = self._group_of(members, plan.cfg_group_ranks(), timeout)
+            if plan.cp_method == "ulysses_ring":
+                ulysses = self._group_of(members, plan.ulysses_group_ranks(), timeout)
+                ring = self._group_of(members, plan.ring_group_ranks(), timeout)
+            else:
+                ulysses = ring = cp
+            if mine:
+                self._tp_group, self._cp_group, self._cfg_group = tp, cp, cfg
+                self._ulysses_group, self._ring_group = ulysses, ring
+        for group in self.groups.values():  # an elastic plan's smaller groups, smallest first (every rank alike)
+            group.join_groups(timeout)
 
-    def _group_of(self, partition: list[list[int]], timeout: timedelta | None):
-        """Create every group of a partition of the world (all ranks together); return this rank's."""
+    def _group_of(self, members: list[int], partition: list[list[int]], timeout: timedelta | None):
+        """Create every group of a partition of the ranks `members` (places in it; all ranks of the world together);
+        return this rank's (None if this rank is not among members)."""
         mine = None
-        for ranks in partition:
+        for places in partition:
+            ranks = [members[place] for place in places]
             group = dist.new_group(ranks, timeout=timeout)
-            if self.rank in ranks:
+            if members is self.members and self.members[self.rank] in ranks:
                 mine = group
         return mine
 
@@ -232,7 +297,7 @@ class Communicator:
     @property
     def ring_rank(self) -> int:
         """This rank's place in its ring: the block of the sequence it holds once its Ulysses group has exchanged."""
-        return self._ring_ranks.index(self.rank)
+        return self._ring_ranks.index(self.members[self.rank])
 
     def cfg_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[cfg_size, *x.shape]: x of every guidance group's rank at this rank's place, in guidance-rank order."""
@@ -339,7 +404,7 @@ class Communicator:
         self.check_device("all-reduce", x)
         total = x.clone()
         with self._collective("all-reduce"):
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self._world_group)
         return total
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
@@ -358,7 +423,7 @@ class Communicator:
             self.check_device("all-gather", x)
             out = torch.empty((world_size * widest, *moved.shape[1:]), dtype=x.dtype, device=x.device)
             with self._collective("all-gather"):
-                dist.all_gather_into_tensor(out, padded)
+                dist.all_gather_into_tensor(out, padded, group=self._world_group)
         return torch.cat([out[r * widest: r * widest + size].movedim(0, dim) for r, size in enumerate(sizes)], dim)
 
     def halo_exchange(self, x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
@@ -375,23 +440,26 @@ class Communicator:
         if world_size > 1 and not self._rehearsing:
             self.check_device("halo exchange", x)
             ops = []
+            previous, following = self.members[rank - 1], self.members[(rank + 1) % world_size]
+            group = self._world_group
             if rank > 0:
-                ops += [dist.P2POp(dist.isend, x.narrow(dim, 0, width).contiguous(), rank - 1),
-                        dist.P2POp(dist.irecv, before, rank - 1)]
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, 0, width).contiguous(), previous, group=group),
+                        dist.P2POp(dist.irecv, before, previous, group=group)]
             if rank < world_size - 1:
-                ops += [dist.P2POp(dist.isend, x.narrow(dim, x.shape[dim] - width, width).contiguous(), rank + 1),
-                        dist.P2POp(dist.irecv, after, rank + 1)]
+                ops += [dist.P2POp(dist.isend, x.narrow(dim, x.shape[dim] - width, width).contiguous(), following,
+                                   group=group),
+                        dist.P2POp(dist.irecv, after, following, group=group)]
             with self._collective("halo exchange"):
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
         return torch.cat((before, x, after), dim)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        """Copy x from global rank src to every rank of the world, in place."""
+        """Copy x from rank src to every rank of the world (of the group, bound to one), in place."""
         if self.plan.world_size > 1 and not self._rehearsing:
             self.check_device(f"broadcast from rank {src}", x)
             with self._collective(f"broadcast from rank {src}"):
-                dist.broadcast(x, src=src)
+                dist.broadcast(x, src=self.members[src], group=self._world_group)
         return x
 
     def world_max(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,7 +468,7 @@ class Communicator:
         if self.plan.world_size > 1 and not self._rehearsing:
             self.check_device("world maximum", x)
             with self._collective("world maximum"):
-                dist.all_reduce(x, op=dist.ReduceOp.MAX)
+                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self._world_group)
         return x
 
 

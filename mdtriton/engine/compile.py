@@ -31,16 +31,19 @@ def compile_and_warm_up(module: torch.nn.Module, architecture: Architecture, con
                         comm: Communicator) -> float:
     """Compile each of the module's compiled_regions() in place (symbolic batch and sequence sizes), then run the
     module on this rank alone on its family's warm-up requests, which compiles them; return the seconds the warm-up
-    took."""
+    took. An elastic plan's module is warmed up at every group size it may run a job at (comm bound to each group:
+    other sizes of the sequence slices, other collectives), so that no request waits for a compile."""
     for region in module.compiled_regions():
         region.compile(dynamic=True)
     start = time.perf_counter()
     requests = architecture.warm_up_requests(config, dtype)
     # Deterministic: Inductor picks its kernels' configurations without timing them on the device, so every
     # process (a healed worker, a later load) runs the same kernels and computes the same bits for the same inputs.
-    with comm.rehearsal(), torch.inference_mode(), torch._inductor.config.patch(deterministic=True):
-        for inputs in requests:
-            module(**{name: tensor.to(comm.device) for name, tensor in inputs.items()})
+    for size in comm.plan.group_sizes():
+        with (comm.bound_to(size), comm.rehearsal(), torch.inference_mode(),
+              torch._inductor.config.patch(deterministic=True)):
+            for inputs in requests:
+                module(**{name: tensor.to(comm.device) for name, tensor in inputs.items()})
     if comm.device.type == "cuda":
         torch.cuda.synchronize(comm.device)
     return time.perf_counter() - start

@@ -78,10 +78,14 @@ class GraphedForward:
     kernels are long enough to hide their launches, run the module as it is. Called as eager_forward is: the whole
     forward, or one of its parts that First Block Cache runs apart (each part with graphs of its own)."""
 
-    def __init__(self, module: torch.nn.Module, tokens_of: Callable[[dict[str, torch.Tensor]], int]):
+    def __init__(self, module: torch.nn.Module, tokens_of: Callable[[dict[str, torch.Tensor]], int],
+                 group_of: Callable[[], tuple[int, ...]]):
+        """group_of: the ranks the running job spans (an elastic plan's job runs on a group of them: a graph holds
+        the collectives of the group it was captured on, so each group has graphs of its own)."""
         self.module = module
         self.tokens_of = tokens_of
-        self.graphs: dict[str, CudaGraphForward] = {}
+        self.group_of = group_of
+        self.graphs: dict[tuple[str, tuple[int, ...]], CudaGraphForward] = {}
 
     def __call__(self, inputs: dict[str, torch.Tensor], part: str = "forward",
                  carried: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -89,9 +93,10 @@ class GraphedForward:
         tensors = {**inputs, **(carried or {})}
         if self.tokens_of(inputs) > GRAPH_MAX_TOKENS:
             return function(**tensors)
-        if part not in self.graphs:
-            self.graphs[part] = CudaGraphForward(function, MAX_GRAPHS)
-        return self.graphs[part](tensors)
+        key = (part, self.group_of())
+        if key not in self.graphs:
+            self.graphs[key] = CudaGraphForward(function, MAX_GRAPHS)
+        return self.graphs[key](tensors)
 
 
 def eager_forward(module: torch.nn.Module):

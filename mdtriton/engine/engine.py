@@ -62,7 +62,7 @@ class TorchEngine(Engine):
         self.comm = comm
         self.load_seconds = load_seconds
         self.warm_up_seconds = warm_up_seconds
-        self.run = device_forward(module, architecture, manifest.config, compiled)
+        self.run = device_forward(module, architecture, manifest.config, compiled, comm)
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
@@ -130,15 +130,17 @@ class TorchEngine(Engine):
             return self.run(on_device) if cache is None else cache.forward(self.run, on_device, self.comm)
 
 
-def device_forward(module: torch.nn.Module, architecture: Architecture, config: dict, compiled: bool):
+def device_forward(module: torch.nn.Module, architecture: Architecture, config: dict, compiled: bool,
+                   comm: Communicator):
     """How module runs requests (inputs by name, on its device): compiled on a GPU, short requests through CUDA
     graphs (GraphedForward), collectives included (every rank captures the same job's graph together); otherwise
     as it is (eager_forward). Either is called as run(inputs), or run(inputs, part, carried) for a part of the forward
-    (mdtriton.engine.step_cache). Benchmarks time it through TorchEngine.forward (mdtriton/harness.py)."""
+    (mdtriton.engine.step_cache). Benchmarks time it through TorchEngine.forward (mdtriton/harness.py). comm: the
+    engine's, whose ranks (those of the group it is bound to, for an elastic plan's job) key the graphs."""
     if compiled and next(module.parameters()).is_cuda:
         def request_size(inputs: dict[str, torch.Tensor]) -> int:
             size = architecture.check_request(config, inputs)
             return size.batch * size.tokens
 
-        return GraphedForward(module, request_size)
+        return GraphedForward(module, request_size, lambda: tuple(comm.members))
     return eager_forward(module)

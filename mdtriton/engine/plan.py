@@ -35,6 +35,7 @@ class ParallelPlan:
     cp_method: str = "allgather_kv"
     cfg_size: int = 1
     ulysses_size: int = 1
+    elastic: bool = False  # each job runs on a group of the ranks (group_sizes; mdtriton.engine.elastic)
 
     def __post_init__(self):
         if self.tp_size < 1 or self.cp_size < 1:
@@ -50,6 +51,13 @@ class ParallelPlan:
                              "ulysses_size 1 or cp_size use cp_method ring or ulysses")
         if (self.cp_method != "ulysses_ring" or self.cp_size == 1) and self.ulysses_size != 1:
             raise ValueError(f"ulysses_size {self.ulysses_size} is for cp_method ulysses_ring, not {self.cp_method}")
+        if self.elastic and self.tp_size > 1:
+            raise ValueError("--elastic runs each job on a group of ranks that each hold the whole transformer; "
+                             f"tensor parallelism (--tp {self.tp_size}) splits it across the ranks: build with --tp 1 "
+                             "(context or guidance parallelism) or without --elastic")
+        if self.elastic and (self.world_size < 2 or self.world_size & (self.world_size - 1)):
+            raise ValueError(f"--elastic splits the world into groups of 1, 2, 4, ... ranks: it needs a world of 2, "
+                             f"4, 8, ... ranks, not {self.world_size} ({self})")
 
     @property
     def ring_size(self) -> int:
@@ -114,13 +122,44 @@ class ParallelPlan:
         return [[self.rank_of(g, c, t) for g in range(self.cfg_size)]
                 for c in range(self.cp_size) for t in range(self.tp_size)]
 
+    def group_sizes(self) -> list[int]:
+        """The sizes of the groups an elastic plan runs jobs on, smallest first: 1, 2, 4, ... up to the world; a plan
+        that does not regroup runs every job on the whole world."""
+        if not self.elastic:
+            return [self.world_size]
+        return [1 << power for power in range(self.world_size.bit_length())]
+
+    def group_partition(self, size: int) -> list[list[int]]:
+        """The fixed groups of `size` ranks of an elastic plan: consecutive ranks, [0..size-1], [size..2 size-1], ...
+        Groups of two sizes are nested or disjoint, so jobs on disjoint groups never share a rank."""
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+
+    def group_plan(self, size: int) -> "ParallelPlan":
+        """The plan a group of `size` ranks runs a job with: the same method at the group's degree. Guidance
+        parallelism is kept while the group has room for both branches (it sends least: one exchange per step), and
+        the context-parallel degree shrinks to the rest of the group: cfg 2 x ulysses 2 runs cfg 2 on a pair, and
+        one rank runs alone. ulysses_ring keeps its Ulysses groups while the group holds a ring of two of them, and
+        is plain ulysses below that."""
+        if size == self.world_size:
+            return self
+        cfg = min(self.cfg_size, size)
+        cp = size // cfg
+        if self.cp_method == "ulysses_ring" and cp > self.ulysses_size:
+            return ParallelPlan(cp_size=cp, cp_method="ulysses_ring", cfg_size=cfg, ulysses_size=self.ulysses_size)
+        method = "ulysses" if self.cp_method == "ulysses_ring" else self.cp_method
+        return ParallelPlan(cp_size=cp, cp_method=method, cfg_size=cfg)
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "world_size": self.world_size}
+        data = {**asdict(self), "world_size": self.world_size}
+        if not self.elastic:
+            del data["elastic"]  # a plan that does not regroup is written as before the option existed
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelPlan":
         plan = cls(tp_size=int(data["tp_size"]), cp_size=int(data["cp_size"]), cp_method=data["cp_method"],
-                   cfg_size=int(data.get("cfg_size", 1)), ulysses_size=int(data.get("ulysses_size", 1)))
+                   cfg_size=int(data.get("cfg_size", 1)), ulysses_size=int(data.get("ulysses_size", 1)),
+                   elastic=bool(data.get("elastic", False)))
         if "world_size" in data and int(data["world_size"]) != plan.world_size:
             raise ValueError(f"world_size {data['world_size']} is not cfg_size x tp_size x cp_size = {plan.world_size}")
         return plan
@@ -129,5 +168,7 @@ class ParallelPlan:
         guidance = f"cfg {self.cfg_size} x " if self.cfg_size > 1 else ""
         text = f"world {self.world_size} = {guidance}tp {self.tp_size} x cp {self.cp_size}"
         if self.cp_method == "ulysses_ring":
-            return text + f" (ulysses {self.ulysses_size} x ring {self.ring_size})"
-        return text + (f" ({self.cp_method})" if self.cp_size > 1 else "")
+            text += f" (ulysses {self.ulysses_size} x ring {self.ring_size})"
+        elif self.cp_size > 1:
+            text += f" ({self.cp_method})"
+        return text + (", elastic" if self.elastic else "")

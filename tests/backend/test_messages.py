@@ -13,9 +13,9 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.job_hub import SingleRankLink
-from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, GivenUp, Hello, JobTimed, Leave,
-                                       Loaded, Progress, ProtocolError, Refused, Run, RunRequest, Serving, Started,
-                                       Stop, Stopped, Submit, receive, receive_over, send, send_over)
+from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, Finished, GivenUp, Hello, JobTimed,
+                                       Leave, Loaded, Progress, ProtocolError, Refused, Result, Run, RunRequest, Serving,
+                                       Started, Stop, Stopped, Submit, Withdraw, receive, receive_over, send, send_over)
 
 
 @pytest.fixture
@@ -72,3 +72,24 @@ def test_runner_and_hub_messages_arrive_as_sent_and_one_rank_is_answered_as_the_
     with pytest.raises(ProtocolError, match="a runner submits jobs and leaves"):
         link.send(Hello(0))
     link.close()
+
+
+def test_an_elastic_models_messages_carry_their_tensors_over_the_hub_link():
+    """An elastic model's inputs and answers travel through the hub, in host memory, each dtype and shape as sent
+    (an empty tensor too); the messages without tensors stay as they were."""
+    reader, writer = Pipe(duplex=False)
+    tensors = {"prompt": torch.tensor([[104, 105, 0]], dtype=torch.uint8),
+               "scale": torch.tensor([0.5], dtype=torch.bfloat16), "empty": torch.empty(0, 3), "image": torch.arange(24, dtype=torch.float32).reshape(1, 2, 4, 3)}
+    header = [["prompt", "UINT8", [1, 3]]]
+    for message in (Submit("j1", 1, header, 12.5, tensors), Run("j1", 1, header, 3, [0, 1], 12.5, tensors),
+                    Result("j1", "done", tensors=tensors)):
+        send_over(writer, message)
+        got = receive_over(reader)
+        assert type(got) is type(message) and got.job == "j1"
+        assert {name: (t.dtype, t.shape) for name, t in got.tensors.items()} == {
+            name: (t.dtype, t.shape) for name, t in tensors.items()}
+        assert all(torch.equal(got.tensors[name], tensor) for name, tensor in tensors.items())
+    for message in (Finished("j1", 1), Withdraw("j1", "cancelled by its client"),
+                    Result("j1", "stopped", done=2, total=9), Run("j2", 0, header, 4, [1]), Submit("j3", 0, header)):
+        send_over(writer, message)
+        assert receive_over(reader) == message
