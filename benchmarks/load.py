@@ -33,7 +33,6 @@ load's wall time). Tables are printed as each layout ends, rows appended to --ou
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -41,12 +40,11 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mdtriton.build_tools.build import build_model_version
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.client.pipeline import generate
 from mdtriton.engine.plan import ParallelPlan
@@ -68,7 +66,6 @@ class Layout:
     name: str
     plan: ParallelPlan
     models: int
-    elastic: bool = False
 
 
 def layouts_of(names: list[str], gpus: int) -> list[Layout]:
@@ -81,8 +78,8 @@ def layouts_of(names: list[str], gpus: int) -> list[Layout]:
             print(f"static2: skipped: it needs an even number of GPUs, 4 or more ({gpus} given)", flush=True)
             continue
         group = {"static1": 1, "static2": 2}.get(name, gpus)
-        layouts.append(Layout(name, plan_of(f"ulysses{group}") if group > 1 else ParallelPlan(), gpus // group,
-                              name == "elastic"))
+        plan = plan_of(f"ulysses{group}") if group > 1 else ParallelPlan()
+        layouts.append(Layout(name, replace(plan, elastic=name == "elastic"), gpus // group))
     return layouts
 
 
@@ -104,16 +101,9 @@ def copy_model(repository: Path, model: str, name: str, gpus: list[int]) -> None
 def build_layout(layout: Layout, repository: Path, pipeline_dir: Path, device: torch.device) -> list[str] | None:
     """Build the layout's models into the repository; their names, or None where the build cannot make it (said)."""
     names = [f"flux_{layout.name}_{number}" for number in range(layout.models)]
-    options = {}
-    if layout.elastic:
-        if "elastic" not in inspect.signature(build_model_version).parameters:
-            print(f"{layout.name}: skipped: this mdtriton's build has no elastic option (`mdtriton build --elastic`)",
-                  flush=True)
-            return None
-        options["elastic"] = True
     data_type = "BF16" if device.type == "cuda" else "FP32"
     try:
-        build_pipeline(repository, names[0], "flux-pipeline", pipeline_dir, data_type, device, layout.plan, **options)
+        build_pipeline(repository, names[0], "flux-pipeline", pipeline_dir, data_type, device, layout.plan)
     except ValueError as error:
         print(f"{layout.name}: skipped: the build refused it: {error}", flush=True)
         return None
