@@ -457,6 +457,9 @@ class Communicator:
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Copy x from rank src to every rank of the world (of the group, bound to one), in place."""
         if self.plan.world_size > 1 and not self._rehearsing:
+            if not 0 <= src < len(self.members):
+                raise CollectiveInputError(f"broadcast from rank {src}: no such rank among the {len(self.members)} "
+                                           "taking part")
             self.check_device(f"broadcast from rank {src}", x)
             with self._collective(f"broadcast from rank {src}"):
                 dist.broadcast(x, src=self.members[src], group=self._world_group)

@@ -4,7 +4,7 @@ Built-in families are listed here; a user's package adds its own through the `md
 group (pyproject.toml: `[project.entry-points."mdtriton.families"] toy = "my_package.toy:TOY"`, the object a
 `Family` instance), so the build, the server's stubs and the rank workers all find it once it is installed.
 Architecture names: a family's name for its transformer engine, `<name>-pipeline` for its pipeline, and the names of
-its further pipelines (`Family.more_pipelines`: FLUX's "flux-kontext-pipeline"). Pipelines
+its further pipelines (`Family.more_pipelines`: FLUX's "flux-kontext-pipeline", Wan's "wan-i2v-pipeline"). Pipelines
 served with diffusers' own transformer, split by its own context-parallel plan, have no family: each declares only
 its request (DIFFUSERS_PIPELINES, mdtriton.pipeline.generic); any other diffusers pipeline is served as
 `diffusers-pipeline`, its request read off its call at build time (mdtriton.pipeline.any_pipeline).
@@ -26,7 +26,7 @@ __all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipel
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
-            "mdtriton.families.wan:WAN", "mdtriton.families.wan:WAN_I2V",
+            "mdtriton.families.wan:WAN",
             "mdtriton.families.cosmos3:COSMOS3")
 PIPELINE_SUFFIX = "-pipeline"
 # Pipelines served with diffusers' own transformer (no family of ours), by architecture name.

@@ -104,8 +104,8 @@ def _collective_errors(rank: int, world_size: int) -> dict:
 def test_a_tensor_a_collective_cannot_take_is_a_programming_error_raised_before_it():
     for result in run_ranks(2, _collective_errors):
         assert result["errors"]["uneven all-to-all"] == ("CollectiveInputError", False)
-        # torch's own check of its arguments, before any rank sends: a RuntimeError that is no lost peer
-        assert result["errors"]["broadcast from no rank"] == ("RuntimeError", False)
+        # checked before any rank sends: no lost peer
+        assert result["errors"]["broadcast from no rank"] == ("CollectiveInputError", False)
         assert result["sum"] == 3.0
 
 

@@ -1,8 +1,7 @@
 """Family "wan": Wan 2.x (diffusers' WanTransformer3DModel: Wan 2.1 T2V 1.3B and 14B, Wan 2.1 I2V 14B, Wan 2.2 T2V
 and I2V A14B's experts, Wan 2.2 TI2V 5B), tensor-parallel by heads and context-parallel by the video's tokens, with
-FP8 weights on GPUs; and its whole pipeline ("wan-pipeline", diffusers' WanPipeline: prompt to video). Family
-"wan-i2v" is the same transformer with diffusers' WanImageToVideoPipeline ("wan-i2v-pipeline": an image and a prompt
-to video)."""
+FP8 weights on GPUs; and its whole pipelines: "wan-pipeline" (diffusers' WanPipeline: prompt to video) and
+"wan-i2v-pipeline" (diffusers' WanImageToVideoPipeline: an image and a prompt to video)."""
 
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ class WanFamily(Family):
     module_class = Wan
     supports_fp8 = True
     pipeline = WanPipelinePart()
+    more_pipelines = {"wan-i2v-pipeline": WanImageToVideoPipelinePart()}
     max_tokens = 75_600  # 720p x 81 frames
 
     def presets(self) -> dict[str, dict]:
@@ -157,15 +157,4 @@ def image_tokens(config: dict) -> int:
     return config["pos_embed_seq_len"] or IMAGE_TOKENS
 
 
-class WanImageToVideoFamily(WanFamily):
-    """The Wan transformer with diffusers' WanImageToVideoPipeline: Wan 2.1 I2V (an image encoder), Wan 2.2 I2V A14B
-    (two experts) and Wan 2.2 TI2V 5B given an image (a timestep per token)."""
-
-    name = "wan-i2v"
-    description = ("Wan 2.x image-to-video (diffusers' WanImageToVideoPipeline; the wan family's transformer): tp, cp, "
-                   "tp x cp; FP8 on GPUs")
-    pipeline = WanImageToVideoPipelinePart()
-
-
 WAN = WanFamily()
-WAN_I2V = WanImageToVideoFamily()
