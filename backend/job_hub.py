@@ -100,22 +100,11 @@ class JobHub:
         ranks = {connection: rank for rank, connection in links.items()}
         sequence = 0
         while True:
-            for connection in wait(list(ranks) + [self._wake_reader]):
-                if connection is self._wake_reader:
-                    self._stop(links, "rank 0 ended this generation")
-                    return
-                try:
-                    message = receive_over(connection)
-                except (EOFError, OSError):
-                    self._stop(links, f"rank {ranks[connection]} disconnected")
-                    return
-                except ProtocolError as error:
-                    self._stop(links, f"rank {ranks[connection]}: {error}")
-                    return
+            received = self._receive(links, ranks)
+            if received is None:
+                return
+            for connection, message in received:
                 match message:
-                    case Leave(reason=reason, unloading=unloading):
-                        self._stop(links, f"rank {ranks[connection]} left: {reason}", unloading)
-                        return
                     case Submit(job=job, origin=origin, inputs=inputs):
                         sequence += 1
                         for link in links.values():
@@ -160,22 +149,11 @@ class JobHub:
                 self.on_queue_length(reported)
             deadline = scheduler.next_deadline()
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01
-            for connection in wait(list(ranks) + [self._wake_reader], timeout):
-                if connection is self._wake_reader:
-                    self._stop(links, "rank 0 ended this generation")
-                    return
-                try:
-                    message = receive_over(connection)
-                except (EOFError, OSError):
-                    self._stop(links, f"rank {ranks[connection]} disconnected")
-                    return
-                except ProtocolError as error:
-                    self._stop(links, f"rank {ranks[connection]}: {error}")
-                    return
+            received = self._receive(links, ranks, timeout)
+            if received is None:
+                return
+            for connection, message in received:
                 match message:
-                    case Leave(reason=reason, unloading=unloading):
-                        self._stop(links, f"rank {ranks[connection]} left: {reason}", unloading)
-                        return
                     case Submit() as submit:
                         origins[submit.job] = submit.origin
                         scheduler.submit(submit)
@@ -197,6 +175,30 @@ class JobHub:
                     case _:
                         self._stop(links, f"rank {ranks[connection]} sent the hub {message}, not a job or a leave")
                         return
+
+    def _receive(self, links: dict[int, Connection], ranks: dict[Connection, int],
+                 timeout: float | None = None) -> list[tuple[Connection, Message]] | None:
+        """The messages the ranks sent within timeout (None: until one comes), each with its rank's connection; None
+        once the generation has ended, every rank told why: rank 0 ended it, a rank disconnected, broke the
+        protocol or left."""
+        received = []
+        for connection in wait(list(ranks) + [self._wake_reader], timeout):
+            if connection is self._wake_reader:
+                self._stop(links, "rank 0 ended this generation")
+                return None
+            try:
+                message = receive_over(connection)
+            except (EOFError, OSError):
+                self._stop(links, f"rank {ranks[connection]} disconnected")
+                return None
+            except ProtocolError as error:
+                self._stop(links, f"rank {ranks[connection]}: {error}")
+                return None
+            if isinstance(message, Leave):
+                self._stop(links, f"rank {ranks[connection]} left: {message.reason}", message.unloading)
+                return None
+            received.append((connection, message))
+        return received
 
     @staticmethod
     def _stop(links: dict[int, Connection], reason: str, unloading: bool = False) -> None:
