@@ -158,7 +158,8 @@ def save_pipeline_dir(directory: Path, index: dict, components: dict, transforme
     model_index.json's own entries (the pipeline's _class_name, the transformer's [library, class] and any other); the
     components' entries are added."""
     index = dict(index)
-    if "transformer" in components:
+    transformer_saved = "transformer" in components  # it writes its own config with its weights
+    if transformer_saved:
         index.pop("transformer", None)
     for name, component in components.items():
         component.save_pretrained(directory / name)
@@ -166,7 +167,7 @@ def save_pipeline_dir(directory: Path, index: dict, components: dict, transforme
     components.clear()
     free_memory()
     (directory / "transformer").mkdir(parents=True, exist_ok=True)
-    if "transformer" not in index:  # a transformer among the components wrote its own config with its weights
+    if not transformer_saved:
         (directory / "transformer" / "config.json").write_text(json.dumps({"_class_name": index["transformer"][1],
                                                                            **transformer_config}))
     (directory / MODEL_INDEX).write_text(json.dumps(index))
