@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mdtriton.harness import init_rank, run_ranks
+from mdtriton.harness import init_rank
+from xdit_pipeline import peer_row
 
 
 @dataclass(frozen=True)
@@ -39,15 +38,6 @@ class DiffusersJob:
     images: int
     result_dir: Path
     time_limit_s: float = 0  # a configuration's ranks are stopped after this long (0: never), its row failed
-
-
-def degrees_of(name: str) -> tuple[int, int]:
-    """'1', 'ulyssesN' or 'ringN' -> (Ulysses degree, Ring degree)."""
-    match = re.fullmatch(r"1|ulysses(\d+)|ring(\d+)", name)
-    if not match:
-        raise SystemExit(f"unknown diffusers configuration {name!r}: 1, ulyssesN or ringN")
-    ulysses, ring = match.groups()
-    return int(ulysses or 1), int(ring or 1)
 
 
 def load_pipeline(job: DiffusersJob, ulysses: int, ring: int, device: torch.device):
@@ -104,21 +94,4 @@ def _rank_main(rank: int, world_size: int, port: int, job: DiffusersJob, ulysses
 def run_diffusers(name: str, job: DiffusersJob) -> dict:
     """One configuration's row, as served_pipeline.py's rows are (the image of seed job.seed under "images"), or its
     failure (failed 1, no times)."""
-    ulysses, ring = degrees_of(name)
-    job.result_dir.mkdir(parents=True, exist_ok=True)
-    for stale in job.result_dir.iterdir():
-        stale.unlink()
-    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring), job.time_limit_s)
-    row = {"plan": f"diffusers {name}", "gpus": ulysses * ring,
-           "data_type": "BF16" if job.device_type == "cuda" else "FP32",
-           "described": f"diffusers' enable_parallelism, ulysses {ulysses} x ring {ring}, "
-                        f"{'compiled' if job.compiled else 'eager'}",
-           "failed": 0, "images": {}}
-    times_file = job.result_dir / "times.json"
-    if not times_file.is_file():
-        print(f"diffusers {name}: {failure or 'no result'}", flush=True)
-        return {**row, "failed": 1}
-    measured = json.loads(times_file.read_text())
-    row["images"][job.seed] = np.load(job.result_dir / "image.npy")
-    return {**row, "first_s": measured["first_s"], "image_s": statistics.median(measured["times"]),
-            "image_min_s": min(measured["times"])}
+    return peer_row("diffusers", name, job, _rank_main, "diffusers' enable_parallelism")

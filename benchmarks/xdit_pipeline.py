@@ -88,7 +88,7 @@ def degrees_of(name: str) -> tuple[int, int]:
     """'1', 'ulyssesN', 'ringN' or 'ulyssesNxringM' -> (Ulysses degree, Ring degree)."""
     match = re.fullmatch(r"1|ulysses(\d+)|ring(\d+)|ulysses(\d+)xring(\d+)", name)
     if not match:
-        raise SystemExit(f"unknown xDiT configuration {name!r}: 1, ulyssesN, ringN or ulyssesNxringM")
+        raise SystemExit(f"unknown peer configuration {name!r}: 1, ulyssesN, ringN or ulyssesNxringM")
     if name == "1":
         return 1, 1
     ulysses, ring, usp_ulysses, usp_ring = match.groups()
@@ -221,20 +221,28 @@ def _rank_main(rank: int, world_size: int, port: int, job: XDiTJob, ulysses: int
 def run_xdit(name: str, job: XDiTJob) -> dict:
     """One configuration's row, as served_pipeline.py's rows are (the image of seed job.seed under "images"), or its
     failure (failed 1, no times)."""
+    return peer_row("xDiT", name, job, _rank_main, "xfuser")
+
+
+def peer_row(peer: str, name: str, job, rank_main, described: str) -> dict:
+    """A peer's configuration `name` (degrees_of) run by rank_main on its ranks, as a row of served_pipeline.py's (the
+    image of seed job.seed under "images"), from what its rank 0 wrote in job.result_dir; or its failure (failed 1, no
+    times). job: the peer's job (result_dir, time_limit_s, device_type, compiled, seed); described: the peer, for
+    the row's description."""
     ulysses, ring = degrees_of(name)
     job.result_dir.mkdir(parents=True, exist_ok=True)
     for stale in job.result_dir.iterdir():
         stale.unlink()
-    failure = run_ranks(_rank_main, ulysses * ring, (job, ulysses, ring), job.time_limit_s)
-    row = {"plan": f"xDiT {name}", "gpus": ulysses * ring, "data_type": "BF16" if job.device_type == "cuda" else "FP32",
-           "described": f"xfuser, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
+    failure = run_ranks(rank_main, ulysses * ring, (job, ulysses, ring), job.time_limit_s)
+    row = {"plan": f"{peer} {name}", "gpus": ulysses * ring, "data_type": "BF16" if job.device_type == "cuda" else "FP32",
+           "described": f"{described}, ulysses {ulysses} x ring {ring}, {'compiled' if job.compiled else 'eager'}",
            "failed": 0, "images": {}}
     times_file = job.result_dir / "times.json"
     if not times_file.is_file():
-        print(f"xDiT {name}: {failure or 'no result'}", flush=True)
+        print(f"{peer} {name}: {failure or 'no result'}", flush=True)
         return {**row, "failed": 1}
     if failure:  # after rank 0 wrote its result: the ranks' ending failed, not the images
-        print(f"xDiT {name}: its images were measured, then: {failure}", flush=True)
+        print(f"{peer} {name}: its images were measured, then: {failure}", flush=True)
     measured = json.loads(times_file.read_text())
     row["images"][job.seed] = np.load(job.result_dir / "image.npy")
     return {**row, "first_s": measured["first_s"], "image_s": statistics.median(measured["times"]),
