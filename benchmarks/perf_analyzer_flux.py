@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.server_key import RESTRICTED_KEY
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG, TINY_CONFIG
@@ -64,7 +65,7 @@ def main() -> int:
     transports = ["none", "system"] + (["cuda"] if args.device == "gpu" else [])
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "repository"
-        build_model_version(repository, "flux", "flux", config, plan, data_type, args.device, seed=0)
+        build_model_version(repository, "flux", BuildRequest("flux", config, plan, data_type, args.device, seed=0))
         print(f"# flux, widths of {'tiny' if args.tiny else 'FLUX.1-dev'}, {args.layers}+{args.single_layers} blocks, "
               f"{plan}, {data_type}, {args.image_tokens} image + {args.text_tokens} text tokens", flush=True)
         with started_server(repository, Path(tmp) / "server.log") as (server, _):

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.client.shared_memory import cuda_shared_memory_available
 from mdtriton.engine.comm import Communicator
@@ -246,8 +247,9 @@ def main() -> None:
         log_file.unlink(missing_ok=True)
         progress(f"building {rows['model']} ({plan}, BF16) into {repository}")
         start = time.perf_counter()
-        version_dir = build_model_version(repository, MODEL, "flux", config, plan, "BF16", "gpu" if cuda else "cpu",
-                                          random_device="cuda" if cuda else "cpu", progress=False)
+        version_dir = build_model_version(repository, MODEL, BuildRequest(
+            "flux", config, plan, "BF16", "gpu" if cuda else "cpu", random_device="cuda" if cuda else "cpu",
+            progress=False))
         rows["build_s"] = time.perf_counter() - start
         if cuda:
             torch.cuda.empty_cache()  # the ranks need the memory the build's generator used

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes
 from mdtriton.build_tools.model_config import model_config, version_policy
@@ -22,7 +23,6 @@ from mdtriton.build_tools.repository import (ENGINE_DIR, check_compatible, check
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import FORMAT_VERSION, EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
-from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import ANY_PIPELINE, PipelinePart, family, pipeline_part
 from mdtriton.pipeline.any_pipeline import AnyPipelinePart
@@ -36,40 +36,19 @@ class BuildInterrupted(Exception):
     """The build was stopped; what it finished is kept for the next run of the same build."""
 
 
-def build_model_version(repository: Path, name: str, architecture_name: str, config: dict | None,
-                        plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None = None,
-                        seed: int = 0, weights_path: Path | None = None, version: int | None = None,
-                        request_timeout_s: float | None = None, progress: bool = True, random_device: str = "cpu",
-                        policy: str | None = None, limits: EngineLimits | None = None,
-                        random_transformer: bool = False, stream: bool = False, cache: str | None = None) -> Path:
-    """Write repository/name/version/ and return its path: one path for every family, plan and data type, for
-    transformer engines and pipelines alike.
+def build_model_version(repository: Path, name: str, request: BuildRequest) -> Path:
+    """Write repository/name/version/ as the request describes (BuildRequest) and return its path: one path for every
+    family, plan and data type, for transformer engines and pipelines alike.
 
-    architecture_name: a family's (a transformer engine) or `<family>-pipeline` (the family's whole diffusers
-    pipeline, from the diffusers directory at weights_path: its transformer becomes the engine, in
-    `engine/transformer/` (and each other transformer it lists, e.g. Wan 2.2's `transformer_2`, beside it), its
-    other components are copied unchanged, and `engine/manifest.json` describes the served pipeline).
-
-    policy: the model's version_policy ('all', 'latest:K', 'specific:V1,V2'); None keeps the model's
-    current one (Triton's default, latest:1, for a new model). Parameters added to the model's config by
-    hand (e.g. EXECUTION_ENV_PATH) are kept. request_timeout_s: None is the default (a pipeline's is longer:
-    a request is a whole image). limits: None is the default batch limit and the family's token limit.
-    stream (pipelines only): the model is decoupled and streams a progress response per denoising step before its
-    result; without it the model answers each request once (unary gRPC infer, HTTP/JSON, perf_analyzer's default).
-    cache (pipelines only): the step cache of requests that send none, a JSON object as the `cache` input takes
-    (mdtriton.engine.step_cache), kept in config.pbtxt's parameters; ValueError if it is not one.
-
-    data_type FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in BF16;
-    only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused here for CPU instances or such GPUs.
-
-    Weights: a checkpoint at weights_path (a pipeline's: its transformer folders; the config.json fills the config
-    under `config`), or random from seed, generated on random_device (a pipeline's with random_transformer: seed,
-    seed + 1, ... for its transformers). The
-    version is assembled in a hidden folder named after the build's inputs (Triton ignores names that are not
+    The version is assembled in a hidden folder named after the build's inputs (Triton ignores names that are not
     numbers) and renamed into place at the end, so a failed build never leaves a half version, and the same build
     run again resumes from that folder.
     """
     check_model_name(name)
+    # The inputs read more than once below, or replaced (the data type of an FP8 build, the default timeout).
+    architecture_name, plan, data_type, device = (request.architecture_name, request.plan, request.data_type,
+                                                  request.device)
+    weights_path, request_timeout_s = request.weights_path, request.request_timeout_s
     if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
         raise ValueError(f"request timeout {request_timeout_s:g} s: give a positive number of seconds (the longest a "
                          "request may wait for all ranks; default "
@@ -82,11 +61,9 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     else:
         part = pipeline_part(architecture_name)
     if isinstance(part, DiffusersPipelinePart):
-        return build_diffusers_pipeline(Path(repository), name, architecture_name, part, plan, data_type, device, gpus,
-                                        weights_path, version, request_timeout_s, policy, limits or EngineLimits(),
-                                        stream, cache)
+        return build_diffusers_pipeline(Path(repository), name, part, request)
     model_family = family(architecture_name)
-    limits = limits or EngineLimits(max_tokens=model_family.max_tokens)
+    limits = request.limits or EngineLimits(max_tokens=model_family.max_tokens)
     # The transformer engines to build: (folder of the engine directory, checkpoint or None for random weights).
     if part is None:
         pipeline_dir, engines = None, [("", Checkpoint(weights_path) if weights_path else None)]
@@ -97,10 +74,11 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                                   "give it with --weights DIR")
         pipeline_dir = Path(weights_path)
         folders = transformer_folders(pipeline_dir, part)
-        engines = [(folder, None if random_transformer else Checkpoint(pipeline_dir / folder)) for folder in folders]
+        engines = [(folder, None if request.random_transformer else Checkpoint(pipeline_dir / folder))
+                   for folder in folders]
         from_checkpoint = model_family.config_from_diffusers(
             json.loads((pipeline_dir / folders[0] / "config.json").read_text()))
-    config = {**model_family.default_config(), **from_checkpoint, **(config or {})}
+    config = {**model_family.default_config(), **from_checkpoint, **(request.config or {})}
     model_family.check_plan(config, plan)
     if plan.cfg_size > 1 and (part is None or not part.guidance_branches):
         raise ValueError(f"{architecture_name} has no classifier-free guidance branches to run on separate ranks "
@@ -123,13 +101,13 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
                           data_type, inputs, outputs, limits=limits)
     if request_timeout_s is None:
         request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
-    triton_config = model_config(name, served, device, gpus, request_timeout_s)
+    triton_config = model_config(name, served, device, request.gpus, request_timeout_s)
     if part is not None:
-        serve_as_pipeline(triton_config, part, stream, cache)
-    elif stream or cache is not None:
+        serve_as_pipeline(triton_config, part, request.stream, request.cache)
+    elif request.stream or request.cache is not None:
         raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once and caches no "
                          "steps; --stream and --cache are for pipeline models (an architecture ending in -pipeline)")
-    model_dir = prepare_model_dir(Path(repository), name, version, triton_config, policy)
+    model_dir = prepare_model_dir(Path(repository), name, request.version, triton_config, request.policy)
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
         check_gpus_fit(transformer, model_family, gpus)
@@ -142,7 +120,7 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     for index, (folder, checkpoint) in enumerate(engines):
         if checkpoint:
             checkpoint.check(shapes, model_family.unused_weights)
-        sources[folder] = checkpoint or RandomWeights(shapes, seed + index, random_device)
+        sources[folder] = checkpoint or RandomWeights(shapes, request.seed + index, request.random_device)
     # The engine format is an input too: a build an older mdtriton left unfinished (other file names) is not resumed.
     staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": architecture_name,
                                       "config": served.config, "plan": plan.to_dict(), "data_type": data_type,
@@ -151,42 +129,41 @@ def build_model_version(repository: Path, name: str, architecture_name: str, con
     engine_dir = staging / ENGINE_DIR
     with resumable(staging):
         for folder, source in sources.items():
-            build_engine(engine_dir / folder, model_family.name, config, plan, data_type, source, progress, limits,
-                         quantization)
+            build_engine(engine_dir / folder, model_family.name, config, plan, data_type, source, request.progress,
+                         limits, quantization)
         if part is not None:
             copy_components(pipeline_dir, engine_dir, part)
             served.write(engine_dir)
-    return finish_version(Path(repository), name, version, staging, triton_config)
+    return finish_version(Path(repository), name, request.version, staging, triton_config)
 
 
-def build_diffusers_pipeline(repository: Path, name: str, architecture_name: str, part: DiffusersPipelinePart,
-                             plan: ParallelPlan, data_type: str, device: str, gpus: list[int] | None,
-                             weights_path: Path | None, version: int | None, request_timeout_s: float | None,
-                             policy: str | None, limits: EngineLimits, stream: bool, cache: str | None) -> Path:
+def build_diffusers_pipeline(repository: Path, name: str, part: DiffusersPipelinePart, request: BuildRequest) -> Path:
     """A pipeline served with diffusers' own transformer (mdtriton.pipeline.generic): its directory copied whole
     (the transformer too: every rank loads it and keeps its share of each forward; each file hard-linked where the file
     system allows, so a 57 GB Qwen-Image directory takes no second copy of the disk), with the served manifest."""
-    if weights_path is None:
-        raise CheckpointError(f"{architecture_name} builds from a diffusers {part.diffusers_class} directory: give it "
-                              "with --weights DIR")
-    pipeline_dir = Path(weights_path)
+    if request.weights_path is None:
+        raise CheckpointError(f"{request.architecture_name} builds from a diffusers {part.diffusers_class} directory: "
+                              "give it with --weights DIR")
+    pipeline_dir = Path(request.weights_path)
     check_pipeline_dir(pipeline_dir, part)
-    transformer_class = part.check_build(pipeline_dir, plan, data_type)
+    transformer_class = part.check_build(pipeline_dir, request.plan, request.data_type)
     inputs, outputs = part.served_signature()
-    served = Manifest(architecture_name, {"transformer_class": transformer_class, **part.pipeline_config(pipeline_dir)},
-                      plan, data_type, inputs, outputs, limits=limits)
-    triton_config = model_config(name, served, device, gpus,
-                                 part.request_timeout_s if request_timeout_s is None else request_timeout_s)
-    serve_as_pipeline(triton_config, part, stream, cache)
-    model_dir = prepare_model_dir(repository, name, version, triton_config, policy)
-    staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": architecture_name,
-                                      "config": served.config, "plan": plan.to_dict(), "data_type": data_type,
-                                      "weights": str(pipeline_dir.resolve())})
+    served = Manifest(request.architecture_name,
+                      {"transformer_class": transformer_class, **part.pipeline_config(pipeline_dir)},
+                      request.plan, request.data_type, inputs, outputs, limits=request.limits or EngineLimits())
+    triton_config = model_config(name, served, request.device, request.gpus,
+                                 part.request_timeout_s if request.request_timeout_s is None
+                                 else request.request_timeout_s)
+    serve_as_pipeline(triton_config, part, request.stream, request.cache)
+    model_dir = prepare_model_dir(repository, name, request.version, triton_config, request.policy)
+    staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": request.architecture_name,
+                                      "config": served.config, "plan": request.plan.to_dict(),
+                                      "data_type": request.data_type, "weights": str(pipeline_dir.resolve())})
     engine_dir = staging / ENGINE_DIR
     with resumable(staging):
         shutil.copytree(pipeline_dir, engine_dir, copy_function=link_or_copy, dirs_exist_ok=True)
         served.write(engine_dir)
-    return finish_version(repository, name, version, staging, triton_config)
+    return finish_version(repository, name, request.version, staging, triton_config)
 
 
 def link_or_copy(source: str, destination: str) -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.manifest import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS, EngineLimits
 from mdtriton.engine.plan import CFG_SIZES, CP_METHODS, ParallelPlan
 from mdtriton.families import (ANY_PIPELINE, PIPELINE_SUFFIX, PipelinePart, architecture_names, diffusers_pipelines,
@@ -135,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         if args.preset not in presets:
             raise SystemExit(f"error: {args.architecture} has no preset {args.preset!r}; its presets: {', '.join(presets)}")
         config = {**presets[args.preset], **config}
-    version_dir = build_model_version(args.repository, args.name, args.architecture, config, plan, args.dtype,
-                                      args.device, gpus, args.seed, args.weights, args.version, args.request_timeout,
-                                      random_device=args.random_device, policy=args.version_policy, limits=limits,
-                                      stream=args.stream, cache=args.cache)
+    request = BuildRequest(args.architecture, config, plan, args.dtype, args.device, gpus=gpus, seed=args.seed,
+                           weights_path=args.weights, version=args.version, request_timeout_s=args.request_timeout,
+                           random_device=args.random_device, policy=args.version_policy, limits=limits,
+                           stream=args.stream, cache=args.cache)
+    version_dir = build_model_version(args.repository, args.name, request)
     print(f"built {args.architecture} ({plan}, {args.dtype}, {args.device}) into {version_dir}")
     return 0

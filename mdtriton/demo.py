@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
 from mdtriton.engine.manifest import Manifest
@@ -39,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     data_type = "BF16" if device == "gpu" else "FP32"
     config = {"hidden_size": 256, "num_heads": 8, "mlp_ratio": 4, "num_layers": 4}
     name = f"demo_{device}{ranks}"
-    version_dir = build_model_version(args.repository, name, "tiny_transformer", config, ParallelPlan(tp_size=ranks),
-                                      data_type, device, seed=0)
+    version_dir = build_model_version(args.repository, name, BuildRequest(
+        "tiny_transformer", config, ParallelPlan(tp_size=ranks), data_type, device, seed=0))
     print(f"built {version_dir} (tiny_transformer, tensor-parallel over {ranks} {device.upper()} ranks, {data_type})")
     manifest = Manifest.read(version_dir / "engine")
     hidden_states = torch.randn(1, 128, config["hidden_size"], generator=torch.Generator().manual_seed(1))

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
@@ -329,12 +330,12 @@ def build_pipeline(repository: Path, model: str, architecture: str, pipeline_dir
     """The model version `mdtriton build --architecture ARCHITECTURE --weights PIPELINE_DIR` makes of a diffusers
     pipeline directory whose transformer/ holds only its config: the transformer's random weights made on the device
     (seed 0, so every plan and data type computes the same model), any request size allowed. options: further
-    build_model_version keywords, as their `mdtriton build` options would give them (e.g. the elastic layout's in
+    BuildRequest fields, as their `mdtriton build` options would give them (e.g. the elastic layout's in
     benchmarks/load.py). Returns the version's directory."""
-    return build_model_version(repository, model, architecture, None, plan, data_type,
-                               "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir,
-                               limits=EngineLimits(max_tokens=1 << 20), random_transformer=True,
-                               random_device=device.type, progress=False, **options)
+    return build_model_version(repository, model, BuildRequest(
+        architecture, None, plan, data_type, "gpu" if device.type == "cuda" else "cpu", weights_path=pipeline_dir,
+        limits=EngineLimits(max_tokens=1 << 20), random_transformer=True, random_device=device.type, progress=False,
+        **options))
 
 
 @contextmanager

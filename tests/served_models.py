@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.flux.transformer import TINY_CONFIG as FLUX_CONFIG
@@ -26,14 +27,15 @@ FLUX_PLAN = ParallelPlan(cp_size=2, cp_method="ring")
 def build_tiny_versions(repository: Path, name: str = "tiny") -> None:
     """Versions 1 and 2 of the tiny transformer (seeds TINY_SEEDS), both served (version_policy all)."""
     for version, seed in TINY_SEEDS.items():
-        build_model_version(repository, name, "tiny_transformer", TINY_CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                            seed=seed, version=int(version), policy="all", progress=False)
+        build_model_version(repository, name, BuildRequest(
+            "tiny_transformer", TINY_CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=seed, version=int(version),
+            policy="all", progress=False))
 
 
 def build_served_models(repository: Path) -> None:
     build_tiny_versions(repository)
-    build_model_version(repository, "flux", "flux", FLUX_CONFIG, FLUX_PLAN, "FP32", "cpu", seed=FLUX_SEED,
-                        progress=False)
+    build_model_version(repository, "flux", BuildRequest(
+        "flux", FLUX_CONFIG, FLUX_PLAN, "FP32", "cpu", seed=FLUX_SEED, progress=False))
 
 
 def tiny_reference(version: str, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
@@ -23,8 +24,8 @@ from mdtriton.serving import load_engine
 
 def test_the_harness_engine_answers_as_the_served_engine_of_the_same_weights(tmp_path):
     config = FLUX.presets()["tiny"]
-    version_dir = build_model_version(tmp_path, "flux", "flux", config, ParallelPlan(), "FP32", "cpu", seed=0,
-                                      progress=False)
+    version_dir = build_model_version(tmp_path, "flux", BuildRequest(
+        "flux", config, ParallelPlan(), "FP32", "cpu", seed=0, progress=False))
     engine_dir = version_dir / "engine"
     served = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single())
     ours = bench_engine("flux", config, Communicator.single(),

@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
 from mdtriton.engine.manifest import MANIFEST_FILE, file_sha256
@@ -92,11 +93,11 @@ def test_bad_engines_fail_to_load_naming_the_file_and_leave_nothing_served(tmp_p
     repository = tmp_path / "repo"
     marker = tmp_path / "unpickled"
     for name, (damage, _) in DAMAGES.items():
-        version_dir = build_model_version(repository, name, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2),
-                                          "FP32", "cpu", seed=5, progress=False)
+        version_dir = build_model_version(repository, name, BuildRequest(
+            "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=5, progress=False))
         damage(version_dir / "engine", version_dir.parent, marker)
-    build_model_version(repository, "good", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=5, progress=False)
+    build_model_version(repository, "good", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=5, progress=False))
     server = server_factory(repository, model_control_mode="explicit", load_models=("good",))
     client = grpcclient.InferenceServerClient(server.grpc_address)
     good_stubs = wait_for_stubs(server.process.pid, 2)

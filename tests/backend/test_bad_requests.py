@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
@@ -32,10 +33,11 @@ INVALID = "StatusCode.INVALID_ARGUMENT"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     repository = tmp_path_factory.mktemp("repository")
-    build_model_version(repository, "tiny", "tiny_transformer", TINY_CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=2, limits=LIMITS, progress=False)
-    build_model_version(repository, "flux", "flux", FLUX_CONFIG, ParallelPlan(cp_size=2, cp_method="ring"), "FP32",
-                        "cpu", seed=3, limits=LIMITS, progress=False)
+    build_model_version(repository, "tiny", BuildRequest(
+        "tiny_transformer", TINY_CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=2, limits=LIMITS, progress=False))
+    build_model_version(repository, "flux", BuildRequest(
+        "flux", FLUX_CONFIG, ParallelPlan(cp_size=2, cp_method="ring"), "FP32", "cpu", seed=3, limits=LIMITS,
+        progress=False))
     log_file = repository.parent / "server.log"
     server = start_server(repository, log_file)
     yield server, log_file

@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client
 from mdtriton.client.pipeline import generate, pipeline_inputs
 from mdtriton.engine.manifest import EngineLimits
@@ -46,12 +47,12 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     pipeline_dir = save_pipelines(root)["dev"]
     for name, elastic in (("elastic", True), ("whole", False)):
-        build_model_version(root / "repository", name, "flux-pipeline", None,
-                            ParallelPlan(cp_size=2, cp_method="ulysses", elastic=elastic), "FP32", "cpu",
-                            weights_path=pipeline_dir, progress=False, limits=LIMITS, stream=True)
-    build_model_version(root / "repository", "elastic_flux", "flux", FLUX_CONFIG,
-                        ParallelPlan(cp_size=2, cp_method="ring", elastic=True), "FP32", "cpu", seed=FLUX_SEED,
-                        progress=False)
+        build_model_version(root / "repository", name, BuildRequest(
+            "flux-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses", elastic=elastic), "FP32", "cpu",
+            weights_path=pipeline_dir, progress=False, limits=LIMITS, stream=True))
+    build_model_version(root / "repository", "elastic_flux", BuildRequest(
+        "flux", FLUX_CONFIG, ParallelPlan(cp_size=2, cp_method="ring", elastic=True), "FP32", "cpu", seed=FLUX_SEED,
+        progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield server
     server.stop()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.test_elastic import (LIMITS, test_a_request_alone_takes_both_ranks_and_equals_the_whole_world,
                                         test_queued_requests_run_at_once_on_one_rank_each_and_equal_the_whole_world)
@@ -27,9 +28,9 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic-gpu")
     pipeline_dir = save_pipelines(root)["dev"]
     for name, elastic in (("elastic", True), ("whole", False)):
-        build_model_version(root / "repository", name, "flux-pipeline", None,
-                            ParallelPlan(cp_size=2, cp_method="ulysses", elastic=elastic), "FP32", "gpu", [0, 1],
-                            weights_path=pipeline_dir, progress=False, limits=LIMITS, stream=True)
+        build_model_version(root / "repository", name, BuildRequest(
+            "flux-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses", elastic=elastic), "FP32", "gpu",
+            gpus=[0, 1], weights_path=pipeline_dir, progress=False, limits=LIMITS, stream=True))
     server = start_server(root / "repository", root / "server.log")
     yield server
     server.stop()

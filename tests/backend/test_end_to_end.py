@@ -12,6 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, ClientError
 from mdtriton.engine.plan import ParallelPlan
@@ -25,8 +26,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     repository = tmp_path_factory.mktemp("repository")
-    build_model_version(repository, MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=3, progress=False)
+    build_model_version(repository, MODEL, BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=3, progress=False))
     server = start_server(repository, repository.parent / "server.log")
     yield server
     server.stop()

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
 
@@ -26,8 +27,8 @@ def max_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gpu_ranks_match_one_gpu_bf16(tmp_path, server_factory, world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=world_size),
-                        "BF16", "gpu", seed=11, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=world_size), "BF16", "gpu", seed=11, progress=False))
     server = server_factory(tmp_path / "repo")
     module = reference_module("tiny_transformer", CONFIG, random_weights("tiny_transformer", CONFIG, 11), "BF16", "cuda")
     inputs = [torch.randn(1, 256, 1024, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(32)]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_weights, reference_module
 from mdtriton.client.grpc_client import Client, to_torch
 from mdtriton.engine.plan import ParallelPlan
@@ -34,7 +35,8 @@ def test_every_method_served_on_two_gpus_matches_one_gpu(tmp_path, server_factor
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     for name, plan in PLANS.items():
-        build_model_version(tmp_path / "repo", name, "flux", CONFIG, plan, "BF16", "gpu", seed=2, progress=False)
+        build_model_version(tmp_path / "repo", name, BuildRequest(
+            "flux", CONFIG, plan, "BF16", "gpu", seed=2, progress=False))
     server = server_factory(tmp_path / "repo")
     reference = reference_module("flux", CONFIG, random_weights("flux", CONFIG, 2), "BF16", "cuda")
     cases = [flux_inputs(CONFIG, TEXT_TOKENS, IMAGE_TOKENS, batch=1, seed=i, dtype=torch.bfloat16) for i in range(4)]

@@ -28,6 +28,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import ClientError
 from mdtriton.client.pipeline import generate, generate_video, pipeline_inputs, video_inputs
 from mdtriton.engine.manifest import EngineLimits
@@ -52,12 +53,12 @@ def served(tmp_path_factory):
     flux_dir = save_pipelines(root)["dev"]
     wan_dir = save_tiny_wan_pipeline(root / "wan2.1", "wan2.1")
     repository = root / "repository"
-    build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        weights_path=flux_dir, progress=False, stream=True, request_timeout_s=120,
-                        limits=EngineLimits(max_batch_size=2, max_tokens=600))
-    build_model_version(repository, "wan", "wan-pipeline", None, ParallelPlan(tp_size=3), "FP32", "cpu",
-                        weights_path=wan_dir, progress=False, request_timeout_s=TIMEOUT_S,
-                        limits=EngineLimits(max_batch_size=2, max_tokens=48))
+    build_model_version(repository, "flux", BuildRequest(
+        "flux-pipeline", None, ParallelPlan(tp_size=2), "FP32", "cpu", weights_path=flux_dir, progress=False,
+        stream=True, request_timeout_s=120, limits=EngineLimits(max_batch_size=2, max_tokens=600)))
+    build_model_version(repository, "wan", BuildRequest(
+        "wan-pipeline", None, ParallelPlan(tp_size=3), "FP32", "cpu", weights_path=wan_dir, progress=False,
+        request_timeout_s=TIMEOUT_S, limits=EngineLimits(max_batch_size=2, max_tokens=48)))
     server = start_server(repository, root / "server.log")
     yield server, repository, {"flux": flux_dir, "wan": wan_dir}
     server.stop()

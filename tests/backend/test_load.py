@@ -12,6 +12,7 @@ import time
 import pytest
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Clients, Reference
 from mdtriton.testing.triton_processes import rank_workers, rss_bytes, stub_processes, wait_for_stubs
@@ -37,8 +38,8 @@ def most_in_flight(outcomes) -> int:
 
 @pytest.mark.timeout(SECONDS + 240)
 def test_64_clients_get_only_right_answers_and_memory_stays_flat(tmp_path, server_factory):
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=9, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=9, progress=False))
     server = server_factory(tmp_path / "repo")
     stubs = wait_for_stubs(server.process.pid, 2)
     workers = rank_workers(server.process.pid)

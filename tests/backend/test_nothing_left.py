@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.server import SHARED_MEMORY_MIN_AGE_S
 from tests.backend.load_clients import CONFIG, Reference, ask
@@ -25,8 +26,8 @@ TRITONS_OWN_SHM = "triton_python_backend_shm_region_"  # the regions Triton shar
 
 
 def serve_and_ask(tmp_path, server_factory):
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=4, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=4, progress=False))
     server = server_factory(tmp_path / "repo")
     client = grpcclient.InferenceServerClient(server.grpc_address)
     reference = Reference(4)
@@ -96,8 +97,8 @@ def test_a_killed_owner_of_the_embedded_server_takes_the_server_its_stubs_and_wo
                                                                                                rendezvous_root,
                                                                                                monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the key file the killed owner never removes
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=4, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=4, progress=False))
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "repo"), str(tmp_path / "server.log")],
                              stdout=subprocess.PIPE, text=True)
     server_pid, address = owner.stdout.readline().split()

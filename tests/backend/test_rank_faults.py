@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client
 from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
@@ -33,9 +34,9 @@ def serve(tmp_path, server_factory, request_timeout_s: float, world_size: int = 
           architecture: str = "tiny_transformer", **parameters):
     """Serve the tiny transformer (or architecture: "tiny_crashing", the crashing_family fixture's), tensor-parallel
     over world_size CPU ranks, with these config.pbtxt parameters; the server, its stubs and rank -> worker pid."""
-    version_dir = build_model_version(tmp_path / "repo", MODEL, architecture, CONFIG,
-                                      ParallelPlan(tp_size=world_size), "FP32", "cpu", seed=SEED,
-                                      request_timeout_s=request_timeout_s, progress=False)
+    version_dir = build_model_version(tmp_path / "repo", MODEL, BuildRequest(
+        architecture, CONFIG, ParallelPlan(tp_size=world_size), "FP32", "cpu", seed=SEED,
+        request_timeout_s=request_timeout_s, progress=False))
     config = read_model_config(version_dir.parent / "config.pbtxt")
     for key, value in parameters.items():
         config.parameters[key].string_value = str(value)

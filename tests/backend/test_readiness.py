@@ -13,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from tests.backend.load_clients import CONFIG, Reference, ask, large_input, send
 from tests.backend.test_rank_faults import one_worker_per_rank
@@ -79,8 +80,9 @@ def ready_changes_since(model_dir: Path, before: dict[str, int]) -> dict[str, li
 
 @pytest.mark.timeout(300)
 def test_is_ready_is_false_while_the_ranks_heal(tmp_path, rendezvous_root, server_factory):
-    version_dir = build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2),
-                                      "FP32", "cpu", seed=SEED, request_timeout_s=30, progress=False)
+    version_dir = build_model_version(tmp_path / "repo", MODEL, BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=SEED, request_timeout_s=30,
+        progress=False))
     (version_dir / "model.py").write_text(PROBED_MODEL)
     server = server_factory(tmp_path / "repo", model_control_mode="explicit", load_models=(MODEL,))
     stubs = wait_for_stubs(server.process.pid, 2)

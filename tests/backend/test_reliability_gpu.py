@@ -16,6 +16,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client
 from mdtriton.client.server_key import key_headers
 from mdtriton.engine.plan import ParallelPlan
@@ -44,8 +45,9 @@ def free_gpu_memory() -> list[int]:
 
 
 def serve(tmp_path, server_factory, **kwargs):
-    build_model_version(tmp_path / "repo", MODEL, "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "gpu",
-                        gpus=[0, 1], seed=SEED, request_timeout_s=TIMEOUT_S, progress=False)
+    build_model_version(tmp_path / "repo", MODEL, BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "gpu", gpus=[0, 1], seed=SEED,
+        request_timeout_s=TIMEOUT_S, progress=False))
     server = server_factory(tmp_path / "repo", extra_args=("--exit-timeout-secs=5",), **kwargs)
     return server
 

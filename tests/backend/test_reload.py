@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client
 from mdtriton.client.server_key import key_headers
 from mdtriton.build_tools.model_config import read_model_config, write_model_config
@@ -25,8 +26,8 @@ LEAK_PER_CYCLE = 2 * 2**20
 
 @pytest.mark.timeout(600)
 def test_load_unload_cycles_answer_right_and_leak_nothing(tmp_path, rendezvous_root, server_factory):
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=7, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=7, progress=False))
     server = server_factory(tmp_path / "repo", model_control_mode="explicit")
     client = grpcclient.InferenceServerClient(server.grpc_address)
     reference = Reference(7)
@@ -68,11 +69,12 @@ def serve_all_versions(model_dir) -> None:
 def test_two_versions_and_two_models_side_by_side_never_cross_ranks(tmp_path, rendezvous_root, server_factory):
     repository = tmp_path / "repo"
     for version, seed in ((1, 11), (2, 12)):
-        build_model_version(repository, "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                            seed=seed, version=version, progress=False)
+        build_model_version(repository, "tiny", BuildRequest(
+            "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=seed, version=version,
+            progress=False))
     serve_all_versions(repository / "tiny")
-    build_model_version(repository, "other", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                        seed=13, progress=False)
+    build_model_version(repository, "other", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", seed=13, progress=False))
     server = server_factory(repository)
     assert len(wait_for_stubs(server.process.pid, 6)) == 6  # 2 ranks x (tiny v1, tiny v2, other v1)
     targets = [("tiny", "1", Reference(11)), ("tiny", "2", Reference(12)), ("other", "1", Reference(13))]

@@ -9,6 +9,7 @@ import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.build_tools.build import BuildInterrupted, build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import RandomWeights, build_engine, full_shapes, random_weights, reference_module
 from mdtriton.build_tools.model_config import read_model_config
 from mdtriton.engine.comm import Communicator
@@ -21,10 +22,10 @@ from mdtriton.families.tiny_transformer import TINY_TRANSFORMER
 CONFIG = {"hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "num_layers": 1}
 
 
-def build(repository, **kwargs):
-    options = dict(name="m", architecture_name="tiny_transformer", config=CONFIG, plan=ParallelPlan(tp_size=2),
+def build(repository, name="m", **kwargs):
+    options = dict(architecture_name="tiny_transformer", config=CONFIG, plan=ParallelPlan(tp_size=2),
                    data_type="FP32", device="cpu", progress=False)
-    return build_model_version(repository, **{**options, **kwargs})
+    return build_model_version(repository, name, BuildRequest(**{**options, **kwargs}))
 
 
 def test_version_layout_and_config(tmp_path):

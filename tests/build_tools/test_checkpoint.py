@@ -10,6 +10,7 @@ from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.checkpoint import Checkpoint, CheckpointError
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
@@ -41,8 +42,8 @@ def diffusers_checkpoint(tmp_path_factory):
 def test_sharded_diffusers_checkpoint_builds_each_tp_shard_its_slices_and_every_rank_reads_its_own(tmp_path, diffusers_checkpoint):
     directory, model = diffusers_checkpoint
     plan = ParallelPlan(tp_size=2, cp_size=2, cp_method="ring")
-    version_dir = build_model_version(tmp_path, "flux", "flux", None, plan, "FP32", "cpu", weights_path=directory,
-                                      progress=False)
+    version_dir = build_model_version(tmp_path, "flux", BuildRequest(
+        "flux", None, plan, "FP32", "cpu", weights_path=directory, progress=False))
     full = model.state_dict()
     engine_dir = version_dir / "engine"
     manifest = Manifest.read(engine_dir)
@@ -58,8 +59,8 @@ def test_sharded_diffusers_checkpoint_builds_each_tp_shard_its_slices_and_every_
 def test_one_rank_engine_from_checkpoint_matches_diffusers(tmp_path, diffusers_checkpoint):
     directory, model = diffusers_checkpoint
     index = next(directory.glob("*.safetensors.index.json"))
-    version_dir = build_model_version(tmp_path, "flux", "flux", None, ParallelPlan(), "FP32", "cpu",
-                                      weights_path=index, progress=False)
+    version_dir = build_model_version(tmp_path, "flux", BuildRequest(
+        "flux", None, ParallelPlan(), "FP32", "cpu", weights_path=index, progress=False))
     engine_dir = version_dir / "engine"
     engine = TorchEngine.load(engine_dir, Manifest.read(engine_dir), FLUX, Communicator.single())
     assert engine.manifest.config["num_single_layers"] == 3  # from config.json
@@ -71,11 +72,11 @@ def test_one_rank_engine_from_checkpoint_matches_diffusers(tmp_path, diffusers_c
 def test_checkpoint_that_does_not_fit_the_config_is_refused_early(tmp_path, diffusers_checkpoint):
     directory, _ = diffusers_checkpoint
     with pytest.raises(CheckpointError, match=r"weights missing.*single_transformer_blocks\.3"):
-        build_model_version(tmp_path, "flux", "flux", {"num_single_layers": 4}, ParallelPlan(), "FP32", "cpu",
-                            weights_path=directory, progress=False)
+        build_model_version(tmp_path, "flux", BuildRequest(
+            "flux", {"num_single_layers": 4}, ParallelPlan(), "FP32", "cpu", weights_path=directory, progress=False))
     with pytest.raises(CheckpointError, match="of another shape"):
-        build_model_version(tmp_path, "flux", "flux", {"joint_attention_dim": 32}, ParallelPlan(), "FP32", "cpu",
-                            weights_path=directory, progress=False)
+        build_model_version(tmp_path, "flux", BuildRequest(
+            "flux", {"joint_attention_dim": 32}, ParallelPlan(), "FP32", "cpu", weights_path=directory, progress=False))
     assert not any((tmp_path / "flux").glob(".building-*"))
 
 

@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.cli import main
 from mdtriton.engine.manifest import RANK_FILE_KEY, EngineError, Manifest, WeightFile, file_sha256
 from mdtriton.engine.plan import ParallelPlan
@@ -20,8 +21,8 @@ CONFIG = {"hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "num_layers": 1}
 
 @pytest.fixture
 def version_dir(tmp_path):
-    return build_model_version(tmp_path, "m", "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu",
-                               progress=False)
+    return build_model_version(tmp_path, "m", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=2), "FP32", "cpu", progress=False))
 
 
 def flip_last_tensor_byte(path) -> None:
@@ -91,7 +92,7 @@ def as_format_3(engine_dir) -> None:
 def test_replicas_share_their_shard_file_and_an_engine_of_format_3_still_reads(tmp_path, capsys):
     plan = ParallelPlan(tp_size=2, cp_size=2, cp_method="ulysses")  # ranks 0 and 2 hold tp shard 0, 1 and 3 shard 1
     flux = {**FLUX.default_config(), "num_layers": 1, "num_single_layers": 1}
-    version_dir = build_model_version(tmp_path, "m", "flux", flux, plan, "FP32", "cpu", progress=False)
+    version_dir = build_model_version(tmp_path, "m", BuildRequest("flux", flux, plan, "FP32", "cpu", progress=False))
     engine_dir = version_dir / "engine"
     manifest = Manifest.read(engine_dir)
     assert [manifest.weight_file(engine_dir, rank).name for rank in range(4)] == [

@@ -8,6 +8,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.grpc_client import Client
 from mdtriton.client.server_key import key_headers
 from mdtriton.engine.plan import ParallelPlan
@@ -27,8 +28,8 @@ def test_cuda_shared_memory_gives_the_same_answers(tmp_path, server_factory):
     except RuntimeError:
         pytest.fail("CUDA shared memory needs cuda-python: pip install 'mdtriton[cuda]'")
     world_size = min(torch.cuda.device_count(), 2)
-    build_model_version(tmp_path / "repo", "tiny", "tiny_transformer", CONFIG, ParallelPlan(tp_size=world_size),
-                        "BF16", "gpu", seed=5, progress=False)
+    build_model_version(tmp_path / "repo", "tiny", BuildRequest(
+        "tiny_transformer", CONFIG, ParallelPlan(tp_size=world_size), "BF16", "gpu", seed=5, progress=False))
     server = server_factory(tmp_path / "repo")
     inputs = [torch.randn(1, 256 + 64 * i, 1024, device="cuda", dtype=torch.bfloat16,
                           generator=torch.Generator("cuda").manual_seed(i)) for i in range(3)]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import random_shard, random_weights
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import TorchEngine
@@ -58,9 +59,10 @@ def test_each_rank_quantizes_its_own_shard():
 
 def test_fp8_builds_are_refused_for_cpu_instances_and_for_architectures_without_fp8(tmp_path):
     with pytest.raises(Fp8Unsupported, match="--device gpu"):
-        build_model_version(tmp_path, "flux", "flux", None, ParallelPlan(), "FP8", "cpu", progress=False)
+        build_model_version(tmp_path, "flux", BuildRequest("flux", None, ParallelPlan(), "FP8", "cpu", progress=False))
     with pytest.raises(EngineError, match="tiny_transformer.*--dtype BF16"):
-        build_model_version(tmp_path, "tiny", "tiny_transformer", None, ParallelPlan(), "FP8", "gpu", progress=False)
+        build_model_version(tmp_path, "tiny", BuildRequest(
+            "tiny_transformer", None, ParallelPlan(), "FP8", "gpu", progress=False))
     assert not list(tmp_path.glob("*/[0-9]*"))  # no version was made
     with pytest.raises(Fp8Unsupported, match="not on cpu"):
         check_fp8_device(torch.device("cpu"))
@@ -68,7 +70,8 @@ def test_fp8_builds_are_refused_for_cpu_instances_and_for_architectures_without_
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU can run FP8")
 def test_an_fp8_engine_loaded_on_cpu_fails_naming_the_engine_and_what_to_build(tmp_path):
-    version_dir = build_model_version(tmp_path, "flux", "flux", None, ParallelPlan(), "FP8", "gpu", progress=False)
+    version_dir = build_model_version(tmp_path, "flux", BuildRequest(
+        "flux", None, ParallelPlan(), "FP8", "gpu", progress=False))
     manifest = Manifest.read(version_dir / "engine")
     assert (manifest.data_type, manifest.quantization, manifest.weight_type) == ("BF16", "fp8", "FP8")
     assert {spec.data_type for spec in manifest.inputs} == {"BF16", "FP32"}  # FP32: position ids

@@ -17,6 +17,7 @@ from diffusers import FluxPipeline
 
 from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
@@ -60,8 +61,9 @@ def adapted(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     pipeline_dir = save_pipelines(root)["dev"]
     repository = root / "repository"
-    engines = {name: build_model_version(repository, name, "flux-pipeline", None, plan, "FP32", "cpu",
-                                         weights_path=pipeline_dir, progress=False) / ENGINE_DIR
+    engines = {name: build_model_version(repository, name,
+                                         BuildRequest("flux-pipeline", None, plan, "FP32", "cpu",
+                                                      weights_path=pipeline_dir, progress=False)) / ENGINE_DIR
                for name, plan in {"one": ParallelPlan(), **PLANS}.items()}
     transformer = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True).transformer
     files = {"style": diffusers_lora(root / "style.safetensors", transformer, seed=1, rank=4),

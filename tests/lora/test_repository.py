@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.engine.comm import Communicator
@@ -36,9 +37,10 @@ def repository(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_repository")
     pipeline_dir = save_pipelines(root)["dev"]
     repository = root / "repository"
-    build_model_version(repository, "flux", "flux-pipeline", None, ParallelPlan(), "FP32", "cpu",
-                        weights_path=pipeline_dir, progress=False)
-    build_model_version(repository, "transformer", "flux", None, ParallelPlan(), "FP32", "cpu", progress=False)
+    build_model_version(repository, "flux", BuildRequest(
+        "flux-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipeline_dir, progress=False))
+    build_model_version(repository, "transformer", BuildRequest(
+        "flux", None, ParallelPlan(), "FP32", "cpu", progress=False))
     transformer = FluxPipeline.from_pretrained(pipeline_dir, local_files_only=True).transformer
     good = diffusers_lora(root / "good.safetensors", transformer, seed=1, rank=4)
     return repository, good, transformer

@@ -12,6 +12,7 @@ from diffusers import WanPipeline
 
 from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.lora.directory import adapters_dir
@@ -48,8 +49,9 @@ def test_wan_adapters_equal_diffusers(tmp_path, layout):
     pipeline_dir = save_tiny_wan_pipeline(tmp_path / layout, layout, seed=3)
     repository = tmp_path / "repository"
     plans = PLANS if layout == "wan2.1" else {"one": PLANS["one"]}
-    engines = {name: build_model_version(repository, name, "wan-pipeline", None, plan, "FP32", "cpu",
-                                         weights_path=pipeline_dir, progress=False) / ENGINE_DIR
+    engines = {name: build_model_version(repository, name,
+                                         BuildRequest("wan-pipeline", None, plan, "FP32", "cpu",
+                                                      weights_path=pipeline_dir, progress=False)) / ENGINE_DIR
                for name, plan in plans.items()}
     transformer = WanPipeline.from_pretrained(pipeline_dir, local_files_only=True).transformer
     files = {"motion": diffusers_lora(tmp_path / "motion.safetensors", transformer, seed=1, rank=4),

@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import infer_inputs, texts
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
@@ -37,8 +38,9 @@ def served(tmp_path_factory):
     flux_dir = save_tiny_flux_pipeline(root / "flux")
     repository = root / "repository"
     for name, pipeline_dir, method in (("wan", wan_dir, "ulysses"), ("flux", flux_dir, "ring")):
-        build_model_version(repository, name, "diffusers-pipeline", None, ParallelPlan(cp_size=2, cp_method=method),
-                            "FP32", "cpu", weights_path=pipeline_dir, progress=False)
+        build_model_version(repository, name, BuildRequest(
+            "diffusers-pipeline", None, ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu",
+            weights_path=pipeline_dir, progress=False))
     server = start_server(repository, root / "server.log")
     yield wan_dir, flux_dir, server
     server.stop()
@@ -115,10 +117,10 @@ def test_a_pipeline_whose_call_needs_what_a_request_cannot_carry_is_refused_at_b
     (pipeline_dir / "model_index.json").write_text(json.dumps({"_class_name": "WanAnimatePipeline"}))
     with pytest.raises(EngineError, match="WanAnimatePipeline cannot be served as diffusers-pipeline: its call "
                                           "requires 'pose_video'"):
-        build_model_version(tmp_path / "repository", "animate", "diffusers-pipeline", None, ParallelPlan(), "FP32",
-                            "cpu", weights_path=pipeline_dir, progress=False)
+        build_model_version(tmp_path / "repository", "animate", BuildRequest(
+            "diffusers-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipeline_dir, progress=False))
     (pipeline_dir / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
     with pytest.raises(EngineError, match="has no pipeline class 'NoSuchPipeline'"):
-        build_model_version(tmp_path / "repository", "animate", "diffusers-pipeline", None, ParallelPlan(), "FP32",
-                            "cpu", weights_path=pipeline_dir, progress=False)
+        build_model_version(tmp_path / "repository", "animate", BuildRequest(
+            "diffusers-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipeline_dir, progress=False))
     assert not (tmp_path / "repository" / "animate").exists()

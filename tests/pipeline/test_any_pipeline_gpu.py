@@ -12,6 +12,7 @@ import torch
 from diffusers import WanPipeline
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_wan_pipeline import save_tiny_wan_pipeline
 from tests.conftest import start_server
@@ -28,9 +29,9 @@ def wan_on_gpus(tmp_path_factory):
         pytest.skip("needs 2 GPUs")
     root = tmp_path_factory.mktemp("any-pipeline-gpu")
     pipeline_dir = save_tiny_wan_pipeline(root / "wan")
-    build_model_version(root / "repository", "wan", "diffusers-pipeline", None,
-                        ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "gpu", [0, 1],
-                        weights_path=pipeline_dir, progress=False)
+    build_model_version(root / "repository", "wan", BuildRequest(
+        "diffusers-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "gpu", gpus=[0, 1],
+        weights_path=pipeline_dir, progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield pipeline_dir, server
     server.stop()

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
@@ -52,8 +53,9 @@ def pipeline_dir(tmp_path_factory):
 def served(pipeline_dir, tmp_path_factory):
     repository = tmp_path_factory.mktemp("cosmos3_repository")
     for name, plan in MODELS.items():
-        build_model_version(repository, name, "cosmos3-pipeline", None, plan, "FP32", "cpu", weights_path=pipeline_dir,
-                            progress=False, limits=LIMITS, stream=name != UNARY)
+        build_model_version(repository, name, BuildRequest(
+            "cosmos3-pipeline", None, plan, "FP32", "cpu", weights_path=pipeline_dir, progress=False, limits=LIMITS,
+            stream=name != UNARY))
     server = start_server(repository, repository.parent / "cosmos3_server.log")
     yield server
     server.stop()
@@ -69,8 +71,8 @@ def request(prompt: str, image: np.ndarray | None = None, fps: float = 24.0, **v
 
 
 def test_one_rank_makes_diffusers_videos_images_and_image_to_video(pipeline_dir, tmp_path):
-    version_dir = build_model_version(tmp_path, "cosmos3", "cosmos3-pipeline", None, ParallelPlan(), "FP32", "cpu",
-                                      weights_path=pipeline_dir, progress=False)
+    version_dir = build_model_version(tmp_path, "cosmos3", BuildRequest(
+        "cosmos3-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipeline_dir, progress=False))
     engine_dir = version_dir / ENGINE_DIR
     engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single())
     for frames, image in ((9, None), (1, None), (9, IMAGE)):

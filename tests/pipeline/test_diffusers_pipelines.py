@@ -13,6 +13,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import image_arrays, infer_inputs, request_arrays
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
@@ -34,8 +35,8 @@ def served_pipeline(root, save, architecture: str, methods: tuple[str, ...], pre
     repository = root / "repository"
     plans = {**{method: ParallelPlan(cp_size=2, cp_method=method) for method in methods}, **(plans or {})}
     for name, plan in plans.items():
-        build_model_version(repository, f"{prefix}-{name}", architecture, None, plan, "FP32", "cpu",
-                            weights_path=pipeline_dir, progress=False)
+        build_model_version(repository, f"{prefix}-{name}", BuildRequest(
+            architecture, None, plan, "FP32", "cpu", weights_path=pipeline_dir, progress=False))
     return pipeline_dir, start_server(repository, root / "server.log")
 
 
@@ -119,8 +120,9 @@ def test_bad_requests_are_invalid_argument_and_the_server_serves_on(qwen_image, 
 def test_plans_it_cannot_serve_are_refused_at_build(tmp_path):
     pipeline_dir = save_tiny_qwen_image_pipeline(tmp_path / "pipeline")
     with pytest.raises(EngineError, match="--tp 1"):
-        build_model_version(tmp_path / "repository", "qwen", "qwen-image-pipeline", None, ParallelPlan(tp_size=2),
-                            "FP32", "cpu", weights_path=pipeline_dir, progress=False)
+        build_model_version(tmp_path / "repository", "qwen", BuildRequest(
+            "qwen-image-pipeline", None, ParallelPlan(tp_size=2), "FP32", "cpu", weights_path=pipeline_dir,
+            progress=False))
     assert not (tmp_path / "repository" / "qwen").exists()
 
 

@@ -14,6 +14,7 @@ import torch
 from diffusers import QwenImagePipeline
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_pipeline
 from tests.conftest import start_server
@@ -36,8 +37,8 @@ def qwen_image_on_gpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen-image-gpu")
     pipeline_dir = save_tiny_qwen_image_pipeline(root / "pipeline")
     for name, plan in PLANS.items():
-        build_model_version(root / "repository", f"qwen-{name}", "qwen-image-pipeline", None, plan, "FP32", "gpu",
-                            [0, 1], weights_path=pipeline_dir, progress=False)
+        build_model_version(root / "repository", f"qwen-{name}", BuildRequest(
+            "qwen-image-pipeline", None, plan, "FP32", "gpu", gpus=[0, 1], weights_path=pipeline_dir, progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield pipeline_dir, server
     server.stop()

@@ -16,6 +16,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import infer_inputs, request_arrays
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
@@ -49,8 +50,8 @@ def kontext(tmp_path_factory):
     pipeline_dir = root / "pipeline"
     tiny_flux_kontext_pipeline(seed=0).save_pretrained(pipeline_dir)
     for name, (architecture, plan) in MODELS.items():
-        build_model_version(root / "repository", name, architecture, None, plan, "FP32", "cpu",
-                            weights_path=pipeline_dir, progress=False, limits=LIMITS)
+        build_model_version(root / "repository", name, BuildRequest(
+            architecture, None, plan, "FP32", "cpu", weights_path=pipeline_dir, progress=False, limits=LIMITS))
     server = start_server(root / "repository", root / "server.log")
     yield pipeline_dir, server
     server.stop()

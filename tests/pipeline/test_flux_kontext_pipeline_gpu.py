@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import psnr
@@ -33,9 +34,9 @@ def kontext_on_gpus(tmp_path_factory):
     pipeline_dir = root / "pipeline"
     tiny_flux_kontext_pipeline(seed=0).save_pretrained(pipeline_dir)
     for name, plan in MODELS.items():
-        build_model_version(root / "repository", name, "flux-kontext-pipeline", None, plan, "BF16", "gpu",
-                            progress=False, weights_path=pipeline_dir, limits=EngineLimits(max_batch_size=1,
-                                                                                           max_tokens=600))
+        build_model_version(root / "repository", name, BuildRequest(
+            "flux-kontext-pipeline", None, plan, "BF16", "gpu", progress=False, weights_path=pipeline_dir,
+            limits=EngineLimits(max_batch_size=1, max_tokens=600)))
     server = start_server(root / "repository", root / "server.log")
     yield server
     server.stop()

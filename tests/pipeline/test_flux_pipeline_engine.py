@@ -12,6 +12,7 @@ import torch
 from diffusers import FluxPipeline
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.engine_builder import RandomWeights, full_shapes
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
@@ -33,8 +34,8 @@ def load_pipeline(engine_dir) -> PipelineEngine:
 
 
 def build_pipeline(repository, name, pipeline_dir, data_type="FP32", **options):
-    return build_model_version(repository, name, "flux-pipeline", None, ParallelPlan(), data_type, "cpu",
-                               weights_path=pipeline_dir, progress=False, **options)
+    return build_model_version(repository, name, BuildRequest(
+        "flux-pipeline", None, ParallelPlan(), data_type, "cpu", weights_path=pipeline_dir, progress=False, **options))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from diffusers import Flux2Pipeline, QwenImageEditPlusPipeline
 from PIL import Image
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.image_text_processor import image_text_processor
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_pipeline
@@ -38,8 +39,9 @@ def image_pipelines_on_gpus(tmp_path_factory):
     directories = {"flux2-pipeline": save_tiny_flux2_pipeline(root / "flux2"),
                    "qwen-image-edit-plus-pipeline": save_tiny_qwen_image_edit_plus_pipeline(root / "edit-plus")}
     for name, architecture, method in MODELS:
-        build_model_version(root / "repository", name, architecture, None, ParallelPlan(cp_size=2, cp_method=method),
-                            "FP32", "gpu", [0, 1], weights_path=directories[architecture], progress=False)
+        build_model_version(root / "repository", name, BuildRequest(
+            architecture, None, ParallelPlan(cp_size=2, cp_method=method), "FP32", "gpu", gpus=[0, 1],
+            weights_path=directories[architecture], progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield directories, server
     server.stop()

@@ -17,6 +17,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import infer_inputs, request_arrays
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_ltx2_pipeline import save_tiny_ltx2_image_to_video_pipeline, save_tiny_ltx2_pipeline
@@ -42,8 +43,9 @@ def ltx2(tmp_path_factory):
     builds = [(f"ltx2-{method}", "ltx2-pipeline", method, "text") for method in METHODS]
     builds.append(("ltx2-i2v", "ltx2-image-to-video-pipeline", "ulysses", "image"))
     for name, architecture, method, kind in builds:
-        build_model_version(root / "repository", name, architecture, None, ParallelPlan(cp_size=2, cp_method=method),
-                            "FP32", "cpu", weights_path=directories[kind], progress=False)
+        build_model_version(root / "repository", name, BuildRequest(
+            architecture, None, ParallelPlan(cp_size=2, cp_method=method), "FP32", "cpu",
+            weights_path=directories[kind], progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield directories, server
     server.stop()

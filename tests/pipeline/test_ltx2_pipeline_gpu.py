@@ -15,6 +15,7 @@ from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 from PIL import Image
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_ltx2_pipeline import save_tiny_ltx2_image_to_video_pipeline, save_tiny_ltx2_pipeline
 from tests.conftest import start_server
@@ -37,8 +38,9 @@ def ltx2_on_gpus(tmp_path_factory):
     builds.append(("ltx2-i2v", "ltx2-image-to-video-pipeline", "ulysses",
                    save_tiny_ltx2_image_to_video_pipeline(root / "image-to-video")))
     for name, architecture, method, directory in builds:
-        build_model_version(root / "repository", name, architecture, None, ParallelPlan(cp_size=2, cp_method=method),
-                            "FP32", "gpu", [0, 1], weights_path=directory, progress=False)
+        build_model_version(root / "repository", name, BuildRequest(
+            architecture, None, ParallelPlan(cp_size=2, cp_method=method), "FP32", "gpu", gpus=[0, 1],
+            weights_path=directory, progress=False))
     server = start_server(root / "repository", root / "server.log")
     yield pipeline_dir, root / "image-to-video", server
     server.stop()

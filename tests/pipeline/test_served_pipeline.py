@@ -32,6 +32,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
 from mdtriton.client.pipeline import generate, pipeline_inputs
@@ -62,8 +63,9 @@ def served(tmp_path_factory):
                          "--weights", str(pipelines[layout]), "--tp", str(plan.tp_size), "--max-batch-size",
                          str(LIMITS.max_batch_size), "--max-tokens", str(LIMITS.max_tokens)]) == 0
         else:
-            build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
-                                weights_path=pipelines[layout], progress=False, limits=LIMITS, stream=True)
+            build_model_version(root / "repository", name, BuildRequest(
+                "flux-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines[layout], progress=False,
+                limits=LIMITS, stream=True))
     server = start_server(root / "repository", root / "server.log")
     yield server, pipelines
     server.stop()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
@@ -80,8 +81,9 @@ def served(request, tmp_path_factory):
         weights = save_tiny_cosmos3_pipeline(root / "cosmos3")
     repository = root / "repository"
     for name, plan in {f"{family}_1gpu": ParallelPlan(), **MODELS[gpus][family]}.items():
-        build_model_version(repository, name, f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False,
-                            weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+        build_model_version(repository, name, BuildRequest(
+            f"{family}-pipeline", None, plan, "FP32", "gpu", progress=False, weights_path=weights,
+            limits=EngineLimits(max_batch_size=1, max_tokens=600)))
     # One family's models a server (on 4 GPUs up to 6 models, 21 rank workers, each starting CUDA and warming up): on
     # 4 x H200 FLUX's set up in 86-97 s, Wan's in 48 and Cosmos 3's in 61, builds included. Every family's in one
     # server (14 models, 47 rank workers) failed its set-up after 208 s.
@@ -132,8 +134,9 @@ def test_a_worker_killed_during_a_clip_heals_and_the_clip_and_the_next_equal_the
     answered, equal to the same clip without a kill, and so is the next one."""
     needs_gpus(gpus)
     wan = save_tiny_wan_pipeline(tmp_path / "wan", "wan2.1", seed=1)
-    build_model_version(tmp_path / "repository", "wan", "wan-pipeline", None, plan, "FP32", "gpu", progress=False,
-                        weights_path=wan, request_timeout_s=180, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+    build_model_version(tmp_path / "repository", "wan", BuildRequest(
+        "wan-pipeline", None, plan, "FP32", "gpu", progress=False, weights_path=wan, request_timeout_s=180,
+        limits=EngineLimits(max_batch_size=1, max_tokens=600)))
     server = server_factory(tmp_path / "repository")
 
     def clip():

@@ -20,6 +20,7 @@ import torch
 from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.manifest import Manifest
@@ -74,8 +75,9 @@ def cached_then_uncached(rank: int, engine_dir: str) -> dict[str, list[tuple[np.
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("step_cache")
     pipeline_dir = save_pipelines(root)["dev"]
-    engines = {name: build_model_version(root / "repository", name, "flux-pipeline", None, plan, "FP32", "cpu",
-                                         weights_path=pipeline_dir, progress=False) / ENGINE_DIR
+    engines = {name: build_model_version(root / "repository", name,
+                                         BuildRequest("flux-pipeline", None, plan, "FP32", "cpu",
+                                                      weights_path=pipeline_dir, progress=False)) / ENGINE_DIR
                for name, plan in {"one": ParallelPlan(), **PLANS}.items()}
     expected = {method: cached_reference_image(pipeline_dir, PROMPTS, *SIZE, STEPS, GUIDANCE, SEED, config)
                 for method, (_, config, _) in CACHES.items()}

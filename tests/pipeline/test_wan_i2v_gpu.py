@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import generate_video
 from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
@@ -33,8 +34,9 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan_i2v_gpu")
     weights = save_tiny_wan_i2v_pipeline(root / "wan-i2v", "wan2.1-i2v", seed=1)
     for name, plan in PLANS.items():
-        build_model_version(root / "repository", name, "wan-i2v-pipeline", None, plan, "FP32", "gpu", progress=False,
-                            weights_path=weights, limits=EngineLimits(max_batch_size=1, max_tokens=600))
+        build_model_version(root / "repository", name, BuildRequest(
+            "wan-i2v-pipeline", None, plan, "FP32", "gpu", progress=False, weights_path=weights,
+            limits=EngineLimits(max_batch_size=1, max_tokens=600)))
     server = start_server(root / "repository", root / "server.log")
     yield server
     server.stop()

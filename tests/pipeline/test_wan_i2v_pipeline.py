@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
@@ -85,9 +86,10 @@ def engines(pipelines, tmp_path_factory) -> dict[tuple[str, str], Path]:
     """An engine directory per layout and plan of 2 ranks (guidance parallelism, whose split is the same for every
     layout, with Wan 2.1 I2V only)."""
     root = tmp_path_factory.mktemp("wan_i2v_engines")
-    return {(layout, plan): build_model_version(root, f"{layout}_{plan}", "wan-i2v-pipeline", None, PLANS[plan],
-                                                "FP32", "cpu", weights_path=pipelines[layout], progress=False,
-                                                limits=LIMITS) / ENGINE_DIR
+    return {(layout, plan): build_model_version(root, f"{layout}_{plan}",
+                                                BuildRequest("wan-i2v-pipeline", None, PLANS[plan], "FP32", "cpu",
+                                                             weights_path=pipelines[layout], progress=False,
+                                                             limits=LIMITS)) / ENGINE_DIR
             for layout in I2V_LAYOUTS for plan in PLANS if plan != "cfg2" or layout == "wan2.1-i2v"}
 
 
@@ -105,8 +107,8 @@ def run_pipelines(rank: int, world_size: int, engine_dirs: dict[str, str],
 
 def test_one_rank_video_equals_diffusers(pipelines, expected, tmp_path):
     """Wan 2.1 I2V in one process: the engine is the pipeline's transformer, called as diffusers calls it."""
-    version_dir = build_model_version(tmp_path, "wan", "wan-i2v-pipeline", None, ParallelPlan(), "FP32", "cpu",
-                                      weights_path=pipelines["wan2.1-i2v"], progress=False)
+    version_dir = build_model_version(tmp_path, "wan", BuildRequest(
+        "wan-i2v-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipelines["wan2.1-i2v"], progress=False))
     engine_dir = version_dir / ENGINE_DIR
     video = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single()).forward(
         request("wan2.1-i2v"))["video"].numpy()
@@ -128,8 +130,9 @@ def test_every_layout_and_plan_of_2_ranks_equals_diffusers(engines, expected):
 def test_wan21_i2v_on_cfg2_x_ulysses2_equals_diffusers(pipelines, expected, tmp_path):
     """Guidance parallelism over context parallelism: 4 ranks, each guidance group's 2 ranks splitting the video."""
     plan = ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses")
-    engine_dir = build_model_version(tmp_path, "cfg2_ulysses2", "wan-i2v-pipeline", None, plan, "FP32", "cpu",
-                                     weights_path=pipelines["wan2.1-i2v"], progress=False, limits=LIMITS) / ENGINE_DIR
+    engine_dir = build_model_version(tmp_path, "cfg2_ulysses2", BuildRequest(
+        "wan-i2v-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines["wan2.1-i2v"], progress=False,
+        limits=LIMITS)) / ENGINE_DIR
     engine_dirs, requests = {"cfg2_ulysses2": str(engine_dir)}, {"cfg2_ulysses2": request("wan2.1-i2v")}
     for rank, videos in enumerate(run_ranks(4, run_pipelines, engine_dirs, requests, timeout=540)):
         assert max_level_difference(videos["cfg2_ulysses2"], expected["wan2.1-i2v"]) <= 1, f"rank {rank}"
@@ -161,8 +164,9 @@ def test_requests_a_layout_cannot_take_are_refused_naming_the_input(engines, lay
 @pytest.fixture(scope="module")
 def served(pipelines, tmp_path_factory):
     repository = tmp_path_factory.mktemp("wan_i2v_repository")
-    build_model_version(repository, SERVED, "wan-i2v-pipeline", None, PLANS["ulysses2"], "FP32", "cpu",
-                        weights_path=pipelines["wan2.1-i2v"], progress=False, limits=LIMITS)
+    build_model_version(repository, SERVED, BuildRequest(
+        "wan-i2v-pipeline", None, PLANS["ulysses2"], "FP32", "cpu", weights_path=pipelines["wan2.1-i2v"],
+        progress=False, limits=LIMITS))
     server = start_server(repository, repository.parent / "wan_i2v_server.log")
     yield server
     server.stop()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.cli import main
 from mdtriton.client.grpc_client import ClientError
@@ -49,8 +50,9 @@ def pipelines(tmp_path_factory):
 def served(pipelines, tmp_path_factory):
     repository = tmp_path_factory.mktemp("wan_repository")
     for name, (layout, plan) in MODELS.items():
-        build_model_version(repository, name, "wan-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines[layout],
-                            progress=False, limits=LIMITS, stream=name != UNARY)
+        build_model_version(repository, name, BuildRequest(
+            "wan-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines[layout], progress=False, limits=LIMITS,
+            stream=name != UNARY))
     server = start_server(repository, repository.parent / "wan_server.log")
     yield server
     server.stop()
@@ -65,8 +67,8 @@ def request(prompts: list[str], **values) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_rank_video_equals_diffusers_and_reports_each_step(pipelines, tmp_path, layout):
-    version_dir = build_model_version(tmp_path, "wan", "wan-pipeline", None, ParallelPlan(), "FP32", "cpu",
-                                      weights_path=pipelines[layout], progress=False)
+    version_dir = build_model_version(tmp_path, "wan", BuildRequest(
+        "wan-pipeline", None, ParallelPlan(), "FP32", "cpu", weights_path=pipelines[layout], progress=False))
     engine_dir = version_dir / ENGINE_DIR
     engine = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single())
     reported = []
@@ -178,8 +180,8 @@ def test_generate_command_writes_the_mp4_and_the_frames(served, pipelines, tmp_p
 
 
 def test_a_bf16_pipeline_keeps_the_vae_in_float32(pipelines, tmp_path):
-    version_dir = build_model_version(tmp_path, "wan", "wan-pipeline", None, ParallelPlan(), "BF16", "cpu",
-                                      weights_path=pipelines["wan2.1"], progress=False)
+    version_dir = build_model_version(tmp_path, "wan", BuildRequest(
+        "wan-pipeline", None, ParallelPlan(), "BF16", "cpu", weights_path=pipelines["wan2.1"], progress=False))
     engine_dir = version_dir / ENGINE_DIR
     pipeline = load_engine(engine_dir, Manifest.read(engine_dir), Communicator.single()).pipeline
     assert (pipeline.vae.dtype, pipeline.text_encoder.dtype, pipeline.transformer.dtype) == (
