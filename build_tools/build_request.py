@@ -21,6 +21,7 @@ class BuildRequest:
     architecture_name: str
     # The architecture's config, over the family's defaults and a checkpoint's config.json; None: those alone.
     config: dict | None
+    # How the ranks split the model (tensor, context and guidance parallelism; elastic groups).
     plan: ParallelPlan
     # FP32, FP16, BF16 or FP8: the blocks' linear weights in e4m3 with row scales, the rest (and inputs, outputs) in
     # BF16; FP8 only for GPUs that run FP8 GEMMs (compute capability 8.9+), refused for CPU instances or other GPUs.
