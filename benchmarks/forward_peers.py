@@ -10,8 +10,8 @@ language-model head and last norm, which a video does not use, keep diffusers' i
 - diffusers: diffusers' own transformer of the family (FluxTransformer2DModel, WanTransformer3DModel,
   Cosmos3OmniTransformer with its time embedder in float32, as diffusers keeps it) on one GPU, and on N with diffusers'
   own context parallelism (`enable_parallelism`, --cp-method ulysses or ring, cuDNN attention; GPUs only);
-- split: the same transformer split by its class's `_cp_plan` on our N ranks, by each of --methods that is a
-  context-parallel method (mdtriton.pipeline.context_parallel: how `diffusers-pipeline` serves a transformer that has
+- split (FLUX, Wan: Cosmos 3's class declares no plan): the same transformer split by its class's `_cp_plan` on our
+  N ranks, by each of --methods that is a context-parallel method (mdtriton.pipeline.context_parallel: how `diffusers-pipeline` serves a transformer that has
   no family of ours);
 - xdit (FLUX, GPUs): xDiT's `xFuserFlux1Transformer2DWrapper` (xfuser 0.7.0: diffusers' FLUX transformer with xDiT's
   sequence split, USP attention with its own attention backend, and gather), set up as xfuser's FLUX.1-dev runner sets
@@ -181,13 +181,17 @@ def call_arguments(architecture: str, config: dict, request: dict[str, torch.Ten
 
 
 def forward_of(model: torch.nn.Module, mode: str, arguments: dict):
-    """A function of no arguments that runs the model on the arguments and returns its output: as it is, or (graph)
-    by replaying a CUDA graph captured at its first run."""
-    if mode != "graph":
-        return lambda: model(**arguments)[0]
+    """A function of no arguments that runs the model on the arguments and returns its sample (Cosmos 3's: its one
+    video's): as it is, or (graph) by replaying a CUDA graph captured at its first run."""
+    def sample(**tensors) -> torch.Tensor:
+        output = model(**tensors, **others)[0]
+        return output[0] if isinstance(output, list) else output
+
     tensors = {name: value for name, value in arguments.items() if isinstance(value, torch.Tensor)}
     others = {name: value for name, value in arguments.items() if name not in tensors}
-    graphed = CudaGraphForward(lambda **inputs: {"sample": model(**inputs, **others)[0]}, max_graphs=1)
+    if mode != "graph":
+        return lambda: sample(**tensors)
+    graphed = CudaGraphForward(lambda **inputs: {"sample": sample(**inputs)}, max_graphs=1)
     return lambda: graphed(tensors)["sample"]
 
 
