@@ -11,18 +11,18 @@ language-model head and last norm, which a video does not use, keep diffusers' i
   Cosmos3OmniTransformer with its time embedder in float32, as diffusers keeps it) on one GPU, and on N with diffusers'
   own context parallelism (`enable_parallelism`, --cp-method ulysses or ring, cuDNN attention; GPUs only);
 - split (FLUX, Wan: Cosmos 3's class declares no plan): the same transformer split by its class's `_cp_plan` on our
-  N ranks, by each of --methods that is a context-parallel method (mdtriton.pipeline.context_parallel: how `diffusers-pipeline` serves a transformer that has
-  no family of ours);
+  N ranks, by each of --methods that is a context-parallel method (mdtriton.pipeline.context_parallel: how
+  `diffusers-pipeline` serves a transformer that has no family of ours);
 - xdit (FLUX, GPUs): xDiT's `xFuserFlux1Transformer2DWrapper` (xfuser 0.7.0: diffusers' FLUX transformer with xDiT's
   sequence split, USP attention with its own attention backend, and gather), set up as xfuser's FLUX.1-dev runner sets
   it up without the pipeline, alone on one GPU and in each of --xdit-configs on N (ulyssesN, ringN, ulyssesNxringM;
   default ulyssesN).
 
 Modes (--modes, in this order on one model): eager (torch's SDPA choice); compile (diffusers' repeated blocks
-compiled, cuDNN attention; xDiT's whole forward compiled with torch.compile's defaults, as xfuser's
---use_torch_compile compiles it); graph (GPUs: compiled, the whole forward replayed as one CUDA graph, as our engine
-replays its forwards). A peer that fails at a GPU count is said, its rows so far kept, and the others go on; the
-script then exits non-zero.
+compiled; xDiT's whole forward compiled with torch.compile's defaults, as xfuser's --use_torch_compile compiles it;
+SDPA's kernels ranked as our engine ranks them, cuDNN's first); graph (GPUs: compiled, the whole forward replayed as
+one CUDA graph, as our engine replays its forwards). A peer that fails at a GPU count is said, its rows so far kept,
+and the others go on; the script then exits non-zero.
 
     python benchmarks/forward_peers.py --architecture flux --gpus 1,2 --methods ulysses --height 1024 --width 1024
     python benchmarks/forward_peers.py --gpus 1,4 --methods ulysses --variants compiled --height 1024 --width 1024 \\
@@ -46,10 +46,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from mdtriton.bench import (add_arguments, add_errors, forward_row, free_memory, measure, prepare, report,
                             sample_file, save_sample)
+from mdtriton.engine.attention.local import KERNEL_PRIORITY
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.cuda_graphs import CudaGraphForward
 from mdtriton.engine.plan import ParallelPlan
@@ -72,7 +73,8 @@ def diffusers_model(architecture: str, config: dict, device: torch.device, dtype
     try:
         with device:
             if architecture == "flux":
-                model = diffusers.FluxTransformer2DModel(**{**config, "axes_dims_rope": tuple(config["axes_dims_rope"])})
+                axes = tuple(config["axes_dims_rope"])
+                model = diffusers.FluxTransformer2DModel(**{**config, "axes_dims_rope": axes})
             elif architecture == "wan":
                 model = diffusers.WanTransformer3DModel(**{**config, "patch_size": tuple(config["patch_size"])})
             else:
@@ -220,8 +222,8 @@ def _peer_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             if mode == "compile" or (mode == "graph" and "compile" not in args.modes):
                 compile_model(peer, model)
             for label, request in requests.items():
-                backends = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if cuda and mode != "eager" else nullcontext()
-                with torch.no_grad(), backends:
+                ranked = sdpa_kernel(KERNEL_PRIORITY, set_priority=True) if cuda and mode != "eager" else nullcontext()
+                with torch.no_grad(), ranked:
                     forward = forward_of(model, mode, call_arguments(args.architecture, config, request))
                     row, output = forward_row(forward, args, device)
                 rows.append({"gpus": world_size, "method": method, "variant": mode, "plan": described, "size": label,

@@ -31,7 +31,7 @@ requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
     python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 \\
-        --peers-time-limit 300 --images 3 --concurrent 0 --plot served-flux.png            # 1, 2 and 4 GPUs against xDiT's, plotted
+        --peers-time-limit 300 --images 3 --concurrent 0 --plot served-flux.png   # 1, 2 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
