@@ -11,6 +11,7 @@ among those of the nvidia-pytriton wheel, which is installed here anyway.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -63,6 +64,7 @@ def install_sdk_binary(scripts: Path) -> Path:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     scripts = Path(sysconfig.get_paths()["scripts"])
     if glibc_at_least(2, 38):
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"perf-analyzer=={PYPI_VERSION}"], check=True)

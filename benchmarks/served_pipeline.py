@@ -20,46 +20,34 @@ encoding, VAE decode, transfer; computed, not timed). A failed request is a row'
 says how many. Rows are printed and appended to --output as each ends; --plot draws their speed-up over the first row
 against their GPUs.
 
-With --diffusers (Qwen-Image), after the served plans: diffusers' own pipeline with diffusers' own context parallelism
-(benchmarks/diffusers_cp_pipeline.py) in each configuration (1, ulyssesN, ringN), on the same pipeline directory with
-the same request and seed, one process per GPU, its repeated blocks compiled as our served ranks compile them
-(--diffusers-eager: uncompiled); its rows are timed and compared as xDiT's are.
-
-With --xdit (FLUX or Wan), after the served plans: xDiT's own pipeline (xfuser 0.7.0, as its FLUX or Wan 2.1 T2V
-runner runs it: benchmarks/xdit_pipeline.py) in each configuration, on the same pipeline directory (the same random
-weights) with the same prompt, size, steps, guidance and seed, one process per GPU, compiled as xfuser's
---use_torch_compile compiles it (--xdit-eager: uncompiled). Its rows time the call to the image or clip as a uint8 array
-on the host (rank 0's wall clock: a first one, which compiles, then --images more), against the first row's like the
-others; they have no build, server, requests at once or steps apart ("-").
+With --xdit (FLUX, Wan) or --diffusers (FLUX, Wan, Qwen-Image), after the served plans: xDiT's or diffusers' own
+whole pipeline (benchmarks/pipeline_peers.py: xfuser 0.7.0 as its runner runs it; diffusers' with its own context
+parallelism) in each configuration (1, ulyssesN, ringN; xDiT also ulyssesNxringM), on the same pipeline directory
+(the same random weights) with the same request and seed, one process per GPU, compiled as xfuser's
+--use_torch_compile compiles it, or diffusers' repeated blocks as our served ranks compile them (--peers-eager:
+uncompiled). Their rows time the call to the image or clip as a uint8 array on the host (rank 0's wall clock: a first
+one, which compiles, then --images more), against the first row's like the others; they have no build, server,
+requests at once or steps apart ("-").
 
     python benchmarks/served_pipeline.py --plans 1,ulysses4,tp4             # FLUX.1-dev size on GPUs 0..3
-    python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 --xdit-time-limit 300 \\
-        --images 3 --concurrent 0 --plot served-flux.png            # 1, 2 and 4 GPUs against xDiT's, plotted
+    python benchmarks/served_pipeline.py --plans 1,ulysses2,ulysses4 --xdit 1,ulysses2,ulysses4 \\
+        --peers-time-limit 300 --images 3 --concurrent 0 --plot served-flux.png   # 1, 2 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --plans 1 --data-types BF16,FP8    # FP8 against BF16 on one GPU
     python benchmarks/served_pipeline.py --architecture wan --plans ulysses4,cfg2xulysses2 --steps 4 --also-steps 2 \\
         --images 1 --concurrent 0                                          # Wan 14B size, 720p x 81 frames
     python benchmarks/served_pipeline.py --architecture wan --plans 1,ulysses4 --xdit 1,ulysses4 --steps 2 --images 1 \\
-        --concurrent 0 --xdit-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
+        --concurrent 0 --peers-time-limit 400                 # Wan's clip on 1 and 4 GPUs against xDiT's
     python benchmarks/served_pipeline.py --architecture cosmos3 --plans 1 --images 1 --concurrent 0  # 720p x 189
     python benchmarks/served_pipeline.py --architecture kontext --plans 1,ulysses2 --steps 10 --images 2 \\
         --concurrent 0 --workdir /dev/shm/sp    # Kontext: 1024x1024 made from a 1024x1024 input image (random pixels)
     python benchmarks/served_pipeline.py --tiny --plans 1,tp2,ulysses2       # tiny, on CPU ranks: checks the script
-    python benchmarks/served_pipeline.py --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers ulysses2 \
+    python benchmarks/served_pipeline.py --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers ulysses2 \\
         --steps 4 --images 2 --concurrent 0 --workdir /tmp/qi   # Qwen-Image 1328x1328 on 2 GPUs against diffusers'
-    python benchmarks/served_pipeline.py --tiny --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers 1 \
-        --diffusers-eager --images 1 --concurrent 0   # the same on CPU ranks (diffusers' own parallelism needs GPUs)
-    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --xdit-time-limit 300 --images 5 \\
+    python benchmarks/served_pipeline.py --plans 1 --diffusers 1 --images 2 --concurrent 0  # FLUX against FluxPipeline
+    python benchmarks/served_pipeline.py --tiny --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers 1 \\
+        --peers-eager --images 1 --concurrent 0   # on CPU ranks (diffusers' own parallelism and xDiT need GPUs)
+    python benchmarks/served_pipeline.py --plans ulysses4 --xdit ulysses4 --peers-time-limit 300 --images 5 \\
         --concurrent 0 --workdir /dev/shm/sp                    # ours against xDiT's (compiled), on 4 GPUs
-    PYTHONPATH=$PWD:SITE python benchmarks/served_pipeline.py --tiny --plans 1 --xdit 1,ulysses2 --images 2 \\
-        --concurrent 0                                          # xDiT's rows checked on CPU ranks
-
-xDiT needs the wheels of xfuser 0.7.0, yunchang 0.6.4 and distvae 0.1.0 (pure Python, 1.2 MB together: `pip download
---no-deps` them here, `pip install --no-index --no-deps --target /tmp/site` them there); on this path it imports
-nothing else than our served pipeline does (torch, diffusers 0.42.1, transformers) but einops and triton. SITE, on
-the CPU: where those three are installed with einops and triton (benchmarks/xdit_cpu_check.py says how); on CPU ranks
-xfuser is patched by xdit_cpu_check.patch. Checked on 2 CPU cores (tiny, float32, 3 steps): xDiT's image equals our
-1-rank served image exactly uncompiled (1 rank and ulysses 2), and within 1 uint8 level compiled (Inductor's fused
-float32 arithmetic).
 
 Plan names: 1, or parts joined by x: tpN, cfgN, ulyssesN, ringN, allgather_kvN, ulysses_ringN (Ulysses pairs in a
 ring): e.g. ulysses4, cfg2xulysses2, tp2xring2.
@@ -80,9 +68,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_cp_pipeline import DiffusersJob, run_diffusers
-from xdit_pipeline import XDiTJob, degrees_of, run_xdit
-
 from mdtriton.client.pipeline import generate, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
@@ -91,6 +76,7 @@ from mdtriton.testing.random_pipelines import (IMAGE_ARCHITECTURES, MODEL_SIZES,
                                                cosmos3_pipeline_dir, fill_clip_sizes, flux_pipeline_dir,
                                                kontext_pipeline_dir, pipeline_device, plan_of,
                                                qwen_image_pipeline_dir, wan_pipeline_dir, work_directory)
+from pipeline_peers import PIPELINES, PeerJob, degrees_of, peer_request, peer_row
 
 # The architecture each --architecture builds.
 SERVED_ARCHITECTURES = {"flux": "flux-pipeline", "kontext": "flux-kontext-pipeline", "wan": "wan-pipeline",
@@ -125,7 +111,7 @@ def serve_plan(args, name: str, plan: ParallelPlan, data_type: str, pipeline_dir
                     return generate_video(server.grpc_address, model, prompt, args.height, args.width,
                                           args.frames, steps, guidance, seed, timeout=1200)[0]
                 return generate(server.grpc_address, model, prompt, args.height, args.width, steps, guidance,
-                                seed, timeout=600, image=input_image if args.architecture == "kontext" else None)[0]
+                                seed, timeout=600, images=[input_image] if args.architecture == "kontext" else None)[0]
             except Exception as error:  # noqa: BLE001 - a failed request is counted, the benchmark goes on
                 print(f"{name}: seed {seed} failed: {error}", flush=True)
                 row["failed"] += 1
@@ -187,14 +173,14 @@ def compare(row: dict, baseline: dict) -> tuple[int, float, float]:
 
 
 def cell(row: dict, key: str, form: str, scale: float = 1) -> str:
-    """row[key] times scale in form, or "-" where the row has none (xDiT's rows: no build, server, requests at once or
-    steps apart; a failed xDiT row: no times)."""
+    """row[key] times scale in form, or "-" where the row has none (the peers' rows: no build, server, requests at once
+    or steps apart; a failed peer's row: no times)."""
     return form.format(row[key] * scale) if key in row else "-"
 
 
 def plot(rows: list[dict], baseline_s: float, title: str, path: Path) -> None:
     """Each row's speed-up over the first row against its GPUs: a line per parallel method of each implementation
-    (ours, xDiT), through that implementation's 1-GPU row where there is one; failed rows left out."""
+    (ours, xDiT, diffusers), through that implementation's 1-GPU row where there is one; failed rows left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,21 +222,20 @@ def main() -> int:
     parser.add_argument("--frames", type=int, help="a clip's frames (default: Wan 81, Cosmos 3 189; --tiny: 9)")
     parser.add_argument("--also-steps", type=int, help="also time --images requests of this many steps (fewer than "
                                                        "--steps): the time per step and outside the steps")
-    parser.add_argument("--xdit", help="FLUX: after the plans, xDiT's pipeline in these configurations (1, ulyssesN, "
-                                       "ringN, ulyssesNxringM; benchmarks/xdit_pipeline.py), compiled as xfuser's "
-                                       "--use_torch_compile compiles it")
-    parser.add_argument("--xdit-eager", action="store_true", help="xDiT uncompiled")
-    parser.add_argument("--diffusers", help="Qwen-Image: after the plans, diffusers' own pipeline and context "
-                                            "parallelism in these configurations (1, ulyssesN, ringN; "
-                                            "benchmarks/diffusers_cp_pipeline.py), compiled as ours")
-    parser.add_argument("--diffusers-eager", action="store_true", help="diffusers' rows uncompiled")
-    parser.add_argument("--xdit-time-limit", type=float, default=0,
-                        help="seconds an xDiT (or diffusers) configuration may take, loading included, before its "
+    parser.add_argument("--xdit", help="FLUX, Wan: after the plans, xDiT's pipeline in these configurations (1, "
+                                       "ulyssesN, ringN, ulyssesNxringM; benchmarks/pipeline_peers.py), compiled as "
+                                       "xfuser's --use_torch_compile compiles it (GPUs only)")
+    parser.add_argument("--diffusers", help="FLUX, Wan, Qwen-Image: after the plans, diffusers' own pipeline and "
+                                            "context parallelism in these configurations (1, ulyssesN, ringN; "
+                                            "benchmarks/pipeline_peers.py), compiled as ours")
+    parser.add_argument("--peers-eager", action="store_true", help="xDiT's and diffusers' rows uncompiled")
+    parser.add_argument("--peers-time-limit", type=float, default=0,
+                        help="seconds an xDiT or diffusers configuration may take, loading included, before its "
                              "ranks are stopped and its row marked failed, so that the table still prints (default 0: "
                              "no limit)")
     parser.add_argument("--output", type=Path, help="append each row as JSON to this file")
     parser.add_argument("--plot", type=Path, help="draw each row's speed-up over the first row against its GPUs into "
-                                                  "this PNG file, a line per method (ours and xDiT's)")
+                                                  "this PNG file, a line per method (ours and the peers')")
     args = parser.parse_args()
     fill_clip_sizes(args)
     if args.architecture == "qwen-image" and not args.tiny:
@@ -260,14 +245,15 @@ def main() -> int:
         raise SystemExit(f"--also-steps {args.also_steps}: give fewer steps than --steps {args.steps}")
     data_types = (args.data_types or ("FP32" if args.tiny else "BF16")).split(",")
     plans = {name: plan_of(name) for name in args.plans.split(",")}
-    xdit_configs = args.xdit.split(",") if args.xdit else []
-    if xdit_configs and args.architecture not in ("flux", "wan"):
-        raise SystemExit("--xdit runs xDiT's FLUX or Wan pipeline: give it with --architecture flux or wan")
-    for name in xdit_configs:
-        degrees_of(name)
-    diffusers_configs = args.diffusers.split(",") if args.diffusers else []
-    if diffusers_configs and args.architecture != "qwen-image":
-        raise SystemExit("--diffusers runs diffusers' Qwen-Image pipeline: give it with --architecture qwen-image")
+    peers = {"xDiT": args.xdit.split(",") if args.xdit else [],
+             "diffusers": args.diffusers.split(",") if args.diffusers else []}
+    for peer, architectures in (("xDiT", ("flux", "wan")), ("diffusers", tuple(PIPELINES))):
+        if peers[peer] and args.architecture not in architectures:
+            raise SystemExit(f"{peer}'s pipeline runs with --architecture {' or '.join(architectures)}")
+        for name in peers[peer]:
+            degrees_of(name)
+    if peers["xDiT"] and device.type != "cuda":
+        raise SystemExit("xDiT's pipeline runs on GPUs: leave --xdit out with --tiny")
 
     rows = []
     with work_directory(args) as workdir:
@@ -288,17 +274,13 @@ def main() -> int:
             for name, plan in plans.items():
                 record(serve_plan(args, name, plan, data_type, pipeline_dir, device, workdir))
         prompt, guidance = REQUESTS[args.architecture]
-        diffusers_job = DiffusersJob(pipeline_dir, device.type, not args.diffusers_eager,
-                                     dict(prompt=prompt, negative_prompt=QWEN_IMAGE_NEGATIVE_PROMPT, height=args.height,
-                                          width=args.width, num_inference_steps=args.steps, true_cfg_scale=guidance),
-                                     0, args.images, workdir / "diffusers", args.xdit_time_limit)
-        for name in diffusers_configs:  # after the served plans, on the same pipeline directory
-            record(run_diffusers(name, diffusers_job))
-        xdit_job = XDiTJob(args.architecture, pipeline_dir, device.type, not args.xdit_eager, prompt, args.height,
-                           args.width, args.steps, guidance, 0, args.images, workdir / "xdit", args.xdit_time_limit,
-                           args.frames or 1)
-        for name in xdit_configs:  # after the served plans, on the same pipeline directory
-            record(run_xdit(name, xdit_job))
+        request = peer_request(args.architecture, prompt, guidance, args.height, args.width, args.steps, args.frames,
+                               QWEN_IMAGE_NEGATIVE_PROMPT)
+        for peer, names in peers.items():  # after the served plans, on the same pipeline directory
+            job = PeerJob(peer, args.architecture, pipeline_dir, device.type, not args.peers_eager, request, 0,
+                          args.images, workdir / peer, args.peers_time_limit)
+            for name in names:
+                record(peer_row(name, job))
     baseline = rows[0]["image_s"]
     what, size = (("image", f"{args.width}x{args.height}") if args.architecture in IMAGE_ARCHITECTURES
                   else ("clip", f"{args.width}x{args.height} x {args.frames} frames"))

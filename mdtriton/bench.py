@@ -217,6 +217,23 @@ def bench_plans(args: argparse.Namespace, world_size: int, config: dict) -> dict
     return plans
 
 
+def forward_row(call, args: argparse.Namespace, device: torch.device,
+                trace: Path | None = None) -> tuple[dict, torch.Tensor]:
+    """One forward, call(), timed as the bench times every forward (ours and the peers' in benchmarks/): its first
+    call apart (a compile or a recompile shows there), the median of --iterations after --warmup, one more under the
+    profiler on GPUs (communication_timeline, trace: where to keep it), the peak memory allocated; the row's timings
+    and the last output."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    first, _ = time_calls(call, cuda, 0, 1)
+    times, output = time_calls(call, cuda, args.warmup, args.iterations)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    kernels = (communication_timeline(call, trace) if cuda else
+               {"communication_share": 0.0, "exposed_ms": [], "idle_ms": [], "compute_ms": [], "kernel_ms_by_kind": {}})
+    return {**timing(times), "first_ms": first[0], **kernels, "peak_gib": peak}, output
+
+
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, work_dir: str) -> None:
     cuda = args.device == "cuda"
     device = init_rank(rank, world_size, port, cuda)
@@ -241,20 +258,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             engine = bench_engine(args.architecture, config, comm, weights, data_type, quantization,
                                   compiled=False if variant == "eager" else None)
             for label, request in requests.items():
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                first, _ = time_calls(lambda: engine.forward(request)["sample"], cuda, 0, 1)
-                times, output = time_calls(lambda: engine.forward(request)["sample"], cuda, args.warmup,
-                                           args.iterations)
-                peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
                 name = re.sub(r"[^A-Za-z0-9]+", "-", f"{world_size}gpu-{method}-{variant}-{label}-rank{rank}")
                 trace = args.traces / f"{name}.json.gz" if args.traces else None
-                kernels = (communication_timeline(lambda: engine.forward(request), trace) if cuda
-                           else {"communication_share": 0.0, "exposed_ms": [], "idle_ms": [], "compute_ms": [],
-                                 "kernel_ms_by_kind": {}})
+                row, output = forward_row(lambda: engine.forward(request)["sample"], args, device, trace)
                 row = {"gpus": world_size, "method": method, "variant": variant, "plan": str(plan), "size": label,
-                       "tokens": tokens[label], **timing(times), "first_ms": first[0],
-                       "warm_up_s": engine.warm_up_seconds, **kernels, "peak_gib": peak}
+                       "tokens": tokens[label], "warm_up_s": engine.warm_up_seconds, **row}
                 if label == first_size and args.check and rank == 0:
                     save_sample(output, Path(work_dir) / sample_file(world_size, method, variant))
                 rows.append(row)
@@ -337,18 +345,16 @@ def by_rank(milliseconds: list[float]) -> str:
 
 
 def attention_table(rows: list[dict], shape: AttentionShape) -> str:
-    """With a column of the relative error against full attention where rows have one (the peers')."""
+    """One block's attention alone by size, GPU count and method, its rate against one GPU's cuDNN attention."""
     cudnn = {r["size"]: r["median_ms"] for r in rows if r["method"] == "cuDNN SDPA"}
-    errors = any("error" in r for r in rows)
     header = ["size", "GPUs", "method", "median ms (one block)", "TFLOP/s per GPU", "% of 1-GPU cuDNN rate"]
     cells = []
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"], r["method"])):
         tflops = attention_flops(r["tokens"], shape) / r["gpus"] / r["median_ms"] / 1e9
         base = attention_flops(r["tokens"], shape) / cudnn[r["size"]] / 1e9
-        error = [f"{r['error']:.1e}" if "error" in r else ""] if errors else []
         cells.append([size_cell(r), r["gpus"], r["method"], f"{r['median_ms']:.2f}", f"{tflops:.0f}",
-                      f"{100 * tflops / base:.0f}%", *error])
-    return markdown_table(header + (["rel. error vs full attention"] if errors else []), cells)
+                      f"{100 * tflops / base:.0f}%"])
+    return markdown_table(header, cells)
 
 
 def plot(rows: list[dict], path: Path, baseline: str) -> None:
@@ -384,7 +390,7 @@ def add_parser(subparsers) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser, architectures: list[str]) -> None:
-    """`mdtriton bench`'s arguments, which the peer benchmarks (benchmarks/xdit_flux.py) take for our rows too."""
+    """`mdtriton bench`'s arguments, which the forward peers (benchmarks/forward_peers.py) take for our rows too."""
     add_model_arguments(parser, architectures)
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to measure (default 1,2,4; 1 is the baseline)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"methods (default {','.join(METHODS)})")
