@@ -2,14 +2,14 @@
 
 Triton hands a request to ONE instance, but the engine needs every rank. Each rank submits every
 job it receives (a Submit: id, origin rank, input shapes; backend/messages.py) to the hub on rank 0,
-over a Unix socket in the rendezvous generation's directory; the hub sends each, numbered (a Run),
+over a Unix socket in the rendezvous epoch's directory; the hub sends each, numbered (a Run),
 to all ranks, and all ranks run the jobs in that order. Tensors never pass through here: the origin rank
 broadcasts the inputs over the communicator (NCCL/gloo).
 
-The hub lives as long as one generation. When a rank leaves (its process exited, so its socket
-closed; or it ended the generation after an error, saying why; or the model is unloading) the hub
-tells every rank the generation's end (an EndGeneration), with the reason and whether the model is
-unloading, and ends: the generation is over for all of them.
+The hub lives as long as one epoch. When a rank leaves (its process exited, so its socket
+closed; or it ended the epoch after an error, saying why; or the model is unloading) the hub
+tells every rank the epoch's end (an EndEpoch), with the reason and whether the model is
+unloading, and ends: the epoch is over for all of them.
 
 A world of one rank has nothing to order: it uses no hub, but a SingleRankLink, which hands its
 jobs straight back to it.
@@ -34,13 +34,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 from mdtriton.backend.job_scheduler import GroupScheduler
-from mdtriton.backend.messages import (EndGeneration, Finished, Hello, Leave, Message, Progress, ProtocolError, Result,
+from mdtriton.backend.messages import (EndEpoch, Finished, Hello, Leave, Message, Progress, ProtocolError, Result,
                                        Run, Submit, Withdraw, receive_over, send_over)
 from mdtriton.backend.private_directory import PRIVATE_FILE_MODE
 
 
 class JobHub:
-    """Runs on rank 0 in its own thread; lives as long as one rendezvous generation."""
+    """Runs on rank 0 in its own thread; lives as long as one rendezvous epoch."""
 
     def __init__(self, address: str, token: str, world_size: int,
                  partitions: dict[int, list[list[int]]] | None = None,
@@ -111,13 +111,13 @@ class JobHub:
                             try:
                                 send_over(link, Run(job, origin, inputs, sequence))
                             except OSError:
-                                pass  # that rank is gone: its closed socket ends the generation on the next wait()
+                                pass  # that rank is gone: its closed socket ends the epoch on the next wait()
                     case _:
                         self._stop(links, f"rank {ranks[connection]} sent the hub {message}, not a job or a leave")
                         return
 
     def _schedule(self, links: dict[int, Connection]) -> None:
-        """An elastic model's jobs: start each on a free group as the policy says, until the generation ends."""
+        """An elastic model's jobs: start each on a free group as the policy says, until the epoch ends."""
         ranks = {connection: rank for rank, connection in links.items()}
         scheduler = GroupScheduler(self.partitions)
         origins: dict[str, int] = {}  # the origin of every job submitted and not yet answered
@@ -127,7 +127,7 @@ class JobHub:
             try:
                 send_over(links[rank], message)
             except OSError:
-                pass  # that rank is gone: its closed socket ends the generation on the next wait()
+                pass  # that rank is gone: its closed socket ends the epoch on the next wait()
 
         def drop(submit: Submit, why: str) -> None:
             origins.pop(submit.job, None)
@@ -179,12 +179,12 @@ class JobHub:
     def _receive(self, links: dict[int, Connection], ranks: dict[Connection, int],
                  timeout: float | None = None) -> list[tuple[Connection, Message]] | None:
         """The messages the ranks sent within timeout (None: until one comes), each with its rank's connection; None
-        once the generation has ended, every rank told why: rank 0 ended it, a rank disconnected, broke the
+        once the epoch has ended, every rank told why: rank 0 ended it, a rank disconnected, broke the
         protocol or left."""
         received = []
         for connection in wait(list(ranks) + [self._wake_reader], timeout):
             if connection is self._wake_reader:
-                self._stop(links, "rank 0 ended this generation")
+                self._stop(links, "rank 0 ended this epoch")
                 return None
             try:
                 message = receive_over(connection)
@@ -204,7 +204,7 @@ class JobHub:
     def _stop(links: dict[int, Connection], reason: str, unloading: bool = False) -> None:
         for link in links.values():
             try:
-                send_over(link, EndGeneration(reason, unloading))
+                send_over(link, EndEpoch(reason, unloading))
             except OSError:
                 pass
             link.close()
@@ -244,7 +244,7 @@ class HubLink:
 
 class SingleRankLink:
     """The job order of a world of one rank, in its own process: each job submitted comes straight back to be run,
-    and a leave as the generation's end, through an in-process pipe (the same calls and messages as HubLink, the
+    and a leave as the epoch's end, through an in-process pipe (the same calls and messages as HubLink, the
     answers the hub would give). No hub thread wakes and no socket is crossed twice: the hub's round trip took 0.6 ms
     of every request on the GPU hosts."""
 
@@ -260,7 +260,7 @@ class SingleRankLink:
                     self._sequence += 1
                     answer = Run(job, origin, inputs, self._sequence)
                 case Leave(reason=reason, unloading=unloading):
-                    answer = EndGeneration(f"rank 0 left: {reason}", unloading)
+                    answer = EndEpoch(f"rank 0 left: {reason}", unloading)
                 case _:
                     raise ProtocolError(f"a runner submits jobs and leaves, not {message}")
             send_over(self._writer, answer)

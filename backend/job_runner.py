@@ -1,6 +1,6 @@
 """Every rank runs every job, in one order: the data plane of a rank's worker process (backend/rank_worker.py).
 
-A JobRunner serves one *generation* of the ranks: its thread joins the rendezvous, forms the process group
+A JobRunner serves one *epoch* of the ranks: its thread joins the rendezvous, forms the process group
 (NCCL on GPU, gloo on CPU), connects to rank 0's job hub, and runs the jobs the hub orders: the rank that
 received the request broadcasts its inputs, every rank runs the engine, and rank 0's outputs answer the
 receiving rank's waiting request. A world of one rank has no hub: its jobs run in the order they come
@@ -8,25 +8,25 @@ receiving rank's waiting request. A world of one rank has no hub: its jobs run i
 
 Before the rank that received a request submits its job to the hub, the runner thread copies the inputs to its
 device and checks there that they are finite (mdtriton.engine.request_check.check_finite): a request with NaN or
-infinity fails with RequestError before any other rank hears of it, and the generation goes on. The runner thread
+infinity fails with RequestError before any other rank hears of it, and the epoch goes on. The runner thread
 is the only one that uses the device while serving (while it captures a CUDA graph, another thread's device work
 could break the capture).
 
-A job ends early on every rank at once, and the generation goes on, in three ways:
+A job ends early on every rank at once, and the epoch goes on, in three ways:
 - its request no longer waits (cancelled by its client, or past its deadline; the stub says so, `cancel`): before it
   starts, the receiving rank tells the others as the job's turn comes (one broadcast) and every rank skips it; once
   started, a pipeline's ranks stop after the next step (mdtriton.engine.job_control);
 - a pipeline's job fails on a rank before any collective of it (an adapter that cannot be read, a check of
   diffusers'): every rank ends it there (JobFailed), and the request is answered with the failure.
 
-The generation ends when anything else goes wrong in it: a rank's process exits (the hub sees its socket close; on
+The epoch ends when anything else goes wrong in it: a rank's process exits (the hub sees its socket close; on
 NCCL, which has no error for a lost peer, every rank also watches the others' processes and aborts its groups, so
 that a rank blocked in a collective with the dead one ends at once), a collective fails or times out (a rank
 stopped or stuck), the hub orders nothing for the timeout while a job of this rank waits (the hub's rank stopped or
 stuck; a busy hub orders other jobs, so a long queue is no sign of it), or a job raises on this rank anywhere else
 (its peers may be waiting in a collective that will never complete, so the job order cannot be trusted any more).
 Every job still pending then fails at once, saying why, and the runner ends: its worker exits, and the stub starts a
-new worker, which meets the other ranks' new workers in a new generation (backend/worker_keeper.py).
+new worker, which meets the other ranks' new workers in a new epoch (backend/worker_keeper.py).
 
 An elastic model (ParallelPlan.elastic) runs each job on the group of ranks the hub chose (backend/job_scheduler.py),
 with the engine bound to that group's communicator (Communicator.bound_to); jobs on disjoint groups run at once. The
@@ -54,10 +54,10 @@ import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
 from mdtriton.backend.job_timer import JobTimer
-from mdtriton.backend.messages import (EndGeneration, Finished, Leave, Message, Progress, ProtocolError,
+from mdtriton.backend.messages import (EndEpoch, Finished, Leave, Message, Progress, ProtocolError,
                                        RanksUnavailable, Result, Run, Submit, Withdraw)
 from mdtriton.backend.process_state import ProcessState, describe_ranks, process_state
-from mdtriton.backend.rendezvous import Generation, RankFailedToLoad, Rendezvous, RendezvousTimeout
+from mdtriton.backend.rendezvous import Epoch, RankFailedToLoad, Rendezvous, RendezvousTimeout
 from mdtriton.engine.comm import CommunicationError, Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES, TRITON_TYPES
 from mdtriton.engine.engine import Engine
@@ -69,7 +69,7 @@ log = logging.getLogger("mdtriton.backend")
 
 # The rank whose outputs answer every request, whichever rank received it (JobRunner._answer_of_rank_0).
 ANSWERING_RANK = 0
-# How long an unloading worker waits for its generation to end before it leaves anyway: less than its stub waits
+# How long an unloading worker waits for its epoch to end before it leaves anyway: less than its stub waits
 # for it to exit (worker_keeper.STOP_TIMEOUT_S, 10 s).
 LEAVE_TIMEOUT_S = 5.0
 # How often an idle runner looks whether the job hub has gone quiet while a job of this rank waits.
@@ -98,8 +98,8 @@ class RankJob:
 
 
 @dataclass(frozen=True)
-class GenerationEnd:
-    """How this runner's generation ended (or why it never formed)."""
+class EpochEnd:
+    """How this runner's epoch ended (or why it never formed)."""
 
     reason: str
     given_up: bool = False  # it never formed and never will: another rank could not load, or joining timed out
@@ -108,14 +108,14 @@ class GenerationEnd:
 
 class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
-                 timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
+                 timeout: float, timer: JobTimer, on_serving: Callable[[Epoch], None],
                  on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None],
                  on_queue_length: Callable[[int], None]):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
-        inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
+        inputs and rank 0's outputs); entered: the epoch this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
         lost (each job brings its request's own deadline); timer: wraps each job (backend/job_timer.py);
-        on_serving(generation): called once the ranks have met; on_started(job id): called as a job this rank
+        on_serving(epoch): called once the ranks have met; on_started(job id): called as a job this rank
         submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
         reports steps of (pipelines do), whichever rank submitted it (all in the runner thread; an elastic model's
         also in the thread that reads the hub's link); on_queue_length(waiting): an elastic model's hub, on rank 0,
@@ -136,11 +136,11 @@ class JobRunner:
         self._link: HubLink | SingleRankLink | None = None
         # The ids of the jobs this rank receives, for the runner thread to check and submit to the hub.
         self._arrivals, self._arrivals_writer = Pipe(duplex=False)
-        self._end: GenerationEnd | None = None
+        self._end: EpochEnd | None = None
         self._ended = threading.Event()
         self._aborted = threading.Event()  # set by the peer watcher (NCCL) before it aborts the groups
         self._stopping = threading.Event()
-        self._generation: Generation | None = None
+        self._epoch: Epoch | None = None
         self._hub: JobHub | None = None
         self._hub_heard = time.monotonic()  # when the job order last moved: a job ordered, or ended, on this rank
         # An elastic model's: the hub's orders for the runner thread, handed over by the thread that reads the link.
@@ -152,15 +152,15 @@ class JobRunner:
     def start(self) -> None:
         self._thread.start()
 
-    def wait_ended(self) -> GenerationEnd:
-        """Block until this runner's generation has ended (or could not form); say how."""
+    def wait_ended(self) -> EpochEnd:
+        """Block until this runner's epoch has ended (or could not form); say how."""
         self._ended.wait()
         return self._end
 
     def submit(self, inputs: dict[str, torch.Tensor], job_id: str, deadline: float) -> RankJob:
         """Queue a job for all ranks; its `result` future gets the outputs, RequestError if its inputs hold NaN or
         infinity, JobFailed or JobStopped if every rank ended it early (module doc), or RanksUnavailable if the
-        generation ends first. Raises RanksUnavailable if the generation is not serving. deadline: the request's, a
+        epoch ends first. Raises RanksUnavailable if the epoch is not serving. deadline: the request's, a
         time.monotonic() set by its stub (backend/messages.py, RunRequest: one clock for every process of the
         machine): a job that has not started by then is dropped."""
         job = RankJob(inputs, deadline=deadline, id=job_id)
@@ -189,11 +189,11 @@ class JobRunner:
             try:
                 link.send(Withdraw(job_id, reason))  # submitted: the hub drops it, or its group stops it
             except OSError:
-                pass  # the generation is ending: the job fails with it
+                pass  # the epoch is ending: the job fails with it
 
     def stop(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
         """Leave (the model is unloading): the hub tells the other ranks, who stop without waiting on us. If the
-        generation has not ended within timeout (its teardown stuck, e.g. an NCCL abort), leave the rendezvous area
+        epoch has not ended within timeout (its teardown stuck, e.g. an NCCL abort), leave the rendezvous area
         from here, so that this worker exits, and the area is cleaned, before its stub would kill it."""
         self._stopping.set()
         with self._lock:
@@ -204,52 +204,52 @@ class JobRunner:
             except OSError:
                 pass
         self._thread.join(timeout)
-        # The runner thread leaves its generation when it ends; if it is still stuck (in a collective with a
+        # The runner thread leaves its epoch when it ends; if it is still stuck (in a collective with a
         # stopped rank), leave from here so the rendezvous area is cleaned up anyway.
-        generation = self._generation
-        if self._thread.is_alive() and generation is not None:
-            self.rendezvous.leave(generation.number)
-        self._finish(GenerationEnd("the model is being unloaded", unloading=True))
+        epoch = self._epoch
+        if self._thread.is_alive() and epoch is not None:
+            self.rendezvous.leave(epoch.number)
+        self._finish(EpochEnd("the model is being unloaded", unloading=True))
 
     def _run(self) -> None:
         if self.comm.device.type == "cuda":
             torch.cuda.set_device(self.comm.device)
         try:
-            generation = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
+            epoch = self.rendezvous.join(self.join_timeout, self._stopping, self._entered)
         except RankFailedToLoad as error:
-            self._finish(GenerationEnd(f"{error}; this model version is not served", given_up=True))
+            self._finish(EpochEnd(f"{error}; this model version is not served", given_up=True))
             return
         except RendezvousTimeout as error:
-            self._finish(GenerationEnd(f"rank {self.comm.rank} could not join the other ranks: {error}",
-                                       given_up=not self._stopping.is_set(), unloading=self._stopping.is_set()))
+            self._finish(EpochEnd(f"rank {self.comm.rank} could not join the other ranks: {error}",
+                                  given_up=not self._stopping.is_set(), unloading=self._stopping.is_set()))
             return
-        self._generation = generation
-        reason = self._serve(generation)
-        self._finish(self._end_generation(generation, reason))
+        self._epoch = epoch
+        reason = self._serve(epoch)
+        self._finish(self._end_epoch(epoch, reason))
 
-    def _finish(self, end: GenerationEnd) -> None:
+    def _finish(self, end: EpochEnd) -> None:
         with self._lock:
             if self._end is None:
                 self._end = end
         self._ended.set()
 
-    def _serve(self, generation: Generation) -> str:
-        """Form the process group of this generation and run its jobs until it ends; return why it ended."""
+    def _serve(self, epoch: Epoch) -> str:
+        """Form the process group of this epoch and run its jobs until it ends; return why it ended."""
         rank = self.comm.rank
         serving, watcher = threading.Event(), None
         serving.set()
         try:
             started = time.monotonic()
-            self.comm.connect(generation.store_path, self.timeout)
-            link = self._connect_to_hub(generation)
+            self.comm.connect(epoch.store_path, self.timeout)
+            link = self._connect_to_hub(epoch)
             with self._lock:
                 self._link = link
             # An elastic plan forms every group of every size here: the time it adds is in this line.
-            log.info("rank %d joined generation %d of %s (process groups formed in %.2f s)", rank, generation.number,
+            log.info("rank %d joined epoch %d of %s (process groups formed in %.2f s)", rank, epoch.number,
                      self.comm.plan, time.monotonic() - started)
-            self._on_serving(generation)
+            self._on_serving(epoch)
             if self.comm.device.type == "cuda" and self.comm.plan.world_size > 1:
-                watcher = threading.Thread(target=self._abort_when_a_peer_exits, args=(generation, serving),
+                watcher = threading.Thread(target=self._abort_when_a_peer_exits, args=(epoch, serving),
                                            name="mdtriton-peer-watch", daemon=True)
                 watcher.start()
             orders = link
@@ -274,7 +274,7 @@ class JobRunner:
                     orders.recv_bytes()
                     message = self._orders.get()
                 match message:
-                    case EndGeneration(reason=reason, unloading=unloading):
+                    case EndEpoch(reason=reason, unloading=unloading):
                         if unloading:
                             # Triton unloads every instance of the model: this rank's own stop follows.
                             self._stopping.set()
@@ -286,47 +286,47 @@ class JobRunner:
                         self._execute(run)
                         self._hub_heard = time.monotonic()
                     case _:
-                        raise ProtocolError(f"a runner takes jobs to run and the generation's end, not {message}")
+                        raise ProtocolError(f"a runner takes jobs to run and the epoch's end, not {message}")
         except (EOFError, ConnectionError):
             return "the model is being unloaded" if self._stopping.is_set() else "rank 0's job hub went away"
         except CommunicationError as error:
             return f"rank {rank}: {error}"
-        except Exception as error:  # noqa: BLE001 - any failure ends the generation; its reason goes to the stub
+        except Exception as error:  # noqa: BLE001 - any failure ends the epoch; its reason goes to the stub
             return f"rank {rank}: {type(error).__name__}: {error}"
         finally:
             serving.clear()
             if watcher is not None:
                 watcher.join()
 
-    def _connect_to_hub(self, generation: Generation) -> HubLink | SingleRankLink:
-        """This rank's link to the job order of the generation: rank 0 starts the hub first. A world of one rank
+    def _connect_to_hub(self, epoch: Epoch) -> HubLink | SingleRankLink:
+        """This rank's link to the job order of the epoch: rank 0 starts the hub first. A world of one rank
         has no order to agree on: its jobs come straight back to it (SingleRankLink), without a hub."""
         if self.comm.plan.world_size == 1:
             return SingleRankLink()
         plan = self.comm.plan
         if self.comm.rank == 0:
             partitions = {size: plan.group_partition(size) for size in plan.group_sizes()} if plan.elastic else None
-            self._hub = JobHub(generation.hub_address, generation.token, plan.world_size, partitions,
+            self._hub = JobHub(epoch.hub_address, epoch.token, plan.world_size, partitions,
                                self._on_queue_length).start()
-        return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
+        return HubLink(epoch.hub_address, epoch.token, self.comm.rank, self.join_timeout)
 
-    def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
-        """NCCL only: abort this generation's groups as soon as another member's process has exited.
+    def _abort_when_a_peer_exits(self, epoch: Epoch, serving: threading.Event) -> None:
+        """NCCL only: abort this epoch's groups as soon as another member's process has exited.
 
         NCCL has no error for a lost peer: a collective with a killed rank blocks until its timeout, and the hub's
-        EndGeneration waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after
+        EndEpoch waits unread meanwhile. Without this watch, the dead worker's stub would kill this worker after
         its grace (worker_keeper.PEER_EXIT_GRACE_S): healing would start 2 s later, the log would call this rank killed
         rather than say why, and its stub would count a death of its own against heal_limit. Aborted, the blocked
-        collective raises within WATCH_INTERVAL_S, this worker ends its generation like a gloo rank does (gloo
+        collective raises within WATCH_INTERVAL_S, this worker ends its epoch like a gloo rank does (gloo
         fails such a collective at once by itself), and its requests run on the next one. A stopped peer is left
         to the timeout, as it may be resumed.
         """
         while serving.is_set():
-            exited = [rank for rank, pid in generation.members.items()
+            exited = [rank for rank, pid in epoch.members.items()
                       if rank != self.comm.rank and process_state(pid) is ProcessState.EXITED]
             if exited:
-                log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.comm.rank,
-                          ", ".join(map(str, exited)), generation.number)
+                log.error("rank %d: rank %s of epoch %d exited; aborting the process groups", self.comm.rank,
+                          ", ".join(map(str, exited)), epoch.number)
                 self._aborted.set()
                 self.comm.disconnect()
                 return
@@ -350,7 +350,7 @@ class JobRunner:
         try:
             link.send(Submit(job.id, self.comm.rank, header))
         except OSError:
-            pass  # the hub has gone, so this generation is ending: the job fails with it
+            pass  # the hub has gone, so this epoch is ending: the job fails with it
 
     def _check_and_submit_elastic(self, job: RankJob, link: HubLink) -> None:
         """An elastic model's job: check its inputs in host memory and submit them with it, in the calling thread (the
@@ -369,7 +369,7 @@ class JobRunner:
         try:
             link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs))
         except OSError:
-            pass  # the hub has gone, so this generation is ending: the job fails with it
+            pass  # the hub has gone, so this epoch is ending: the job fails with it
 
     def _fresh_copy(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inputs in fresh tensors on this rank's device.
@@ -389,7 +389,7 @@ class JobRunner:
 
         A job that every rank ends at the same point (JobFailed, JobStopped) leaves the order as it was: its request
         is answered with that ending. Any other exception leaves the collective order unknown, so it ends the
-        generation; the job stays in _pending until it has its outputs, so the end of the generation fails it with
+        epoch; the job stays in _pending until it has its outputs, so the end of the epoch fails it with
         the reason.
         """
         origin = run.origin
@@ -433,14 +433,14 @@ class JobRunner:
         self._end_job(job, outcome)
 
     def _read_hub(self, link: HubLink) -> None:
-        """An elastic model's reader of the hub's link (its own thread): the jobs to run and the generation's end go
+        """An elastic model's reader of the hub's link (its own thread): the jobs to run and the epoch's end go
         to the runner thread; answers and progress of this rank's jobs, run by other groups, go to their requests at
         once; a withdrawal stops the job this rank leads."""
         while True:
             try:
                 message = link.receive()
             except (EOFError, OSError, ProtocolError):
-                message = EndGeneration("rank 0's job hub went away", False)
+                message = EndEpoch("rank 0's job hub went away", False)
             self._hub_heard = time.monotonic()
             match message:
                 case Run(job=job_id, group=group) if self.comm.rank not in group:  # a job of this rank, started elsewhere
@@ -449,13 +449,13 @@ class JobRunner:
                     if job is not None:
                         job.started = True
                         self._on_started(job_id)
-                case Run() | EndGeneration():
+                case Run() | EndEpoch():
                     self._orders.put(message)
                     try:
                         self._orders_writer.send_bytes(b"")
                     except OSError:
-                        return  # the generation has ended
-                    if isinstance(message, EndGeneration):
+                        return  # the epoch has ended
+                    if isinstance(message, EndEpoch):
                         return
                 case Result() as result:
                     self._take_result(result)
@@ -466,7 +466,7 @@ class JobRunner:
                     if running is not None and running.id == job_id and running.stop_reason is None:
                         running.stop_reason = reason
                 case _:
-                    self._orders.put(EndGeneration(f"rank 0's job hub sent {message}, not a job or an answer", False))
+                    self._orders.put(EndEpoch(f"rank 0's job hub sent {message}, not a job or an answer", False))
                     self._orders_writer.send_bytes(b"")
                     return
 
@@ -474,7 +474,7 @@ class JobRunner:
         """Run an elastic model's job on its group (this rank among them), with the engine bound to the group, and tell
         the hub that this rank has finished it; the group's leader answers it (to this rank's waiting request, or
         through the hub to its origin's). Every rank of the group ends a job that fails or stops together (the order
-        holds); anything else ends the generation, as for every job."""
+        holds); anything else ends the epoch, as for every job."""
         leader = run.group[0] == self.comm.rank
         with self._lock:
             own = self._pending.get(run.job) if run.origin == self.comm.rank else None
@@ -494,7 +494,7 @@ class JobRunner:
                 try:
                     link.send(Progress(run.job, done, total))
                 except OSError:
-                    pass  # the hub has gone: the generation is ending
+                    pass  # the hub has gone: the epoch is ending
 
         control = JobControl(on_progress=on_progress, timeout=self.timeout, stop_requested=stop_requested)
         with self.timer.job(run.job, run.group):
@@ -520,7 +520,7 @@ class JobRunner:
                 link.send(result_of(run.job, outcome))
             link.send(Finished(run.job, self.comm.rank))
         except OSError:
-            pass  # the hub has gone: the generation is ending, and the request runs again on the next one
+            pass  # the hub has gone: the epoch is ending, and the request runs again on the next one
 
     def _take_result(self, result: Result) -> None:
         """Complete a job of this rank with the answer its group's leader sent (or the hub's word that it was
@@ -583,17 +583,17 @@ class JobRunner:
         with torch.inference_mode():  # the engine's outputs are inference tensors; the broadcast writes into them
             return {name: self.comm.broadcast(value.contiguous(), src=ANSWERING_RANK) for name, value in outputs.items()}
 
-    def _end_generation(self, generation: Generation, reason: str) -> GenerationEnd:
+    def _end_epoch(self, epoch: Epoch, reason: str) -> EpochEnd:
         """Fail every pending job with the reason, tell the others (via the hub), free the communicator and leave."""
-        lost = self._lost_ranks(generation)
+        lost = self._lost_ranks(epoch)
         what = f"{reason}; {lost}" if lost else reason
         with self._lock:
             jobs, self._pending = list(self._pending.values()), {}
             link, self._link = self._link, None
-            self._arrivals.close()  # submit() writes no more: the generation no longer serves
+            self._arrivals.close()  # submit() writes no more: the epoch no longer serves
             self._arrivals_writer.close()
         if not self._stopping.is_set():
-            log.error("rank %d: generation %d ended: %s", self.comm.rank, generation.number, what)
+            log.error("rank %d: epoch %d ended: %s", self.comm.rank, epoch.number, what)
         for job in jobs:
             job.result.set_exception(RanksUnavailable(f"the ranks lost each other before this request completed: "
                                                       f"{what}"))
@@ -608,16 +608,16 @@ class JobRunner:
             self._hub = None
         # Leave first: the area's files are ours to remove whatever the groups' teardown does (an NCCL abort has been
         # seen to take longer than an unloading stub waits).
-        self.rendezvous.leave(generation.number)
+        self.rendezvous.leave(epoch.number)
         started = time.monotonic()
         try:
             self.comm.disconnect()
         except Exception as error:  # noqa: BLE001 - a failed group may not tear down cleanly; the worker exits next
-            log.warning("rank %d: tearing down the process group of generation %d: %s",
-                        self.comm.rank, generation.number, error)
-        log.info("rank %d: left generation %d (process groups torn down in %.2f s)", self.comm.rank,
-                 generation.number, time.monotonic() - started)
-        return GenerationEnd(what, unloading=self._stopping.is_set())
+            log.warning("rank %d: tearing down the process group of epoch %d: %s",
+                        self.comm.rank, epoch.number, error)
+        log.info("rank %d: left epoch %d (process groups torn down in %.2f s)", self.comm.rank,
+                 epoch.number, time.monotonic() - started)
+        return EpochEnd(what, unloading=self._stopping.is_set())
 
     def _hub_quiet(self) -> bool:
         """Whether a job of this rank has waited for the hub's order for the timeout, while the order did not move
@@ -628,11 +628,11 @@ class JobRunner:
                        if (job.on_device is not None or job.submitted_to_hub) and not job.started]
         return bool(waiting) and now - max(min(waiting), self._hub_heard) > self.timeout
 
-    def _lost_ranks(self, generation: Generation) -> str:
+    def _lost_ranks(self, epoch: Epoch) -> str:
         """The members that exited or stopped, as one phrase; a killed peer's socket can close a moment before
         its process shows as exited, so look again for up to half a second before answering "none"."""
         for _ in range(10):
-            lost = describe_ranks(generation.members, exclude=self.comm.rank)
+            lost = describe_ranks(epoch.members, exclude=self.comm.rank)
             if lost or self._stopping.is_set():
                 return lost
             time.sleep(0.05)

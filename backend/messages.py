@@ -59,7 +59,7 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Stop:
-    """Leave the generation and exit (the model is unloading, or the stub is gone)."""
+    """Leave the epoch and exit (the model is unloading, or the stub is gone)."""
 
     kind: ClassVar[str] = "stop"
 
@@ -75,10 +75,10 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Serving:
-    """A generation of the ranks has formed and takes jobs: its number and members (rank -> worker pid)."""
+    """An epoch of the ranks has formed and takes jobs: its number and members (rank -> worker pid)."""
 
     kind: ClassVar[str] = "serving"
-    generation: int
+    epoch: int
     members: dict[int, int]
 
 
@@ -162,7 +162,7 @@ class QueueLength:
 
 @dataclass(frozen=True)
 class Ended:
-    """The worker's generation ended (it exits next): why, and whether because the model is unloading. The stub
+    """The worker's epoch ended (it exits next): why, and whether because the model is unloading. The stub
     starts another worker unless it is."""
 
     kind: ClassVar[str] = "ended"
@@ -238,7 +238,7 @@ class Withdraw:
 
 @dataclass(frozen=True)
 class Leave:
-    """This rank leaves the generation: why, and whether because the model is unloading."""
+    """This rank leaves the epoch: why, and whether because the model is unloading."""
 
     kind: ClassVar[str] = "leave"
     reason: str
@@ -264,20 +264,20 @@ class Run:
 
 
 @dataclass(frozen=True)
-class EndGeneration:
-    """The generation is over for every rank: why, and whether because the model is unloading."""
+class EndEpoch:
+    """The epoch is over for every rank: why, and whether because the model is unloading."""
 
-    kind: ClassVar[str] = "end_generation"
+    kind: ClassVar[str] = "end_epoch"
     reason: str
     unloading: bool
 
 
 Message = (RunRequest | Cancel | Stop | Loaded | Serving | Started | Progress | Done | Refused | Failed | Stopped | JobTimed
-           | QueueLength | Ended | GivenUp | Hello | Submit | Finished | Result | Withdraw | Leave | Run | EndGeneration)
+           | QueueLength | Ended | GivenUp | Hello | Submit | Finished | Result | Withdraw | Leave | Run | EndEpoch)
 KINDS: dict[str, type] = {cls.kind: cls for cls in (RunRequest, Cancel, Stop, Loaded, Serving, Started, Progress, Done,
                                                      Refused, Failed, Stopped, JobTimed, QueueLength, Ended, GivenUp,
                                                      Hello, Submit,
-                                                     Finished, Result, Withdraw, Leave, Run, EndGeneration)}
+                                                     Finished, Result, Withdraw, Leave, Run, EndEpoch)}
 
 
 def header_of(message: Message) -> tuple[dict, dict[str, torch.Tensor] | None]:

@@ -1,11 +1,11 @@
-"""A rank's worker: the process that owns the rank's device, engine and communicator, for one generation.
+"""A rank's worker: the process that owns the rank's device, engine and communicator, for one epoch.
 
 Each Triton instance (a stub process) starts one worker for its rank (backend/worker_keeper.py) and passes it
 requests and answers through shared memory (backend/tensor_transfer.py), so that an engine crash, a segfault in
 a kernel, an out-of-memory kill or a CUDA error kills a worker, never a stub or the Triton server.
 
 A worker enters the rendezvous, loads its shard, forms the group with the other ranks' workers and runs jobs
-(backend/job_runner.py) until that generation ends, for whatever reason; then it tells its stub why and exits.
+(backend/job_runner.py) until that epoch ends, for whatever reason; then it tells its stub why and exits.
 Its stub starts a new one (healing), which loads again (from the page cache) and meets the others' new workers.
 
 Run by the stub as `python -m mdtriton.backend.rank_worker SPEC_JSON LINK_FD`.
@@ -32,7 +32,7 @@ from mdtriton.backend.messages import (Cancel, Done, Ended, Failed, GivenUp, Job
                                        ProtocolError, QueueLength, RanksUnavailable, Refused, RunRequest, Serving,
                                        Started, Stop, Stopped, receive, send)
 from mdtriton.backend.process_state import end_with_parent
-from mdtriton.backend.rendezvous import Generation, Rendezvous
+from mdtriton.backend.rendezvous import Epoch, Rendezvous
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.worker_spec import WorkerSpec
 from mdtriton.engine.comm import Communicator
@@ -52,7 +52,7 @@ class RankWorker:
         self.device = torch.device(spec.device)
 
     def run(self) -> None:
-        """Load, serve one generation, and tell the stub how it ended."""
+        """Load, serve one epoch, and tell the stub how it ended."""
         spec = self.spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -108,7 +108,7 @@ class RankWorker:
                     try:
                         job = runner.submit(inputs, job_id, deadline)
                     except RanksUnavailable:
-                        continue  # the generation is ending: the stub sends the job again to the next worker
+                        continue  # the epoch is ending: the stub sends the job again to the next worker
                     job.result.add_done_callback(partial(self._answer, job_id))
                 case Cancel(id=job_id, reason=reason):
                     runner.cancel(job_id, reason)
@@ -132,10 +132,10 @@ class RankWorker:
             case JobStopped(done=done, total=total):
                 send(self.link, Stopped(job_id, done, total))
             case RanksUnavailable():
-                pass  # it failed with its generation: the stub hands it to the next worker
+                pass  # it failed with its epoch: the stub hands it to the next worker
 
-    def _report_serving(self, generation: Generation) -> None:
-        send(self.link, Serving(generation.number, dict(generation.members)))
+    def _report_serving(self, epoch: Epoch) -> None:
+        send(self.link, Serving(epoch.number, dict(epoch.members)))
 
     def _report_started(self, job_id: str) -> None:
         send(self.link, Started(job_id))

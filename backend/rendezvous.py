@@ -1,20 +1,20 @@
 """How the ranks of one loaded model version find each other, without ever meeting another load's ranks.
 
 The rendezvous area is a directory per (Triton server process, model, version) holding `state.json`,
-guarded by a file lock. The ranks meet in numbered *generations*: a rank enters the open generation as
+guarded by a file lock. The ranks meet in numbered *epochs*: a rank enters the open epoch as
 it starts loading, and once all world_size ranks have entered, it is closed for good; its members form
 their group once every one of them has loaded (or give up at once when one reports that it cannot load).
 The ranks are the worker processes of the model's instances (backend/rank_worker.py). A rank opens a new
-generation when the current one is closed or already has a member of its rank, so:
-- ranks initialised in parallel or one after another meet in the same open generation (a slot
-  held by a process that died before the generation closed is given to the next comer);
-- a reload (new instances while the old ones still serve) finds the old generation closed and opens
+epoch when the current one is closed or already has a member of its rank, so:
+- ranks initialised in parallel or one after another meet in the same open epoch (a slot
+  held by a process that died before the epoch closed is given to the next comer);
+- a reload (new instances while the old ones still serve) finds the old epoch closed and opens
   a new one, which the old load's ranks never read again;
-- a generation serves until anything goes wrong in it; then every rank's worker exits and its stub starts a
-  new one (backend/worker_keeper.py): the new workers enter and meet in a fresh generation, like a load's
+- an epoch serves until anything goes wrong in it; then every rank's worker exits and its stub starts a
+  new one (backend/worker_keeper.py): the new workers enter and meet in a fresh epoch, like a load's
   first ones. (Old workers healing at the very moment a reload's first workers enter could meet them; the
   areas do not tell loads apart.)
-Joining never blocks Triton: callers wait for the generation to close in a thread. The areas' root is private
+Joining never blocks Triton: callers wait for the epoch to close in a thread. The areas' root is private
 to the server's user, and so are the files in it (backend/private_directory.py): state.json holds the job hub's
 authentication key.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from mdtriton.backend.private_directory import PRIVATE_DIRECTORY_MODE, make_private_directory, open_private_file
 from mdtriton.backend.process_state import ProcessState, process_state
-from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, GenerationRecord, LoadFailure
+from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, EpochRecord, LoadFailure
 
 ROOT_ENV = "MDTRITON_RENDEZVOUS_DIR"
 MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -47,7 +47,7 @@ MAX_UNIX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 FAILURE_NOTICE_S = 20.0
 # The name of an area (see rendezvous_dir): server pid, model name, its digest, version.
 AREA_NAME = re.compile(r"(\d+)-.*-[0-9a-f]{8}-v\d+")
-# The file in a generation's directory through which its ranks form their process group (torch's FileStore).
+# The file in an epoch's directory through which its ranks form their process group (torch's FileStore).
 STORE_FILE = "store"
 
 
@@ -56,11 +56,11 @@ class RendezvousTimeout(Exception):
 
 
 class RankFailedToLoad(Exception):
-    """A rank of this load could not load its engine (or was given up), so this generation will never form."""
+    """A rank of this load could not load its engine (or was given up), so this epoch will never form."""
 
 
 @dataclass(frozen=True)
-class Generation:
+class Epoch:
     number: int
     directory: Path
     token: str
@@ -108,7 +108,7 @@ class Rendezvous:
 
     def __init__(self, directory: Path, rank: int, world_size: int):
         self.directory = Path(directory)
-        longest_socket = self.directory / "gen1234567" / "hub.sock"
+        longest_socket = self.directory / "epoch1234567" / "hub.sock"
         if len(str(longest_socket).encode()) > MAX_UNIX_SOCKET_PATH:
             raise ValueError(f"the rendezvous area {self.directory} is too deep for the Unix sockets it holds "
                              f"(at most {MAX_UNIX_SOCKET_PATH} bytes); set {ROOT_ENV} to a shorter directory")
@@ -147,55 +147,55 @@ class Rendezvous:
                     return
 
     def _forget(self, state: AreaState, number: int) -> None:
-        del state.generations[number]
-        shutil.rmtree(self.directory / f"gen{number}", ignore_errors=True)
+        del state.epochs[number]
+        shutil.rmtree(self.directory / f"epoch{number}", ignore_errors=True)
 
-    def _remove_dead_generations(self, state: AreaState) -> None:
-        """Forget generations whose members have all exited (killed ranks never leave by themselves).
+    def _remove_dead_epochs(self, state: AreaState) -> None:
+        """Forget epochs whose members have all exited (killed ranks never leave by themselves).
 
-        The open fresh generation stays: the next comer takes over the slots of its dead members.
+        The open fresh epoch stays: the next comer takes over the slots of its dead members.
         """
-        for number, generation in list(state.generations.items()):
-            open_fresh = number == state.current and not generation.closed
-            if not open_fresh and not any(_alive(pid) for pid in generation.members.values()):
+        for number, epoch in list(state.epochs.items()):
+            open_fresh = number == state.current and not epoch.closed
+            if not open_fresh and not any(_alive(pid) for pid in epoch.members.values()):
                 self._forget(state, number)
 
     def enter(self) -> int:
-        """Take this rank's slot in the open fresh generation (opening one if needed); return its number.
+        """Take this rank's slot in the open fresh epoch (opening one if needed); return its number.
 
         Called as a rank starts loading, so a rank that fails to load finds the others already there.
         """
         with self._locked_state() as state:
-            self._remove_dead_generations(state)
-            current = state.generations.get(state.current)
+            self._remove_dead_epochs(state)
+            current = state.epochs.get(state.current)
             if current is not None and current.failed is not None and not _alive(current.failed.pid):
                 current = None  # the failure of a load that is over
             if current is not None and not current.closed:
-                # No group has formed in an open generation yet, so a slot held by a dead process is free.
+                # No group has formed in an open epoch yet, so a slot held by a dead process is free.
                 current.members = {rank: pid for rank, pid in current.members.items() if _alive(pid)}
             if current is None or current.closed or self.rank in current.members:
                 state.current = self._open(state)
-                current = state.generations[state.current]
+                current = state.epochs[state.current]
             current.members[self.rank] = self.pid
             current.entered.add(self.rank)
             current.closed = len(current.members) == self.world_size
             return state.current
 
     def _open(self, state: AreaState) -> int:
-        """Add a new, empty generation and return its number."""
+        """Add a new, empty epoch and return its number."""
         state.last += 1
-        state.generations[state.last] = GenerationRecord(token=secrets.token_hex(16))
-        directory = self.directory / f"gen{state.last}"
+        state.epochs[state.last] = EpochRecord(token=secrets.token_hex(16))
+        directory = self.directory / f"epoch{state.last}"
         directory.mkdir(mode=PRIVATE_DIRECTORY_MODE, exist_ok=True)
         # Created here, 0600, so that torch's FileStore (which would create it with the default mode) opens it as is.
         os.close(open_private_file(directory / STORE_FILE, os.O_WRONLY))
         return state.last
 
-    def _generation(self, number: int, generation: GenerationRecord) -> Generation:
-        return Generation(number, self.directory / f"gen{number}", generation.token, dict(generation.members))
+    def _epoch(self, number: int, epoch: EpochRecord) -> Epoch:
+        return Epoch(number, self.directory / f"epoch{number}", epoch.token, dict(epoch.members))
 
-    def join(self, timeout: float, stop: threading.Event, number: int | None = None) -> Generation:
-        """Say this rank has loaded, and wait until every rank of generation `number` (entered before; None:
+    def join(self, timeout: float, stop: threading.Event, number: int | None = None) -> Epoch:
+        """Say this rank has loaded, and wait until every rank of epoch `number` (entered before; None:
         enter now) has entered it and loaded.
 
         Raises RankFailedToLoad as soon as a rank of this load reports that it could not load.
@@ -206,13 +206,13 @@ class Rendezvous:
         while True:
             failure = None
             with self._locked_state() as state:
-                generation = state.generations.get(number)
-                if generation is not None and generation.failed is not None:
-                    failure = generation.failed.message
-                elif generation is not None and (generation.closed or state.current == number):
-                    generation.loaded[self.rank] = self.pid
-                    if generation.all_loaded():
-                        return self._generation(number, generation)
+                epoch = state.epochs.get(number)
+                if epoch is not None and epoch.failed is not None:
+                    failure = epoch.failed.message
+                elif epoch is not None and (epoch.closed or state.current == number):
+                    epoch.loaded[self.rank] = self.pid
+                    if epoch.all_loaded():
+                        return self._epoch(number, epoch)
                 else:
                     # Superseded before it closed (a member died and was restarted): join the newer one.
                     self._leave_locked(state, number)
@@ -227,9 +227,9 @@ class Rendezvous:
                 self.leave(number)
                 raise RendezvousTimeout("stopped while waiting for the other ranks")
             if time.monotonic() > deadline:
-                generation = self._peek_state().generations[number]
-                absent = sorted(set(range(self.world_size)) - set(generation.members))
-                loading = sorted(rank for rank, pid in generation.members.items() if generation.loaded.get(rank) != pid)
+                epoch = self._peek_state().epochs[number]
+                absent = sorted(set(range(self.world_size)) - set(epoch.members))
+                loading = sorted(rank for rank, pid in epoch.members.items() if epoch.loaded.get(rank) != pid)
                 self.leave(number)
                 late = [f"ranks {absent} did not join"] if absent else []
                 late += [f"ranks {loading} did not finish loading"] if loading else []
@@ -237,22 +237,22 @@ class Rendezvous:
             time.sleep(0.05)
 
     def fail(self, number: int, message: str) -> None:
-        """Tell the ranks of generation `number` that this rank cannot take part (message, which names the rank, says
+        """Tell the ranks of epoch `number` that this rank cannot take part (message, which names the rank, says
         why: it could not load, or it was given up after crashing again and again), and leave.
 
         The others see it in join() and give up at once instead of waiting for this rank. This rank stays in
-        the generation (so it is kept, and still open to ranks starting late) until every other rank has
+        the epoch (so it is kept, and still open to ranks starting late) until every other rank has
         entered it, or FAILURE_NOTICE_S has passed; those that entered see the news before they leave it.
         """
         with self._locked_state() as state:
-            generation = state.generations.get(number)
-            if generation is None:
+            epoch = state.epochs.get(number)
+            if epoch is None:
                 return
-            generation.failed = LoadFailure(self.pid, message)
+            epoch.failed = LoadFailure(self.pid, message)
         deadline = time.monotonic() + FAILURE_NOTICE_S
         while time.monotonic() < deadline:
-            generation = self._peek_state().generations.get(number)
-            if generation is None or len(generation.entered) == self.world_size:
+            epoch = self._peek_state().epochs.get(number)
+            if epoch is None or len(epoch.entered) == self.world_size:
                 break
             time.sleep(0.05)
         self.leave(number)
@@ -262,21 +262,21 @@ class Rendezvous:
         return AreaState.read(self._state_path)
 
     def _leave_locked(self, state: AreaState, number: int) -> None:
-        generation = state.generations.get(number)
-        if generation is None:
+        epoch = state.epochs.get(number)
+        if epoch is None:
             return
-        if generation.members.get(self.rank) == self.pid:
-            del generation.members[self.rank]
-        if not generation.members:
+        if epoch.members.get(self.rank) == self.pid:
+            del epoch.members[self.rank]
+        if not epoch.members:
             self._forget(state, number)
 
     def leave(self, number: int) -> None:
-        """Leave a generation; the last member to leave removes its files (and the area, if nothing is left)."""
+        """Leave an epoch; the last member to leave removes its files (and the area, if nothing is left)."""
         with self._locked_state() as state:
             self._leave_locked(state, number)
-            self._remove_dead_generations(state)
-            empty = not state.generations
+            self._remove_dead_epochs(state)
+            empty = not state.epochs
         if empty:
             with self._lock():
-                if self._state_path.exists() and not AreaState.read(self._state_path).generations:
+                if self._state_path.exists() and not AreaState.read(self._state_path).epochs:
                     shutil.rmtree(self.directory, ignore_errors=True)

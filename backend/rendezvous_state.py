@@ -1,6 +1,6 @@
 """The state of one rendezvous area (its `state.json`) as typed records, and how it is read and written.
 
-backend/rendezvous.py changes it under the area's lock; JSON needs string keys, so ranks and generation numbers
+backend/rendezvous.py changes it under the area's lock; JSON needs string keys, so ranks and epoch numbers
 become strings only here, on the way to and from the file.
 """
 
@@ -24,8 +24,8 @@ class LoadFailure:
 
 
 @dataclass
-class GenerationRecord:
-    """One generation: the ranks that meet in it, as they enter, load and form their group."""
+class EpochRecord:
+    """One epoch: the ranks that meet in it, as they enter, load and form their group."""
 
     token: str  # the job hub's authentication key
     members: dict[int, int] = field(default_factory=dict)  # rank -> pid holding its slot
@@ -45,7 +45,7 @@ class GenerationRecord:
                 "failed": None if self.failed is None else {"pid": self.failed.pid, "message": self.failed.message}}
 
     @classmethod
-    def from_json(cls, record: dict) -> "GenerationRecord":
+    def from_json(cls, record: dict) -> "EpochRecord":
         failed = record["failed"]
         return cls(token=record["token"], closed=record["closed"],
                    members={int(rank): pid for rank, pid in record["members"].items()},
@@ -56,11 +56,11 @@ class GenerationRecord:
 
 @dataclass
 class AreaState:
-    """Every generation of the area that still has members, and which one a starting rank enters."""
+    """Every epoch of the area that still has members, and which one a starting rank enters."""
 
-    current: int = 0  # the generation a rank that starts loading enters, while it is open
-    last: int = 0  # the highest generation number given so far (numbers are never reused)
-    generations: dict[int, GenerationRecord] = field(default_factory=dict)
+    current: int = 0  # the epoch a rank that starts loading enters, while it is open
+    last: int = 0  # the highest epoch number given so far (numbers are never reused)
+    epochs: dict[int, EpochRecord] = field(default_factory=dict)
 
     @classmethod
     def read(cls, path: Path) -> "AreaState":
@@ -70,11 +70,11 @@ class AreaState:
         except FileNotFoundError:
             return cls()
         return cls(current=state["current"], last=state["last"],
-                   generations={int(number): GenerationRecord.from_json(record)
-                                for number, record in state["generations"].items()})
+                   epochs={int(number): EpochRecord.from_json(record)
+                           for number, record in state["epochs"].items()})
 
     def write(self, path: Path) -> None:
         """Replace `path` atomically with this state, readable by this user only (it holds the hubs' keys)."""
         write_private_file(path, json.dumps({
             "current": self.current, "last": self.last,
-            "generations": {str(number): record.to_json() for number, record in self.generations.items()}}))
+            "epochs": {str(number): record.to_json() for number, record in self.epochs.items()}}))

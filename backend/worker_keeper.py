@@ -1,9 +1,9 @@
 """Keeps this rank's worker process running, and every request of this instance answered across its restarts.
 
 Lives in the Triton stub, which stays thin: the worker (backend/rank_worker.py) owns the device, the engine and
-the communicator, so whatever kills a worker never kills the stub or the server. A worker serves one generation
-of the ranks. When it ends (its generation failed, or the worker died, or it gave no answer in time), the
-keeper *heals*: it gives the other workers of that generation 2 s to end by themselves and kills those that did
+the communicator, so whatever kills a worker never kills the stub or the server. A worker serves one epoch
+of the ranks. When it ends (its epoch failed, or the worker died, or it gave no answer in time), the
+keeper *heals*: it gives the other workers of that epoch 2 s to end by themselves and kills those that did
 not (a stopped or stuck one), then starts a new worker, which loads again and meets the other ranks' new workers.
 
 Requests are never lost to a healing: a job is a pure function of its inputs, so requests in flight and those
@@ -49,10 +49,10 @@ from mdtriton.engine.request_check import RequestError
 
 log = logging.getLogger("mdtriton.backend")
 
-# How long the other workers of a failed generation get to end by themselves before they are killed.
+# How long the other workers of a failed epoch get to end by themselves before they are killed.
 PEER_EXIT_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
-# How long an unloading stub waits for its worker to exit before killing it. The worker gives its generation's
+# How long an unloading stub waits for its worker to exit before killing it. The worker gives its epoch's
 # teardown less (job_runner.LEAVE_TIMEOUT_S), so that it leaves the rendezvous area and exits first.
 STOP_TIMEOUT_S = 10.0
 RELOAD_ADVICE = ("reload the model once the cause is fixed (unload and load it through the model control API, "
@@ -186,7 +186,7 @@ class WorkerKeeper:
                     pass  # the worker has died: likewise
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Stop the worker (the model is unloading): it leaves its generation, so the others end without waiting."""
+        """Stop the worker (the model is unloading): it leaves its epoch, so the others end without waiting."""
         with self._lock:  # the keeper thread starts no worker after this (see _start_worker)
             self._stopping.set()
             link, worker = self._worker_link, self._worker
@@ -288,7 +288,7 @@ class WorkerKeeper:
 
     def _serve(self, worker: subprocess.Popen, link: TensorLink) -> tuple[Ended | GivenUp | None, dict[int, int]]:
         """Relay between the worker and the requests until the worker ends; its last word (None if it died without
-        one) and the members of its generation (rank -> pid)."""
+        one) and the members of its epoch (rank -> pid)."""
         members: dict[int, int] = {}
         while True:
             if not link.poll(WATCH_INTERVAL_S):
@@ -307,8 +307,8 @@ class WorkerKeeper:
             match message:
                 case Loaded():
                     self._first_load_over.set()
-                case Serving(members=generation_members):
-                    members = generation_members
+                case Serving(members=epoch_members):
+                    members = epoch_members
                     self._now_serving(link)
                 case Started(id=job_id):
                     with self._lock:
@@ -383,7 +383,7 @@ class WorkerKeeper:
         return holds and time.monotonic() - self._heard > self.spec.request_timeout
 
     def _end_peers(self, members: dict[int, int]) -> None:
-        """Give the other workers of the ended generation a moment to end by themselves; kill those still there."""
+        """Give the other workers of the ended epoch a moment to end by themselves; kill those still there."""
         deadline = time.monotonic() + PEER_EXIT_GRACE_S
         for rank, pid in members.items():
             if rank == self.rank:
@@ -391,7 +391,7 @@ class WorkerKeeper:
             while process_state(pid) is ProcessState.RUNNING and time.monotonic() < deadline:
                 time.sleep(0.05)
             if process_state(pid) is not ProcessState.EXITED and is_rank_worker(pid):
-                log.error("rank %d: killing rank %d's worker (pid %d, %s) of the failed generation", self.rank, rank,
+                log.error("rank %d: killing rank %d's worker (pid %d, %s) of the failed epoch", self.rank, rank,
                           pid, process_state(pid).value)
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -1,14 +1,14 @@
 """The one place that owns process groups; model code calls the named collectives below.
 
 A Communicator knows this rank's place in the plan from the start (so a model can be built and its
-weights loaded before the ranks meet); `connect()` forms the process groups of one generation of the
-ranks and `disconnect()` ends them, so the same processes can form a new generation after a failure
+weights loaded before the ranks meet); `connect()` forms the process groups of one epoch of the
+ranks and `disconnect()` ends them, so the same processes can form a new epoch after a failure
 (`join_groups()` alone creates the groups when torch.distributed was initialised elsewhere). Every
 collective is a no-op when its group has one rank, so the same model code runs on 1..N ranks.
 
 A collective that fails in the backend (a peer exited, stopped past the timeout, or left; the groups were aborted)
 raises CommunicationError: the groups cannot be used again, and the caller must disconnect and form a new
-generation. Any other error is the caller's (a programming error) and keeps its own type.
+epoch. Any other error is the caller's (a programming error) and keeps its own type.
 
 The device contract: every tensor handed to a collective lives on this rank's device (`Communicator.device`), the
 only memory NCCL can send; gloo would take host memory too, so CPU ranks would hide a host tensor that GPU ranks
@@ -170,7 +170,7 @@ class Communicator:
         return self.collective_timer() if self.collective_timer is not None else nullcontext()
 
     def connect(self, store_path: Path, timeout: float) -> None:
-        """Form the world of this generation (every rank calls this together) and its tp/cp groups.
+        """Form the world of this epoch (every rank calls this together) and its tp/cp groups.
 
         `timeout` bounds every collective. On gloo a peer that stops answering makes it raise CommunicationError
         after that long. NCCL's collectives are queued on the GPU with no wait on the CPU (the wait at each that
@@ -192,7 +192,7 @@ class Communicator:
             self.join_groups(timedelta(seconds=timeout))
 
     def disconnect(self) -> None:
-        """End this generation's groups; a peer blocked in a collective with this rank then fails at once.
+        """End this epoch's groups; a peer blocked in a collective with this rank then fails at once.
 
         NCCL groups are aborted, not destroyed: destroying waits for the peers, which may be gone.
         """

@@ -3,7 +3,7 @@ that received its request wants it stopped, and the points where every rank lear
 the ranks stop a job together or not at all.
 
 The ranks run a job together: a rank that leaves it alone leaves the others waiting in a collective that never
-completes, which only a new generation of the ranks ends (backend/worker_keeper.py). So a pipeline's job stops early
+completes, which only a new epoch of the ranks ends (backend/worker_keeper.py). So a pipeline's job stops early
 only at points every rank reaches, where the ranks agree in one collective (`JobAgreement`):
 
 - before its first collective (`before_collectives`): the pipeline's work until then (its adapters, the prompts'
@@ -125,7 +125,7 @@ class JobAgreement:
     def failed(self, message: str, request_error: bool) -> None:
         """This rank's part of the job raised (message: what, for the request's answer). Before the job's first
         collective the ranks agree on it: every rank raises JobFailed. Returns if this rank has passed that point: its
-        peers may be in a collective, and the caller must let the error end the ranks' generation."""
+        peers may be in a collective, and the caller must let the error end the ranks' epoch."""
         if not self.agreed:
             world = self.comm.plan.world_size
             self._agree((2 if request_error else 1) * world + (world - 1 - self.comm.rank), message)

@@ -130,8 +130,8 @@ def files_under(directory: Path) -> list[str]:
 
 
 def rank_pids(rendezvous_root: Path) -> dict[int, int]:
-    """rank -> pid of the newest generation's members in the rendezvous areas under rendezvous_root."""
+    """rank -> pid of the newest epoch's members in the rendezvous areas under rendezvous_root."""
     states = [AreaState.read(path) for path in rendezvous_root.rglob(STATE_FILE)]
-    newest = max((generation for state in states for generation in state.generations.values()),
-                 key=lambda generation: len(generation.members))
+    newest = max((epoch for state in states for epoch in state.epochs.values()),
+                 key=lambda epoch: len(epoch.members))
     return dict(newest.members)

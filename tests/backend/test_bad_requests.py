@@ -1,6 +1,6 @@
 """Bad requests, table-driven, against a real tritonserver serving a tiny transformer (tp 2) and a FLUX
 transformer (cp 2, ring): each gets the right gRPC status and a one-line message saying what to fix, the
-request never reaches the other ranks (no generation ends), and the next good request is answered right."""
+request never reaches the other ranks (no epoch ends), and the next good request is answered right."""
 
 from __future__ import annotations
 
@@ -166,13 +166,13 @@ def test_bad_requests_get_clear_errors_and_the_next_good_request_is_right(served
         assert np.abs(answer - reference).max() < 1e-4, f"wrong answer after {case.name}"
     print("\n".join(report))
     assert len(CASES) >= 20
-    assert "generation 1 ended" not in log_file.read_text()  # no bad request disturbed the ranks' job order
+    assert "epoch 1 ended" not in log_file.read_text()  # no bad request disturbed the ranks' job order
 
 
 @pytest.mark.timeout(300)
 def test_nan_requests_among_good_ones_are_refused_before_any_job(served):
     """The receiving rank's worker refuses NaN and infinity (on its device's copy of the inputs) before the job hub
-    orders a job: no rank runs one for them, no generation ends, and the good requests streaming beside them are
+    orders a job: no rank runs one for them, no epoch ends, and the good requests streaming beside them are
     all answered right."""
     server, log_file = served
     jobs_before = settled(server.metrics_url, "mdtriton_jobs_total")
@@ -195,4 +195,4 @@ def test_nan_requests_among_good_ones_are_refused_before_any_job(served):
             break
         time.sleep(0.1)
     assert len(jobs) == 2 and set(jobs.values()) == {len(outcomes)}, (jobs, len(outcomes))  # good requests only
-    assert "generation 1 ended" not in log_file.read_text() and "healing" not in log_file.read_text()
+    assert "epoch 1 ended" not in log_file.read_text() and "healing" not in log_file.read_text()

@@ -13,7 +13,7 @@ import torch
 
 from mdtriton.backend.tensor_transfer import TensorLink
 from mdtriton.backend.job_hub import SingleRankLink
-from mdtriton.backend.messages import (Cancel, Done, EndGeneration, Ended, Failed, Finished, GivenUp, Hello, JobTimed,
+from mdtriton.backend.messages import (Cancel, Done, EndEpoch, Ended, Failed, Finished, GivenUp, Hello, JobTimed,
                                        Leave, Loaded, Progress, ProtocolError, Refused, Result, Run, RunRequest, Serving,
                                        Started, Stop, Stopped, Submit, Withdraw, receive, receive_over, send, send_over)
 
@@ -60,7 +60,7 @@ def test_runner_and_hub_messages_arrive_as_sent_and_one_rank_is_answered_as_the_
     reader, writer = Pipe(duplex=False)
     inputs = [["hidden_states", "FP32", [1, 4, 64]]]
     for message in (Hello(1), Submit("j1", 1, inputs), Leave("unloading", True), Run("j1", 1, inputs, 7),
-                    EndGeneration("rank 1 left: out of memory", False)):
+                    EndEpoch("rank 1 left: out of memory", False)):
         send_over(writer, message)
         assert receive_over(reader) == message
     link = SingleRankLink()
@@ -68,7 +68,7 @@ def test_runner_and_hub_messages_arrive_as_sent_and_one_rank_is_answered_as_the_
     link.send(Submit("b", 0, inputs))
     link.send(Leave("the model is being unloaded", True))
     assert [link.receive() for _ in range(3)] == [Run("a", 0, inputs, 1), Run("b", 0, inputs, 2),
-                                                  EndGeneration("rank 0 left: the model is being unloaded", True)]
+                                                  EndEpoch("rank 0 left: the model is being unloaded", True)]
     with pytest.raises(ProtocolError, match="a runner submits jobs and leaves"):
         link.send(Hello(0))
     link.close()

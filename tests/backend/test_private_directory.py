@@ -36,12 +36,12 @@ def test_the_root_is_created_private_and_every_file_in_it_is_0600(tmp_path):
     area = root / "a"
     ranks = [Rendezvous(area, rank, 2) for rank in range(2)]
     number = [rank.enter() for rank in ranks][0]
-    assert mode(root) == 0o700 and mode(area) == 0o700 and mode(area / f"gen{number}") == 0o700
-    for name in ("state.json", "lock", f"gen{number}/store"):
+    assert mode(root) == 0o700 and mode(area) == 0o700 and mode(area / f"epoch{number}") == 0o700
+    for name in ("state.json", "lock", f"epoch{number}/store"):
         assert mode(area / name) == 0o600, name
-    hub = JobHub(str(area / f"gen{number}" / "hub.sock"), "token", 2).start()
+    hub = JobHub(str(area / f"epoch{number}" / "hub.sock"), "token", 2).start()
     try:
-        assert mode(area / f"gen{number}" / "hub.sock") == 0o600
+        assert mode(area / f"epoch{number}" / "hub.sock") == 0o600
     finally:
         hub.stop()
     for rank in ranks:

@@ -160,7 +160,7 @@ def test_a_poison_request_fails_clearly_after_the_second_crash_and_the_others_su
 @pytest.mark.timeout(240)
 def test_a_request_that_fails_on_one_rank_alone_is_answered_after_healing(tmp_path, rendezvous_root, server_factory):
     """Rank 1's worker runs out of memory (RLIMIT_DATA) in a large request; rank 0 is left in a collective that can
-    never complete. Both end the generation; the new workers (without the limit) run the request again."""
+    never complete. Both end the epoch; the new workers (without the limit) run the request again."""
     server, stubs, workers = serve(tmp_path, server_factory, request_timeout_s=60)
     client = grpcclient.InferenceServerClient(server.grpc_address)
     assert ask(client, MODEL, Reference(SEED), 0).right

@@ -94,7 +94,7 @@ def test_is_ready_is_false_while_the_ranks_heal(tmp_path, rendezvous_root, serve
     reference = Reference(SEED)
     assert ask(client, MODEL, reference, 0).right
 
-    # Rank 1's worker runs out of memory in a job: the generation ends on both ranks, and both heal.
+    # Rank 1's worker runs out of memory in a job: the epoch ends on both ranks, and both heal.
     before = {i: len(readiness(model_dir, i)) for i in instances}
     with memory_capped(one_worker_per_rank(server)[1], 16 * 2**20):
         answered, _ = send(client, MODEL, large_input())

@@ -86,8 +86,8 @@ def test_two_versions_and_two_models_side_by_side_never_cross_ranks(tmp_path, re
         assert len(outcomes) > 10 and all(o.status is None and o.right for o in outcomes), (model, version)
     areas = {name for name in files_under(rendezvous_root) if "/" not in name}
     assert len(areas) == 3 and {area.rsplit("-", 1)[1] for area in areas} == {"v1", "v2"}
-    # Each load met in a single generation of its own: no rank ever joined another load's.
-    generations = [name for name in files_under(rendezvous_root) if name.count("/") == 1 and "/gen" in name]
-    assert len(generations) == 3, generations
+    # Each load met in a single epoch of its own: no rank ever joined another load's.
+    epochs = [name for name in files_under(rendezvous_root) if name.count("/") == 1 and "/epoch" in name]
+    assert len(epochs) == 3, epochs
     client = grpcclient.InferenceServerClient(server.grpc_address)
     assert ask(client, "tiny", targets[0][2], 0, version="2").right is False  # the versions differ

@@ -1,4 +1,4 @@
-"""The rendezvous: ranks of one load meet in one generation, never in another load's, hear at once that a rank
+"""The rendezvous: ranks of one load meet in one epoch, never in another load's, hear at once that a rank
 cannot take part, and leave no files."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from mdtriton.backend import rendezvous
 from mdtriton.backend.rendezvous import RankFailedToLoad, Rendezvous, RendezvousTimeout
-from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, GenerationRecord, LoadFailure
+from mdtriton.backend.rendezvous_state import STATE_FILE, AreaState, EpochRecord, LoadFailure
 
 
 def join_all(directory, world_size, delays=None):
@@ -29,25 +29,25 @@ def join_all(directory, world_size, delays=None):
         return list(pool.map(join, range(world_size)))
 
 
-def test_parallel_joins_meet_in_one_generation(tmp_path):
-    generations = join_all(tmp_path, 4)
-    assert {g.number for g in generations} == {1}
-    assert len({g.token for g in generations}) == 1
+def test_parallel_joins_meet_in_one_epoch(tmp_path):
+    epochs = join_all(tmp_path, 4)
+    assert {g.number for g in epochs} == {1}
+    assert len({g.token for g in epochs}) == 1
 
 
-def test_one_after_another_meet_in_one_generation(tmp_path):
-    generations = join_all(tmp_path, 3, delays=[0, 0.3, 0.6])
-    assert {g.number for g in generations} == {1}
+def test_one_after_another_meet_in_one_epoch(tmp_path):
+    epochs = join_all(tmp_path, 3, delays=[0, 0.3, 0.6])
+    assert {g.number for g in epochs} == {1}
 
 
-def test_reload_gets_a_new_generation_and_leaving_cleans_up(tmp_path):
+def test_reload_gets_a_new_epoch_and_leaving_cleans_up(tmp_path):
     first = join_all(tmp_path, 2)
     second = join_all(tmp_path, 2)  # the new load's ranks arrive while the first load still holds its slots
     assert {g.number for g in first} == {1} and {g.number for g in second} == {2}
     assert first[0].token != second[0].token
     for rank in range(2):
         Rendezvous(tmp_path, rank, 2).leave(1)
-    assert not (tmp_path / "gen1").exists() and (tmp_path / "gen2").exists()
+    assert not (tmp_path / "epoch1").exists() and (tmp_path / "epoch2").exists()
     for rank in range(2):
         Rendezvous(tmp_path, rank, 2).leave(2)
     assert not tmp_path.exists()
@@ -85,8 +85,8 @@ def test_slot_of_a_process_that_died_while_waiting_is_reused(tmp_path):
     process = multiprocessing.get_context("spawn").Process(target=_enter_and_die, args=(tmp_path,))
     process.start()
     process.join()
-    generations = join_all(tmp_path, 2)
-    assert {g.number for g in generations} == {1}
+    epochs = join_all(tmp_path, 2)
+    assert {g.number for g in epochs} == {1}
     for rank in range(2):
         Rendezvous(tmp_path, rank, 2).leave(1)
     assert not tmp_path.exists()
@@ -99,7 +99,7 @@ def dead_pid() -> int:
 
 def test_areas_of_dead_servers_are_removed(tmp_path):
     stale = tmp_path / f"{dead_pid()}-m-0123abcd-v1"
-    (stale / "gen1").mkdir(parents=True)
+    (stale / "epoch1").mkdir(parents=True)
     live = tmp_path / f"{os.getpid()}-m-0123abcd-v1"
     live.mkdir()
     join_all(tmp_path / f"{os.getpid()}-other-0123abcd-v2", 1)
@@ -138,10 +138,10 @@ def test_a_failure_waits_for_every_rank_still_starting_then_leaves_nothing(tmp_p
 
 
 def test_area_state_keeps_its_typed_records_through_its_file(tmp_path):
-    state = AreaState(current=3, last=4, generations={
-        3: GenerationRecord(token="a1", members={0: 11, 1: 12}, entered={0, 1}, loaded={1: 12},
-                            failed=LoadFailure(11, "rank 0 could not load: bad weights")),
-        4: GenerationRecord(token="b2", members={1: 12}, closed=True)})
+    state = AreaState(current=3, last=4, epochs={
+        3: EpochRecord(token="a1", members={0: 11, 1: 12}, entered={0, 1}, loaded={1: 12},
+                       failed=LoadFailure(11, "rank 0 could not load: bad weights")),
+        4: EpochRecord(token="b2", members={1: 12}, closed=True)})
     state.write(tmp_path / STATE_FILE)
     assert AreaState.read(tmp_path / STATE_FILE) == state
     assert AreaState.read(tmp_path / "absent.json") == AreaState()
