@@ -145,7 +145,7 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -
         request = {name: tensor.to(device) for name, tensor in
                    model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
         calls[str(size)] = (PEERS[args.architecture][1](config, request),
-                            model_family.check_request(config, request).tokens)
+                            model_family.request_size(config, request).tokens)
     rows = time_peer(model, args.modes.split(","), calls, device, args.iterations)
     if rank == 0:
         print(markdown_table(["peer", "size", "median ms", "first call s", "peak GiB"],

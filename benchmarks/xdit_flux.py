@@ -206,7 +206,7 @@ class PeerRank:
         self.requests = {str(size): {name: t.to(device) for name, t in
                                      FLUX.media_request(self.config, 1, size.height, size.width, self.dtype).items()}
                          for size in args.sizes}
-        self.tokens = {label: FLUX.check_request(self.config, request).tokens
+        self.tokens = {label: FLUX.request_size(self.config, request).tokens
                        for label, request in self.requests.items()}
         self.rows, self.attention_rows, self.failures = [], [], []
 
