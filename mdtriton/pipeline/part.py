@@ -94,7 +94,8 @@ class EnginePart(ServedPart):
 
     def load_engine(self, engine_dir: Path, manifest: Manifest, architecture: Architecture | None,
                     comm: Communicator, adapters: AdapterSettings | None = None) -> Engine:
-        """The rank's TorchEngine (a transformer engine takes no adapters)."""
+        """The rank's TorchEngine of this part's family (`architecture` is the same); a transformer engine takes no
+        adapters."""
         return TorchEngine.load(engine_dir, manifest, self.architecture, comm)
 
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor],
