@@ -214,7 +214,7 @@ def _peer_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     requests = {str(size): {name: tensor.to(device) for name, tensor in
                             model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
                 for size in args.sizes}
-    tokens = {label: model_family.check_request(config, request).tokens for label, request in requests.items()}
+    tokens = {label: model_family.request_size(config, request).tokens for label, request in requests.items()}
     weights = bench_weights(args.architecture, config, ParallelPlan(), 0, device, dtype, None)
     rows, rows_file = [], Path(work_dir) / f"{peer}-{world_size}.json"
     for method, described, model in peer_models(peer, args, rank, world_size, device, weights, requests):

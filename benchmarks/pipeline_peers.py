@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from mdtriton.build_tools.engine_builder import random_shard
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families import pipeline_part
+from mdtriton.families import served_part
 from mdtriton.families.flux.pipeline import MAX_SEQUENCE_LENGTH as FLUX_MAX_SEQUENCE_LENGTH
 from mdtriton.families.wan.pipeline import MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUENCE_LENGTH
 from mdtriton.harness import init_rank, run_ranks
@@ -185,7 +185,7 @@ def timed_result(pipeline, job: PeerJob) -> tuple[float, np.ndarray]:
                                                      max_condition_sequence_length=FLUX_MAX_SEQUENCE_LENGTH,
                                                      split_text_embed_in_sp=True)
     result = pipeline(**job.request, generator=torch.Generator().manual_seed(job.seed), output_type="pt")
-    answer = next(iter(pipeline_part(PIPELINES[job.architecture]).outputs(result).values()))[0].cpu().numpy()
+    answer = next(iter(served_part(PIPELINES[job.architecture]).outputs(result).values()))[0].cpu().numpy()
     return time.perf_counter() - started, answer
 
 

@@ -20,7 +20,7 @@ from mdtriton.engine.layers import ParallelLinear
 from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.modules import meta_module
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families import PipelinePart, family, pipeline_part
+from mdtriton.families import PipelinePart, family, served_part
 from mdtriton.lora.adapter_file import METADATA_KEY, AdapterError, Factors, read_user_adapter, write_adapter
 from mdtriton.lora.directory import adapter_names, adapter_path, adapters_dir, check_name
 
@@ -45,8 +45,8 @@ def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, Manifest]]
     pipelines = {}
     for version in found:
         manifest = Manifest.read(model_dir / str(version) / engine)
-        part = pipeline_part(manifest.architecture, manifest.config)
-        if part is None:
+        part = served_part(manifest.architecture, manifest.config)
+        if not isinstance(part, PipelinePart):
             raise ValueError(f"{model_dir.name} version {version} serves a transformer engine "
                              f"({manifest.architecture}), not a pipeline: adapters are for pipeline models")
         pipelines[version] = (part, Manifest.read(model_dir / str(version) / engine / part.transformers[0]))

@@ -24,7 +24,7 @@ from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
 from mdtriton.engine.manifest import FORMAT_VERSION, EngineError, EngineLimits, Manifest
 from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.step_cache import read_cache
-from mdtriton.families import ANY_PIPELINE, PipelinePart, family, pipeline_part
+from mdtriton.families import ANY_PIPELINE, EnginePart, PipelinePart, family, served_part
 from mdtriton.pipeline.any_pipeline import AnyPipelinePart
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
@@ -59,13 +59,13 @@ def build_model_version(repository: Path, name: str, request: BuildRequest) -> P
                                   "DIR")
         part = AnyPipelinePart.of_directory(Path(weights_path))
     else:
-        part = pipeline_part(architecture_name)
+        part = served_part(architecture_name)
     if isinstance(part, DiffusersPipelinePart):
         return build_diffusers_pipeline(Path(repository), name, part, request)
     model_family = family(architecture_name)
     limits = request.limits or EngineLimits(max_tokens=model_family.max_tokens)
     # The transformer engines to build: (folder of the engine directory, checkpoint or None for random weights).
-    if part is None:
+    if isinstance(part, EnginePart):
         pipeline_dir, engines = None, [("", Checkpoint(weights_path) if weights_path else None)]
         from_checkpoint = model_family.config_from_diffusers(engines[0][1].config()) if weights_path else {}
     else:
@@ -80,7 +80,7 @@ def build_model_version(repository: Path, name: str, request: BuildRequest) -> P
             json.loads((pipeline_dir / folders[0] / "config.json").read_text()))
     config = {**model_family.default_config(), **from_checkpoint, **(request.config or {})}
     model_family.check_plan(config, plan)
-    if plan.cfg_size > 1 and (part is None or not part.guidance_branches):
+    if plan.cfg_size > 1 and not part.guidance_branches:
         raise ValueError(f"{architecture_name} has no classifier-free guidance branches to run on separate ranks "
                          "(guidance parallelism splits a guiding pipeline's two transformer calls per step: "
                          "wan-pipeline); build it with --cfg 1")
@@ -94,15 +94,11 @@ def build_model_version(repository: Path, name: str, request: BuildRequest) -> P
                                  "--device gpu, or with --dtype FP32 for CPU instances")
     inputs, outputs = model_family.signature(config, data_type)
     transformer = Manifest(model_family.name, config, plan, data_type, inputs, outputs, quantization=quantization)
-    served = transformer
-    if part is not None:
-        inputs, outputs = part.served_signature()
-        served = Manifest(architecture_name, {"transformer": config, **part.pipeline_config(pipeline_dir)}, plan,
-                          data_type, inputs, outputs, limits=limits)
+    served = part.served_manifest(architecture_name, transformer, pipeline_dir, limits)
     if request_timeout_s is None:
-        request_timeout_s = part.request_timeout_s if part is not None else DEFAULT_REQUEST_TIMEOUT_S
+        request_timeout_s = part.request_timeout_s
     triton_config = model_config(name, served, device, request.gpus, request_timeout_s)
-    if part is not None:
+    if isinstance(part, PipelinePart):
         serve_as_pipeline(triton_config, part, request.stream, request.cache)
     elif request.stream or request.cache is not None:
         raise ValueError(f"{architecture_name} is a transformer engine, which answers each request once and caches no "
@@ -131,7 +127,7 @@ def build_model_version(repository: Path, name: str, request: BuildRequest) -> P
         for folder, source in sources.items():
             build_engine(engine_dir / folder, model_family.name, config, plan, data_type, source, request.progress,
                          limits, quantization)
-        if part is not None:
+        if isinstance(part, PipelinePart):
             copy_components(pipeline_dir, engine_dir, part)
             served.write(engine_dir)
     return finish_version(Path(repository), name, request.version, staging, triton_config)

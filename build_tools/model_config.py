@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from mdtriton.engine.manifest import Manifest
-from mdtriton.families import family, pipeline_part
+from mdtriton.families import family, served_part
 
 # The instance group's name: Triton names CPU instances "<name>_<i>", which the backend reads as the rank.
 RANK_GROUP = "rank"
@@ -23,10 +22,11 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     max_batch_size is 0: the engines take the batch as an explicit first dimension, and FLUX's position
     ids (img_ids, txt_ids) have no batch dimension at all, so Triton's dynamic batcher (which needs
     max_batch_size > 0 and a batch dimension on every input) does not apply; clients batch themselves.
-    The parameters tell users what they are talking to (architecture, data type, parallel plan) and, for a
-    pipeline, what a request that leaves an input out gets (request_defaults, JSON: its PipelinePart's optional inputs).
+    The parameters tell users what they are talking to (architecture, data type, parallel plan), and what the
+    served part adds (ServedPart.model_parameters: a pipeline's request_defaults, what a request that leaves an input
+    out gets).
     """
-    part = pipeline_part(manifest.architecture, manifest.config)
+    part = served_part(manifest.architecture, manifest.config)
     world_size = manifest.plan.world_size
     if device == "gpu":
         gpus = list(range(world_size)) if gpus is None else list(gpus)
@@ -44,7 +44,7 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
     for spec in manifest.outputs:
         config.output.append(mc.ModelOutput(name=spec.name, data_type=mc.DataType.Value(f"TYPE_{spec.data_type}"),
                                             dims=list(spec.shape)))
-    if part is None:  # a pipeline's would run a whole image: the ranks meet at the first
+    if part.warmed_up_at_load:
         config.model_warmup.append(warmup(manifest))
     parameters = {
         "engine_dir": "engine",
@@ -52,9 +52,8 @@ def model_config(name: str, manifest: Manifest, device: str, gpus: list[int] | N
         "architecture": manifest.architecture,
         "data_type": manifest.data_type,
         "parallel_plan": str(manifest.plan),
+        **part.model_parameters(),
     }
-    if part is not None:  # what `mdtriton generate` sends for what its command line leaves out, without the family
-        parameters["request_defaults"] = json.dumps(part.optional_inputs())
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config

@@ -11,16 +11,15 @@ from pathlib import Path
 
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
-from mdtriton.families import pipeline_part
+from mdtriton.families import served_part
 
 
 def weights_engine_dirs(version_dir: Path) -> list[Path]:
-    """The engine directories of a model version that hold weight files: a pipeline keeps them in its transformers'."""
+    """The engine directories of a model version that hold weight files: its transformer engines' (a pipeline's in
+    folders of its engine directory)."""
     engine_dir = Path(version_dir) / ENGINE_DIR
     manifest = Manifest.read(engine_dir)
-    part = pipeline_part(manifest.architecture, manifest.config)
-    if part is None:
-        return [engine_dir]
+    part = served_part(manifest.architecture, manifest.config)
     return [engine_dir / folder for folder in part.transformers if (engine_dir / folder / MANIFEST_FILE).is_file()]
 
 

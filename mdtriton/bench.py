@@ -243,7 +243,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     requests = {str(size): {name: tensor.to(device) for name, tensor in
                             model_family.media_request(config, size.frames, size.height, size.width, dtype).items()}
                 for size in args.sizes}
-    tokens = {label: model_family.check_request(config, request).tokens for label, request in requests.items()}
+    tokens = {label: model_family.request_size(config, request).tokens for label, request in requests.items()}
     first_size = str(args.sizes[0])
     if world_size == 1 and args.check:
         float32_sample(args, config, requests[first_size], device, work_dir)

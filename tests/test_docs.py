@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mdtriton.families import pipeline_part
+from mdtriton.families import served_part
 
 CLIENT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "client.md"
 SECTIONS = {"flux-pipeline": "## Prompt to image (FLUX pipelines)",
@@ -29,7 +29,7 @@ def what_travels(architecture: str) -> str:
 @pytest.mark.parametrize("architecture", sorted(SECTIONS))
 def test_the_documented_defaults_are_the_pipelines(architecture):
     paragraph = what_travels(architecture)
-    optional = pipeline_part(architecture).optional_inputs()
+    optional = served_part(architecture).optional_inputs()
     defaults = {name: value for name, value in optional.items() if value is not None}
     assert defaults
     for name, value in defaults.items():

@@ -53,9 +53,10 @@ class Architecture(ABC):
         """Raise ValueError, saying what to change, if config is not one of this family's or plan cannot split it."""
 
     @abstractmethod
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
-        """The request's size; ValueError, saying what to send instead, if its inputs (already of the signature's
-        types and ranks, no value read) do not fit together. It must take warm_up_sample's request."""
+    def request_size(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+        """The size of a request to the transformer engine, as its limits count it; ValueError, saying what to send
+        instead, if its inputs (already of the signature's types and ranks, no value read) do not fit together. It
+        must take warm_up_sample's request."""
 
     @abstractmethod
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:

@@ -139,7 +139,7 @@ def device_forward(module: torch.nn.Module, architecture: Architecture, config: 
     engine's, whose ranks (those of the group it is bound to, for an elastic plan's job) key the graphs."""
     if compiled and next(module.parameters()).is_cuda:
         def request_size(inputs: dict[str, torch.Tensor]) -> int:
-            size = architecture.check_request(config, inputs)
+            size = architecture.request_size(config, inputs)
             return size.batch * size.tokens
 
         return GraphedForward(module, request_size, lambda: tuple(comm.members))

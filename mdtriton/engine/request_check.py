@@ -3,7 +3,7 @@
 Triton already refuses a wrong data type, a wrong number of dimensions, a wrong fixed dimension and a
 missing input (they are in config.pbtxt). What only the engine knows is checked here, in two parts:
 
-- `check_request`, in the Triton stub that received the request: no empty tensor, inputs that fit together
+- `check_engine_request`, in the Triton stub that received the request: no empty tensor, inputs that fit together
   (the family's own check, e.g. FLUX's position ids), and the limits recorded in the manifest. It reads
   shapes only.
 - `check_finite`, no NaN or infinity, in the rank's worker on the copy of the inputs it makes on its device
@@ -26,7 +26,7 @@ class RequestError(ValueError):
     """A request this engine cannot take; the message says what is wrong and what to send instead."""
 
 
-def check_request(manifest: Manifest, architecture: Architecture, inputs: dict[str, torch.Tensor]) -> None:
+def check_engine_request(manifest: Manifest, architecture: Architecture, inputs: dict[str, torch.Tensor]) -> None:
     """Raise RequestError if the inputs (by name) are not a request this engine (of architecture) can run; values are
     not read (check_finite does that)."""
     for spec in manifest.inputs:
@@ -38,7 +38,7 @@ def check_request(manifest: Manifest, architecture: Architecture, inputs: dict[s
             raise RequestError(f"input {spec.name!r} is empty (shape {list(tensor.shape)}); "
                                "every dimension must be at least 1")
     try:
-        size = architecture.check_request(manifest.config, inputs)
+        size = architecture.request_size(manifest.config, inputs)
     except ValueError as error:
         raise RequestError(str(error)) from None
     limits = manifest.limits

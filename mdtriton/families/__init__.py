@@ -20,9 +20,10 @@ from mdtriton.engine.manifest import EngineError
 from mdtriton.families.family import Family, PipelinePart, RequestSize
 from mdtriton.pipeline.any_pipeline import ANY_PIPELINE, AnyPipelinePart
 from mdtriton.pipeline.generic import DiffusersPipelinePart
+from mdtriton.pipeline.part import EnginePart, ServedPart
 
-__all__ = ["Family", "PipelinePart", "RequestSize", "families", "family", "pipeline_part", "architecture_names",
-           "diffusers_pipelines", "more_pipelines", "is_diffusers_pipeline", "ANY_PIPELINE"]
+__all__ = ["Family", "EnginePart", "PipelinePart", "ServedPart", "RequestSize", "families", "family", "served_part",
+           "architecture_names", "diffusers_pipelines", "more_pipelines", "is_diffusers_pipeline", "ANY_PIPELINE"]
 
 ENTRY_POINT_GROUP = "mdtriton.families"
 BUILT_IN = ("mdtriton.families.tiny_transformer:TINY_TRANSFORMER", "mdtriton.families.flux:FLUX",
@@ -111,9 +112,10 @@ def family(architecture: str) -> Family:
     return item
 
 
-def pipeline_part(architecture: str, config: dict | None = None) -> PipelinePart | None:
-    """The pipeline an architecture name serves, or None for a transformer engine; config: the served manifest's,
-    which holds the request of a `diffusers-pipeline` (read off its call at build time)."""
+def served_part(architecture: str, config: dict | None = None) -> ServedPart:
+    """What the model of an architecture name serves: its pipeline, or the family's transformer engine (EnginePart);
+    config: the served manifest's, which holds the request of a `diffusers-pipeline` (read off its call at build
+    time)."""
     if architecture == ANY_PIPELINE:
         if config is None or "call" not in config:
             raise EngineError(f"{ANY_PIPELINE}: its manifest's config holds no call; build it again")
@@ -123,4 +125,4 @@ def pipeline_part(architecture: str, config: dict | None = None) -> PipelinePart
     if architecture in more_pipelines():
         return more_pipelines()[architecture][1]
     item = family(architecture)
-    return item.pipeline if architecture.endswith(PIPELINE_SUFFIX) else None
+    return item.pipeline if architecture.endswith(PIPELINE_SUFFIX) else EnginePart(item)

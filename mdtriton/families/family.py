@@ -70,7 +70,7 @@ class Family(Architecture):
 
     def warm_up_sample(self, config: dict, plan: ParallelPlan) -> dict[str, list[int]]:
         """The input shapes of the small all-zeros request Triton sends each instance of a transformer engine at load
-        (every rank runs it: the model is ready once the ranks have met); check_request must take it. By default each
+        (every rank runs it: the model is ready once the ranks have met); request_size must take it. By default each
         variable dimension of the signature is cp_size, so that every context-parallel rank gets real tokens."""
         inputs, _ = self.signature(config, "FP32")
         return {spec.name: [plan.cp_size if d == -1 else d for d in spec.shape] for spec in inputs}
@@ -78,7 +78,7 @@ class Family(Architecture):
     @abstractmethod
     def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
                         batch: int = 1) -> dict[str, torch.Tensor]:
-        """A seeded request of `tokens` tokens (as check_request counts them), laid out as a typical one: for
+        """A seeded request of `tokens` tokens (as request_size counts them), laid out as a typical one: for
         benchmarks and tests."""
 
     def attention_shape(self, config: dict) -> AttentionShape:

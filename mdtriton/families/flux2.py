@@ -66,7 +66,7 @@ class Flux2PipelinePart(DiffusersPipelinePart):
         vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
         return {"vae_scale_factor": 2 ** (len(vae_config["block_out_channels"]) - 1)}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, input images out of order or of sides or aspects the pipeline refuses, sides
         the VAE and the 2x2 patches cannot take, a request over the token limit (the image's, the input images' and the
         text's tokens), a text length out of range, step counts, a guidance out of range, a batch over the limit."""

@@ -91,7 +91,7 @@ class LTX2PipelinePart(DiffusersPipelinePart):
                 "audio_latents_per_second": audio_vae["sample_rate"] / audio_vae["mel_hop_length"] / 4,
                 "sample_rate": vocoder.get("output_sampling_rate", audio_vae["sample_rate"])}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a negative prompt per prompt or one for all, a frame count the VAE cannot take,
         sides the pipeline and its VAE cannot take, a clip of fewer video tokens than the context-parallel ranks or of
         more than the model takes, a frame rate out of range or too high for one audio latent, step counts, a
@@ -161,9 +161,9 @@ class LTX2ImageToVideoPipelinePart(LTX2PipelinePart):
         inputs, outputs = super().signature()
         return (TensorSpec("image", "UINT8", (-1, -1, 3)),) + inputs, outputs
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """LTX2PipelinePart's checks, and an image of a bounded size and aspect (check_image)."""
-        super().check_request(manifest, inputs)
+        super().check_inputs(manifest, inputs)
         check_image(inputs["image"], int(inputs["height"][0]), int(inputs["width"][0]))
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:

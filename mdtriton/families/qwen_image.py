@@ -54,7 +54,7 @@ class QwenImagePipelinePart(DiffusersPipelinePart):
         return {"vae_scale_factor": 2 ** len(vae_config["temperal_downsample"]),
                 "min_steps": 2 if scheduler_config.get("shift_terminal") else 1}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a negative prompt per prompt or none, sides the VAE and the 2x2 patches cannot
         take or over the largest size, step counts (at least min_steps), a true_cfg_scale out of range, a batch over
         the limit."""

@@ -60,7 +60,7 @@ class QwenImageEditPlusPipelinePart(QwenImagePipelinePart):
 
         return {"processor": image_text_processor(pipeline_dir)}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """One prompt, and a negative prompt or none; one to three input images in order, of sides and aspects the
         pipeline takes; sides (where given: both or neither) the VAE and the 2x2 patches take, up to the largest size;
         step counts (at least min_steps); a true_cfg_scale out of range."""

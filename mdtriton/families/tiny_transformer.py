@@ -97,7 +97,7 @@ class TinyTransformerFamily(Family):
         return ((TensorSpec("hidden_states", data_type, (-1, -1, hidden)),),
                 (TensorSpec("output", data_type, (-1, -1, hidden)),))
 
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+    def request_size(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """Its one input is [batch, tokens, hidden]."""
         batch, tokens = inputs["hidden_states"].shape[:2]
         return RequestSize(batch, tokens)

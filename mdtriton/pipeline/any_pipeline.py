@@ -142,7 +142,7 @@ class AnyPipelinePart(DiffusersPipelinePart):
             if compiled:
                 compile_blocks(pipeline.transformer_2)
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts (and second and negative prompts, one per prompt or none) that are not UTF-8, a batch over the
         limit, images that are not UINT8 [rows, columns, 3] of sides 1 to MAX_SIDE, sides and frames out of range, a
         request over the token limit, a text length, steps or guidance out of range."""

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 class DiffusersPipelinePart(PipelinePart):
     """A pipeline whose transformer is diffusers' own, split by its `_cp_plan`; subclasses declare the request
-    (signature, optional_inputs, check_request, call_arguments, outputs)."""
+    (signature, optional_inputs, check_inputs, call_arguments, outputs)."""
 
     transformers = ()  # no transformer engines of ours: diffusers loads the transformer with the rest
     cache_methods = ()

@@ -1,6 +1,6 @@
 """The checks every pipeline's requests share, each raising RequestError that says what to send instead: prompts,
 the batch, image sides, the text length, step counts, finite guidance, the step cache, the adapters. A family's
-PipelinePart.check_request calls them with its own limits and words (no diffusers needed). They run in the stub that
+PipelinePart.check_inputs calls them with its own limits and words (no diffusers needed). They run in the stub that
 received the request, so a request that fails them never reaches the ranks."""
 
 from __future__ import annotations

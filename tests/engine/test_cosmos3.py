@@ -132,13 +132,13 @@ def test_plans_that_cannot_split_it_say_what_to_choose():
 
 def test_requests_that_do_not_fit_say_what_to_send():
     inputs = engine_inputs(diffusers_inputs(TINY_CONFIG, CASES[0], seed=0))
-    assert COSMOS3.check_request(TINY_CONFIG, inputs).tokens == 7 + 18
+    assert COSMOS3.request_size(TINY_CONFIG, inputs).tokens == 7 + 18
     with pytest.raises(ValueError, match="noisy_frames has 2 values for 3 latent frames"):
-        COSMOS3.check_request(TINY_CONFIG, {**inputs, "noisy_frames": inputs["noisy_frames"][:2]})
+        COSMOS3.request_size(TINY_CONFIG, {**inputs, "noisy_frames": inputs["noisy_frames"][:2]})
     with pytest.raises(ValueError, match="position_ids has 24 positions for 7 text and 18 video tokens"):
-        COSMOS3.check_request(TINY_CONFIG, {**inputs, "position_ids": inputs["position_ids"][:, :24]})
+        COSMOS3.request_size(TINY_CONFIG, {**inputs, "position_ids": inputs["position_ids"][:, :24]})
     with pytest.raises(ValueError, match="send ids from 0 to 263"):
-        COSMOS3.check_request(TINY_CONFIG, {**inputs, "input_ids": inputs["input_ids"] + 264})
+        COSMOS3.request_size(TINY_CONFIG, {**inputs, "input_ids": inputs["input_ids"] + 264})
 
 
 def test_fp8_weights_give_the_velocity_within_e4m3_rounding():

@@ -1,5 +1,5 @@
 """The checks a request passes before any rank sees it: limits from the manifest and the architecture's own
-consistency checks (check_request, in the stub: shapes only), and finite values (check_finite, in the worker)."""
+consistency checks (check_engine_request, in the stub: shapes only), and finite values (check_finite, in the worker)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from mdtriton.engine.manifest import EngineLimits, Manifest
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.engine.request_check import RequestError, check_finite, check_request
+from mdtriton.engine.request_check import RequestError, check_engine_request, check_finite
 from mdtriton.families import family
 from mdtriton.families.flux.transformer import TINY_CONFIG
 from tests.engine.flux_cases import flux_inputs
@@ -25,11 +25,12 @@ FLUX = manifest("flux", TINY_CONFIG, EngineLimits(max_batch_size=2, max_tokens=2
 
 
 def test_limits_are_inclusive():
-    check_request(TINY, family(TINY.architecture), {"hidden_states": torch.zeros(2, 16, 8, dtype=torch.float16)})
+    tiny = family(TINY.architecture)
+    check_engine_request(TINY, tiny, {"hidden_states": torch.zeros(2, 16, 8, dtype=torch.float16)})
     with pytest.raises(RequestError, match="batch size 3 is over this engine's maximum of 2"):
-        check_request(TINY, family(TINY.architecture), {"hidden_states": torch.zeros(3, 16, 8, dtype=torch.float16)})
+        check_engine_request(TINY, tiny, {"hidden_states": torch.zeros(3, 16, 8, dtype=torch.float16)})
     with pytest.raises(RequestError, match="17 tokens, over this engine's maximum of 16"):
-        check_request(TINY, family(TINY.architecture), {"hidden_states": torch.zeros(1, 17, 8, dtype=torch.float16)})
+        check_engine_request(TINY, tiny, {"hidden_states": torch.zeros(1, 17, 8, dtype=torch.float16)})
 
 
 def test_only_real_nan_or_infinity_is_refused_not_an_overflowing_sum():
@@ -52,20 +53,21 @@ def test_check_finite_names_the_first_bad_input_and_skips_integers():
         check_finite(bad)
 
 
-def test_check_request_reads_shapes_not_values():
+def test_check_engine_request_reads_shapes_not_values():
     """The stub's check leaves the values to the worker, whose device reads them in microseconds."""
     nan = torch.full((2, 16, 8), float("nan"), dtype=torch.float16)
-    check_request(TINY, family(TINY.architecture), {"hidden_states": nan})
+    check_engine_request(TINY, family(TINY.architecture), {"hidden_states": nan})
 
 
 def test_flux_inputs_must_agree_and_count_text_plus_image_tokens():
     good = flux_inputs(TINY_CONFIG, text_len=6, image_len=14, batch=2)
-    check_request(FLUX, family(FLUX.architecture), good)
+    flux = family(FLUX.architecture)
+    check_engine_request(FLUX, flux, good)
     with pytest.raises(RequestError, match="21 tokens"):
-        check_request(FLUX, family(FLUX.architecture), flux_inputs(TINY_CONFIG, text_len=7, image_len=14, batch=2))
+        check_engine_request(FLUX, flux, flux_inputs(TINY_CONFIG, text_len=7, image_len=14, batch=2))
     with pytest.raises(RequestError, match="img_ids has 13 rows but hidden_states has 14 image tokens"):
-        check_request(FLUX, family(FLUX.architecture), {**good, "img_ids": good["img_ids"][:13]})
+        check_engine_request(FLUX, flux, {**good, "img_ids": good["img_ids"][:13]})
     with pytest.raises(RequestError, match="guidance has batch size 1 but hidden_states has 2"):
-        check_request(FLUX, family(FLUX.architecture), {**good, "guidance": good["guidance"][:1]})
+        check_engine_request(FLUX, flux, {**good, "guidance": good["guidance"][:1]})
     with pytest.raises(RequestError, match="input 'txt_ids' is missing"):
-        check_request(FLUX, family(FLUX.architecture), {name: t for name, t in good.items() if name != "txt_ids"})
+        check_engine_request(FLUX, flux, {name: t for name, t in good.items() if name != "txt_ids"})

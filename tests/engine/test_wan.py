@@ -145,12 +145,12 @@ def test_every_preset_builds_and_has_its_parameter_count(preset):
 def test_requests_that_do_not_fit_say_what_to_send():
     inputs = wan_inputs(TINY_CONFIG, (3, 5, 10), seed=0)
     with pytest.raises(ValueError, match="5 latent height, not a multiple of the patch size 2"):
-        WAN.check_request(TINY_CONFIG, inputs)
+        WAN.request_size(TINY_CONFIG, inputs)
     inputs = wan_inputs(TINY_CONFIG, (3, 6, 10), seed=0)
-    assert WAN.check_request(TINY_CONFIG, inputs).tokens == 45
+    assert WAN.request_size(TINY_CONFIG, inputs).tokens == 45
     inputs["timestep"] = inputs["timestep"][:1]
     with pytest.raises(ValueError, match="timestep has batch size 1 but hidden_states has 2"):
-        WAN.check_request(TINY_CONFIG, inputs)
+        WAN.request_size(TINY_CONFIG, inputs)
 
 
 def test_ulysses_with_indivisible_heads_says_what_to_use():

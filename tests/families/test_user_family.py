@@ -67,7 +67,7 @@ class ToyFamily(Family):
         return ((TensorSpec("x", data_type, (-1, -1, config["dim"])),),
                 (TensorSpec("y", data_type, (-1, -1, config["dim"])),))
 
-    def check_request(self, config, inputs):
+    def request_size(self, config, inputs):
         batch, tokens = inputs["x"].shape[:2]
         if tokens > 16:
             raise ValueError(f"x has {tokens} tokens; toy takes at most 16")

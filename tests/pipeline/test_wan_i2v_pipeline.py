@@ -158,7 +158,7 @@ def test_requests_a_layout_cannot_take_are_refused_naming_the_input(engines, lay
     inputs = {**request(layout), **{name: torch.tensor([value], dtype=torch.int32) if isinstance(value, int)
                                     else torch.from_numpy(value) for name, value in change.items()}}
     with pytest.raises(RequestError, match=re.escape(message)):
-        WanImageToVideoPipelinePart().check_request(Manifest.read(engines[(layout, "ulysses2")]), inputs)
+        WanImageToVideoPipelinePart().check_inputs(Manifest.read(engines[(layout, "ulysses2")]), inputs)
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ class Cosmos3Family(Family):
                   TensorSpec("noisy_frames", "FP32", (-1,)))
         return inputs, (TensorSpec("sample", data_type, latent),)
 
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+    def request_size(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """Text plus video tokens; ValueError if the inputs disagree on them, or a token id is not in the vocabulary
         (the ids, a few hundred, are read). A pipeline hands the text's keys and values (text_keys_values) instead of
         its ids."""

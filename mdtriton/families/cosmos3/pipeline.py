@@ -177,7 +177,7 @@ class Cosmos3PipelinePart(PipelinePart):
 
         return {} if is_cosmos_guardrail_available() else {"enable_safety_checker": False, "safety_checker": None}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """One prompt (and at most one negative prompt), UTF-8; no request for what is not served (REFUSED) nor LoRA
         adapters; a frame count the VAE takes (4k+1), sides that are multiples of its compression, more tokens than the
         engine takes (naming what fits), an image only for a video and of a bounded size and aspect, step counts,

@@ -67,7 +67,7 @@ class FluxFamily(Family):
         outputs = (TensorSpec("sample", data_type, (-1, -1, config["patch_size"] ** 2 * out_channels)),)
         return tuple(inputs), outputs
 
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+    def request_size(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """Text + image tokens; ValueError if the inputs disagree on the batch or the token counts."""
         batch, image_len = inputs["hidden_states"].shape[:2]
         text_len = inputs["encoder_hidden_states"].shape[1]

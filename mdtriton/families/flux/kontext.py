@@ -67,7 +67,7 @@ class KontextRequest:
         """The VAE's scale factor (8 for FLUX.1), as FluxKontextPipeline derives it."""
         return FluxPipelinePart.pipeline_config(self, pipeline_dir)
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8 or whose rows disagree, an input image of sides out of bounds, sizes the VAE and
         the patching cannot take, a token count (text, the image made, the input image) over the engine's limit, step
         counts, guidance out of range, a batch over the limit."""

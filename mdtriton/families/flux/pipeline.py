@@ -80,7 +80,7 @@ class FluxPipelinePart(PipelinePart):
         vae_config = json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
         return {"vae_scale_factor": 2 ** (len(vae_config["block_out_channels"]) - 1)}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, sizes the VAE and the patching cannot take, a token count over the engine's
         limit (naming the largest size that fits), step counts, a guidance that is not finite, a batch over the
         limit."""

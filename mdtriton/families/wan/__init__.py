@@ -66,7 +66,7 @@ class WanFamily(Family):
             inputs += (TensorSpec("encoder_hidden_states_image", data_type, (-1, -1, config["image_dim"])),)
         return inputs, (TensorSpec("sample", data_type, (-1, out_channels, -1, -1, -1)),)
 
-    def check_request(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
+    def request_size(self, config: dict, inputs: dict[str, torch.Tensor]) -> RequestSize:
         """The video's tokens (its patches); ValueError if the sizes do not divide into patches, exceed the rotary
         table, disagree on the batch, or a timestep per token (in-process pipelines: Wan 2.2 TI2V given an image) has
         another count of tokens, or an image-to-video model lacks its image's tokens."""

@@ -41,11 +41,11 @@ class WanImageToVideoPipelinePart(WanPipelinePart):
         model_index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
         return {**super().pipeline_config(pipeline_dir), "expand_timesteps": bool(model_index.get("expand_timesteps"))}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """wan-pipeline's checks; then the images (sides and aspect), a last image only where the model takes one
         (not Wan 2.2 TI2V; with an image encoder, only one that reads two images: Wan 2.1 FLF2V), and for a model
         with an image encoder the whole text length (512: its transformer finds the image's tokens by it)."""
-        super().check_request(manifest, inputs)
+        super().check_inputs(manifest, inputs)
         config, transformer = manifest.config, manifest.config["transformer"]
         height, width = int(inputs["height"][0]), int(inputs["width"][0])
         for name in ("image", "last_image"):

@@ -121,7 +121,7 @@ class WanPipelinePart(PipelinePart):
                 "vae_scale_factor_spatial": vae_config.get("scale_factor_spatial", 8),
                 "boundary_ratio": model_index.get("boundary_ratio")}
 
-    def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
+    def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts that are not UTF-8, a frame count the VAE cannot take (4k+1), sides that are not multiples of the
         VAE's compression times the patch, more tokens than the engine takes (naming what fits), step counts,
         guidance that is not finite, guidance_scale_2 without a second expert, a batch over the limit."""
