@@ -94,10 +94,13 @@ class PipelineEngine(Engine):
             setattr(pipeline, folder, transformer)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
         adapter_weights = None
-        if adapters is not None and engines:
-            first = next(iter(engines.values()))
-            adapter_weights = AdapterWeights(first.module, adapters.directory, adapters.cache_mib * 2**20,
-                                             TORCH_DTYPES[first.manifest.data_type])
+        if adapters is not None:
+            # Our first engine's module, or diffusers' own transformer (mdtriton.pipeline.generic): plain linear
+            # layers of diffusers' names, whole on every rank.
+            first = next(iter(engines.values()), None)
+            adapter_weights = AdapterWeights(
+                first.module if first is not None else pipeline.transformer, adapters.directory,
+                adapters.cache_mib * 2**20, TORCH_DTYPES[(first.manifest if first is not None else manifest).data_type])
         return cls(manifest, part, pipeline, comm, transformers,
                    sum(engine.warm_up_seconds for engine in engines.values()), adapter_weights)
 

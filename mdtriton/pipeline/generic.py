@@ -7,9 +7,10 @@ every rank with the pipeline's other components and split by sequence as its cla
 What each such pipeline still declares (a `DiffusersPipelinePart`) is only its request: the inputs it takes, their
 defaults and checks, how they become the pipeline's call, whether a call guides, and which step cache methods it
 offers. A request's step cache runs as diffusers' own cache hooks, enabled for that request only, First Block Cache's
-decision agreed across the context-parallel ranks (mdtriton.pipeline.diffusers_cache). Context and guidance
-parallelism only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights of ours), and no LoRA
-adapters yet.
+decision agreed across the context-parallel ranks (mdtriton.pipeline.diffusers_cache); its LoRA adapters are merged
+into the transformer's weights for that request as into our engines' (mdtriton.lora.weights, by the pipeline engine).
+Context and guidance parallelism only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights
+of ours).
 """
 
 from __future__ import annotations
