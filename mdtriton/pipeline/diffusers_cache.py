@@ -22,7 +22,6 @@ from torch import nn
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.step_cache import FirstBlockCache, TaylorSeer, decide
-from mdtriton.pipeline.context_parallel import SPLIT_HOOK
 from mdtriton.pipeline.graphs import set_replaying
 
 
@@ -71,6 +70,8 @@ class DiffusersStepCache:
 
     def __exit__(self, *exception) -> None:
         if self.config is not None:
+            # The split's hooks left on the first block wrap only its inputs and outputs (no new_forward of their
+            # own), which diffusers' removal of the head from under them keeps right.
             self.transformer.disable_cache()
             set_replaying(self.transformer, True)
 
@@ -85,22 +86,22 @@ class DiffusersStepCache:
 
 def agree_first_block(transformer: nn.Module, comm: Communicator) -> AgreedHeadBlockHook:
     """Replace the head hook that `enable_cache(FirstBlockCacheConfig(...))` put on transformer's first block by one
-    that decides with every context-parallel rank's sums. The split's hooks on that block (a plan that splits the
-    first block's inputs: Qwen-Image's, Wan's) are put back outside it, so that it sees this rank's share of the
+    that decides with every context-parallel rank's sums, innermost: the split's hooks on that block (a plan that
+    splits the first block's inputs: Qwen-Image's, Wan's) run outside it, so that it sees this rank's share of the
     tokens, as the other blocks do."""
     for module in transformer.modules():
         registry = HookRegistry.check_if_exists_or_initialize(module)
         diffusers_head = registry.get_hook(_FBC_LEADER_BLOCK_HOOK)
         if diffusers_head is None:
             continue
-        splits = [(name, registry.get_hook(name)) for name in registry._hook_order
-                  if name.startswith(SPLIT_HOOK.format(""))]
-        for name, _ in splits:
+        # Taken off the last first (diffusers' remove_hook rewires a hook in the middle wrongly), then put back in
+        # their order, the head first.
+        others = [(name, registry.get_hook(name)) for name in registry._hook_order if name != _FBC_LEADER_BLOCK_HOOK]
+        for name in reversed(list(registry._hook_order)):
             registry.remove_hook(name, recurse=False)
-        registry.remove_hook(_FBC_LEADER_BLOCK_HOOK, recurse=False)
         head = AgreedHeadBlockHook(diffusers_head.state_manager, diffusers_head.threshold, comm)
         registry.register_hook(head, _FBC_LEADER_BLOCK_HOOK)
-        for name, hook in splits:
+        for name, hook in others:
             registry.register_hook(hook, name)
         # diffusers sets a cache context on the hooks it finds under the transformer, from a list it keeps.
         HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
