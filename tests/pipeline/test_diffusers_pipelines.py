@@ -156,14 +156,17 @@ def test_first_block_cache_equals_diffusers_with_the_same_config(qwen_image, met
 
 
 def test_taylorseer_equals_diffusers_with_the_same_config(qwen_image):
-    """TaylorSeer decides by the call count, alike on every rank: computed at steps 0 and 2, predicted at 1 and 3."""
+    """TaylorSeer decides by the call count, alike on every rank: computed at steps 0 and 2, predicted at 1 and 3.
+    Predicting the tiny transformer's attentions moves its image by one level at most (at 89 of its 6,912 values in
+    one process): the served image must be diffusers' TaylorSeer image, not the uncached one."""
     pipeline_dir, server = qwen_image
     cache = {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}
     image, ran = served_with_steps(server, "qwen-ulysses", CACHED, cache)
     expected = reference(pipeline_dir, CACHED, cache=TaylorSeerCacheConfig(cache_interval=2,
                                                                            disable_cache_before_step=1))
     assert max_level_difference(image, expected) <= 1 and ran == 2
-    assert max_level_difference(expected, reference(pipeline_dir, CACHED)) > 1
+    moved = np.count_nonzero(expected != reference(pipeline_dir, CACHED))
+    assert moved > 40 and np.count_nonzero(image != expected) < moved // 4
 
 
 @pytest.mark.parametrize("cache, message", [
