@@ -8,9 +8,11 @@ no reload. A file is written whole, then renamed into place, so a rank never rea
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
@@ -33,9 +35,10 @@ class AdapterSummary:
     bytes: int  # its file's size
 
 
-def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, Manifest]]:
-    """Each version of the model: its pipeline and its transformer engine's manifest; ValueError if the model has no
-    version, or one that is not a pipeline (adapters are a pipeline's)."""
+def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, str, dict[str, nn.Module]]]:
+    """Each version of the model: its pipeline, its transformer's name (our family's, or diffusers' class where the
+    pipeline serves diffusers' own transformer: mdtriton.pipeline.generic) and linear layers by name, without memory;
+    ValueError if the model has no version, or one that is not a pipeline (adapters are a pipeline's)."""
     model_dir = Path(model_dir)
     found = versions(model_dir)
     if not found:
@@ -49,19 +52,37 @@ def model_pipelines(model_dir: Path) -> dict[int, tuple[PipelinePart, Manifest]]
         if not isinstance(part, PipelinePart):
             raise ValueError(f"{model_dir.name} version {version} serves a transformer engine "
                              f"({manifest.architecture}), not a pipeline: adapters are for pipeline models")
-        pipelines[version] = (part, Manifest.read(model_dir / str(version) / engine / part.transformers[0]))
+        engine_dir = model_dir / str(version) / engine
+        if part.transformers:
+            transformer = Manifest.read(engine_dir / part.transformers[0])
+            model = meta_module(family(transformer.architecture), transformer.config, ParallelPlan(), 0)
+            transformer_name = transformer.architecture
+        else:
+            model = diffusers_meta_transformer(engine_dir / "transformer")
+            transformer_name = type(model).__name__
+        pipelines[version] = (part, transformer_name, {name: layer for name, layer in model.named_modules()
+                                                       if isinstance(layer, (nn.Linear, ParallelLinear))})
     return pipelines
 
 
-def check_fits(factors: dict[str, Factors], transformer: Manifest, where: str) -> None:
-    """AdapterError, naming the first module that does not fit, unless each module is a linear layer of the
-    transformer whose weight [out, in] the factors A [rank, in] and B [out, rank] fit."""
-    model = meta_module(family(transformer.architecture), transformer.config, ParallelPlan(), 0)
-    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, (nn.Linear, ParallelLinear))}
+def diffusers_meta_transformer(transformer_dir: Path) -> nn.Module:
+    """diffusers' transformer of a pipeline directory's transformer folder, without memory: for weight names and
+    shapes."""
+    import diffusers  # the `pipeline` extra
+
+    config = json.loads((transformer_dir / "config.json").read_text())
+    with torch.device("meta"):
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+
+
+def check_fits(factors: dict[str, Factors], layers: dict[str, nn.Module], where: str, transformer_name: str) -> None:
+    """AdapterError, naming the first module that does not fit, unless each module is one of the transformer's
+    linear layers (by name; where and transformer_name: whose, for the message) whose weight [out, in] the factors
+    A [rank, in] and B [out, rank] fit."""
     for module, module_factors in factors.items():
         if module not in layers:
             raise AdapterError(f"the adapter changes {module}, which is not a linear layer of {where}'s "
-                               f"{transformer.architecture} transformer: it was made for another model")
+                               f"{transformer_name} transformer: it was made for another model")
         out_features, in_features = layers[module].weight.shape
         rank = module_factors.rank
         if (tuple(module_factors.lora_a.shape) != (rank, in_features)
@@ -85,9 +106,9 @@ def add_adapter(repository: Path, model: str, path: Path, name: str) -> AdapterS
     # The versions of a model share its architecture (config.pbtxt), so one pipeline's loader reads the file for all.
     part = next(iter(pipelines.values()))[0]
     factors = read_user_adapter(path, part.diffusers_class)
-    for version, (_, transformer) in pipelines.items():
+    for version, (_, transformer_name, layers) in pipelines.items():
         try:
-            check_fits(factors, transformer, f"{model} version {version}")
+            check_fits(factors, layers, f"{model} version {version}", transformer_name)
         except AdapterError as error:
             raise AdapterError(f"{path}: {error}") from None
     target.parent.mkdir(exist_ok=True)

@@ -121,6 +121,7 @@ def cut_sides(image: torch.Tensor, multiple: int) -> tuple[int, int]:
 class Flux2KleinPipelinePart(Flux2PipelinePart):
     diffusers_class = "Flux2KleinPipeline"
     model_name = "FLUX.2 [klein]"
+    cache_methods = ("first_block", "taylorseer")  # its pipeline names cache contexts; FLUX.2 [dev]'s names none
 
 
 FLUX2 = Flux2PipelinePart()

@@ -28,6 +28,7 @@ MAX_IMAGE_TOKENS = 128 * 128
 class QwenImagePipelinePart(DiffusersPipelinePart):
     diffusers_class = "QwenImagePipeline"
     guidance_branches = True
+    cache_methods = ("first_block", "taylorseer")
 
     def signature(self) -> Signature:
         inputs = (

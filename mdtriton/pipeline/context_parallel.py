@@ -135,10 +135,13 @@ class SplitState:
         self.comm = comm
         self.uneven = False
         self.split_lengths: list[int] = []
-        self.exchanges = 0
-        # Every rank's lengths, by the forward's split lengths and the exchange's place in it: the same key on every
-        # rank, so all ask for them together, once per shape. Later forwards of the shape (a CUDA graph's capture
-        # among them) find them here without a host sync.
+        self.exchanges: dict[str, int] = {}
+        # Every rank's lengths, by the forward's split lengths and the exchange's place among those of its kind
+        # (attention calls, gathers): the same key on every rank, so all ask for them together, once per shape.
+        # Later forwards of the shape (a CUDA graph's capture among them) find them here without a host sync. By
+        # kind, because a step cache may skip the later blocks' attention calls (alike on every rank: the step
+        # cache's decisions are agreed): the calls it runs are the first of a whole forward's, and the gathers
+        # after them the same.
         self.known_lengths: dict[tuple, list[int]] = {}
         self.known_positions: dict[tuple, torch.Tensor] = {}
 
@@ -146,7 +149,7 @@ class SplitState:
         """At each run of the transformer's forward (StartHook)."""
         self.uneven = False
         self.split_lengths = []
-        self.exchanges = 0
+        self.exchanges = {}
 
     def split(self, x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
         """This rank's share of x along dim, as torch.tensor_split cuts it."""
@@ -159,11 +162,12 @@ class SplitState:
         self.split_lengths.append(length)
         return x.narrow(dim, rank * size + min(rank, extra), size + (rank < extra))
 
-    def lengths(self, local: int) -> list[int]:
+    def lengths(self, local: int, kind: str) -> list[int]:
         """Every rank's length of the sequence this rank holds `local` tokens of, in rank order, at this exchange
-        of an uneven forward."""
-        key = (tuple(self.split_lengths), self.exchanges)
-        self.exchanges += 1
+        (of `kind`: "attention" or "gather") of an uneven forward."""
+        place = self.exchanges.get(kind, 0)
+        key = (tuple(self.split_lengths), kind, place)
+        self.exchanges[kind] = place + 1
         if key not in self.known_lengths:
             mine = torch.tensor([local], dtype=torch.int64, device=self.comm.device)
             self.known_lengths[key] = self.comm.cp_all_gather(mine, 0).tolist()
@@ -183,7 +187,7 @@ class SplitState:
         """Every rank's x concatenated along dim, in rank order."""
         if not self.uneven:
             return self.comm.cp_all_gather(x, dim)
-        sizes = self.lengths(x.shape[dim])
+        sizes = self.lengths(x.shape[dim], "gather")
         widest = max(sizes)
         gathered = self.comm.cp_all_gather(pad(x, dim, widest), dim)
         return torch.cat([gathered.narrow(dim, rank * widest, size) for rank, size in enumerate(sizes)], dim)
@@ -300,7 +304,7 @@ class RankAttention:
             return self.over_gathered_keys(q, k, v, attn_mask).transpose(1, 2)
         keep = None if attn_mask is None else key_padding(attn_mask, batch, local)
         if self.state.uneven:  # padded to the longest rank's sequence, the padding keys masked
-            lengths = self.state.lengths(local)
+            lengths = self.state.lengths(local, "attention")
             widest = max(lengths)
             q, k, v = (pad(x, 2, widest) for x in (q, k, v))
             if keep is None:
@@ -319,7 +323,7 @@ class RankAttention:
         audio-video attention), alike on every rank."""
         if not self.state.uneven:  # every rank's lengths are this rank's
             return queries != keys
-        return self.state.lengths(queries) != self.state.lengths(keys)
+        return self.state.lengths(queries, "attention") != self.state.lengths(keys, "attention")
 
     def over_gathered_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            attn_mask: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ them serving.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from mdtriton.engine.step_cache import StepCache
 from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
+from mdtriton.pipeline.diffusers_cache import DiffusersStepCache
 from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.split_vae import split_decode
@@ -92,21 +94,25 @@ class PipelineEngine(Engine):
             setattr(pipeline, folder, transformer)
         pipeline.set_progress_bar_config(disable=True)  # the server reports progress
         adapter_weights = None
-        if adapters is not None and engines:
-            first = next(iter(engines.values()))
-            adapter_weights = AdapterWeights(first.module, adapters.directory, adapters.cache_mib * 2**20,
-                                             TORCH_DTYPES[first.manifest.data_type])
+        if adapters is not None:
+            # Our first engine's module, or diffusers' own transformer (mdtriton.pipeline.generic): plain linear
+            # layers of diffusers' names, whole on every rank.
+            first = next(iter(engines.values()), None)
+            adapter_weights = AdapterWeights(
+                first.module if first is not None else pipeline.transformer, adapters.directory,
+                adapters.cache_mib * 2**20, TORCH_DTYPES[(first.manifest if first is not None else manifest).data_type])
         return cls(manifest, part, pipeline, comm, transformers,
                    sum(engine.warm_up_seconds for engine in engines.values()), adapter_weights)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The request's outputs (the family's PipelinePart says which) and `full_steps`, progress reported after
-        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache);
+        each step. Each transformer gets a step cache of its own for this request only (mdtriton.engine.step_cache;
+        diffusers' own transformer gets diffusers' cache hooks for the call: mdtriton.pipeline.diffusers_cache);
         the request's adapters are merged into the transformer's weights first, or the base weights put back if it
         names none (mdtriton.lora.weights). JobFailed if a rank failed before the first transformer call (every rank
         raises it), JobStopped if the request's rank asked to stop after a step."""
         agreement = JobAgreement(self.comm)
-        caches = []
+        caches, own_cache = [], None
         self.agreement = agreement
         try:
             loras = loras_of(inputs)
@@ -115,7 +121,9 @@ class PipelineEngine(Engine):
             elif loras:
                 raise RequestError("this pipeline was loaded without an adapters directory: its requests name no "
                                    "adapters")
-            caches = [StepCache(step_cache_of(inputs)) for _ in self.transformers]
+            config = step_cache_of(inputs)
+            caches = [StepCache(config) for _ in self.transformers]
+            own_cache = None if self.transformers else DiffusersStepCache(self.pipeline.transformer, config, self.comm)
             for transformer, cache in zip(self.transformers, caches):
                 transformer.step_cache, transformer.agreement = cache, agreement
 
@@ -125,7 +133,8 @@ class PipelineEngine(Engine):
 
             arguments = self.part.call_arguments(self.manifest, inputs)
             self.part.before_call(self.pipeline, arguments)
-            result = self.pipeline(**arguments, output_type="pt", callback_on_step_end=step_done)
+            with own_cache or nullcontext():
+                result = self.pipeline(**arguments, output_type="pt", callback_on_step_end=step_done)
             agreement.finish(self.pipeline.num_timesteps)
         except Exception as error:  # noqa: BLE001 - before the first collective, any failure is agreed on, then raised
             agreement.failed(*failure_message(error))
@@ -135,8 +144,10 @@ class PipelineEngine(Engine):
             for transformer in self.transformers:
                 transformer.step_cache, transformer.agreement = None, None
         # Under guidance parallelism the conditional branch ran on guidance group 0 only: every rank answers its count.
-        # Without a step cache (diffusers' own transformer) every step ran whole.
-        ran = sum(cache.full_steps for cache in caches) if caches else self.pipeline.num_timesteps
+        if own_cache is not None:
+            ran = own_cache.full_steps(self.pipeline.num_timesteps)
+        else:
+            ran = sum(cache.full_steps for cache in caches)
         full_steps = torch.tensor([ran], dtype=torch.int32, device=self.comm.device)
         # Answered on this rank's device (mdtriton.engine.comm, the device contract): a moving no-op for outputs made
         # there, and a copy back for what a component hands back on the host (Cosmos 3's safety checker's frames).

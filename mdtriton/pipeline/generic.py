@@ -5,9 +5,12 @@ every rank with the pipeline's other components and split by sequence as its cla
 (mdtriton.pipeline.graphs). The pipeline runs as diffusers runs it.
 
 What each such pipeline still declares (a `DiffusersPipelinePart`) is only its request: the inputs it takes, their
-defaults and checks, how they become the pipeline's call, and whether a call guides. Context and guidance parallelism
-only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights of ours), no step cache and no
-LoRA adapters yet.
+defaults and checks, how they become the pipeline's call, whether a call guides, and which step cache methods it
+offers. A request's step cache runs as diffusers' own cache hooks, enabled for that request only, First Block Cache's
+decision agreed across the context-parallel ranks (mdtriton.pipeline.diffusers_cache); its LoRA adapters are merged
+into the transformer's weights for that request as into our engines' (mdtriton.lora.weights, by the pipeline engine).
+Context and guidance parallelism only: every rank holds the whole transformer (no tensor parallelism, no FP8 weights
+of ours).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class DiffusersPipelinePart(PipelinePart):
     (signature, optional_inputs, check_inputs, call_arguments, outputs)."""
 
     transformers = ()  # no transformer engines of ours: diffusers loads the transformer with the rest
+    # diffusers' cache hooks (mdtriton.pipeline.diffusers_cache) keep their state per cache context and know only the
+    # blocks diffusers registers: a part whose pipeline calls its transformer under cache_context and whose blocks
+    # diffusers' First Block Cache knows offers ("first_block", "taylorseer").
     cache_methods = ()
 
     def check_build(self, pipeline_dir: Path, plan: ParallelPlan, data_type: str) -> str:

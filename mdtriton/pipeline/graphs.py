@@ -6,7 +6,8 @@ and our attention run eagerly between the compiled blocks): replayed, it is not 
 A call's kind: the values of its arguments that are not tensors (Qwen-Image's img_shapes, the attention kwargs), and
 its tensors' shapes and dtypes. Calls that a graph cannot hold run as they are: over GRAPH_MAX_TOKENS image tokens
 (long enough to hide their launches), with a mask tensor (split attention over masked keys selects them on the host),
-with positional arguments or arguments of other kinds, or returning a dict. The hook sits inside guidance parallelism's
+with positional arguments or arguments of other kinds, or returning a dict, and every call of a request with a step
+cache (mdtriton.pipeline.diffusers_cache: its skips are decided as it runs, which a replay cannot follow). The hook sits inside guidance parallelism's
 (mdtriton.pipeline.guidance) and outside the split's, so a graph holds one branch's whole forward. A prompt of a new
 text length is a new kind: its first call captures (two forwards), which the graphs kept (the most recently used)
 repay within a few steps.
@@ -37,6 +38,14 @@ def replay_graphs(transformer: nn.Module) -> None:
              GRAPH_MAX_TOKENS)
 
 
+def set_replaying(transformer: nn.Module, replaying: bool) -> None:
+    """Replay transformer's calls from graphs (True), or run them as they are (False: the compiled blocks still run)
+    until told again; nothing changes for a transformer without graphs."""
+    hook = HookRegistry.check_if_exists_or_initialize(transformer).get_hook(GRAPH_HOOK)
+    if hook is not None:
+        hook.replaying = replaying
+
+
 class GraphHook(ModelHook):
     """Runs the forward through a CudaGraphForward per kind of call (the MAX_GRAPHS most recently used kinds, each
     with its MAX_GRAPHS most recent shapes)."""
@@ -44,10 +53,11 @@ class GraphHook(ModelHook):
     def __init__(self):
         super().__init__()
         self.graphs: OrderedDict[str, CudaGraphForward] = OrderedDict()
+        self.replaying = True
 
     def new_forward(self, module: nn.Module, *args, **kwargs):
         forward = self.fn_ref.original_forward
-        kind = kind_of(args, kwargs)
+        kind = kind_of(args, kwargs) if self.replaying else None
         if kind is None:
             return forward(*args, **kwargs)
         tensors = {name: value for name, value in kwargs.items() if isinstance(value, torch.Tensor)}

@@ -74,28 +74,29 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
                                            time_shift_type="exponential")
 
 
-def tiny_qwen_image_parts(seed: int = 0) -> dict:
-    """The components Qwen-Image's pipelines share (text-to-image and edit), seeded."""
+def tiny_qwen_image_parts(seed: int = 0, num_layers: int = 1) -> dict:
+    """The components Qwen-Image's pipelines share (text-to-image and edit), seeded; num_layers: the transformer's
+    blocks (First Block Cache needs two at least: a first and a last)."""
     torch.manual_seed(seed)
     tokenizer = qwen_tokenizer()
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                                  temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
                                  latents_std=[1.5, 2.0, 1.0, 2.5])
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers,
                                               attention_head_dim=16, num_attention_heads=2,
                                               joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 4, 4))
     return dict(scheduler=qwen_image_scheduler(), vae=vae, text_encoder=qwen2_5_vl_text_encoder(tokenizer),
                 tokenizer=tokenizer, transformer=transformer)
 
 
-def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
+def tiny_qwen_image_pipeline(seed: int = 0, num_layers: int = 1) -> QwenImagePipeline:
     """Qwen-Image's text-to-image pipeline at toy sizes, its random weights drawn from seed."""
-    return QwenImagePipeline(**tiny_qwen_image_parts(seed))
+    return QwenImagePipeline(**tiny_qwen_image_parts(seed, num_layers))
 
 
-def save_tiny_qwen_image_pipeline(directory: Path, seed: int = 0) -> Path:
+def save_tiny_qwen_image_pipeline(directory: Path, seed: int = 0, num_layers: int = 1) -> Path:
     """Write a tiny pipeline into directory (diffusers' layout, safetensors weights) and return directory."""
-    tiny_qwen_image_pipeline(seed).save_pretrained(directory)
+    tiny_qwen_image_pipeline(seed, num_layers).save_pretrained(directory)
     return Path(directory)
 
 

@@ -1,14 +1,18 @@
 """Pipelines served with diffusers' own transformer, split by its own context-parallel plan
 (mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method, equal diffusers' pipeline in
-one process within 1 uint8 level; bad requests are refused and the server serves on."""
+one process within 1 uint8 level, with and without a step cache (diffusers' cache hooks, First Block Cache's decision
+agreed across the ranks); bad requests are refused and the server serves on."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from diffusers import Flux2KleinPipeline, QwenImagePipeline
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -46,18 +50,24 @@ GUIDANCE_PLANS = {"cfg": ParallelPlan(cfg_size=2)}
 
 @pytest.fixture(scope="module")
 def qwen_image(tmp_path_factory):
-    """The tiny Qwen-Image directory and a server of it built on 2 ranks by each method and by guidance."""
-    pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("qwen-image"), save_tiny_qwen_image_pipeline,
+    """The tiny Qwen-Image directory (two blocks: First Block Cache's first and last) and a server of it built on 2
+    ranks by each method and by guidance."""
+    pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("qwen-image"),
+                                           partial(save_tiny_qwen_image_pipeline, num_layers=2),
                                            "qwen-image-pipeline", METHODS, "qwen", GUIDANCE_PLANS)
     yield pipeline_dir, server
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, **load_arguments) -> np.ndarray:
+def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, cache=None,
+              **load_arguments) -> np.ndarray:
     """diffusers' pipeline in this process with the directory's components (and load_arguments) for a request as
-    `served` takes it (its `images`, UINT8 arrays, given to the pipeline as PIL images)."""
+    `served` takes it (its `images`, UINT8 arrays, given to the pipeline as PIL images), after
+    `transformer.enable_cache(cache)` where a diffusers cache config is given."""
     pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True, **load_arguments)
     pipeline.set_progress_bar_config(disable=True)
+    if cache is not None:
+        pipeline.transformer.enable_cache(cache)
     arguments = {key: value for key, value in request.items() if key not in ("seed", "images")}
     if "images" in request:
         arguments["image"] = [Image.fromarray(image) for image in request["images"]]
@@ -68,13 +78,18 @@ def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, **l
 def served(server, model: str, request: dict) -> np.ndarray:
     """The served image of a request: its texts, numbers and `images` (sent as image, image_2, image_3) or, for
     requests the client would not make, `arrays` (input arrays by name, sent as they are)."""
+    return served_with_steps(server, model, request)[0]
+
+
+def served_with_steps(server, model: str, request: dict, cache: dict | str | None = None) -> tuple[np.ndarray, int]:
+    """The served image of a request (as `served` sends it) with a step cache (None: none), and its full_steps."""
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
     numbers = {name: value for name, value in request.items() if name not in (*texts, "images", "arrays")}
-    arrays = {**request_arrays(texts, numbers, None, None), **image_arrays(request.get("images", [])),
+    arrays = {**request_arrays(texts, numbers, cache, None), **image_arrays(request.get("images", [])),
               **request.get("arrays", {})}
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
         result = client.infer(model, infer_inputs(arrays), client_timeout=300)
-    return result.as_numpy("image")
+    return result.as_numpy("image"), int(result.as_numpy("full_steps")[0])
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -113,6 +128,58 @@ def test_bad_requests_are_invalid_argument_and_the_server_serves_on(qwen_image, 
     pipeline_dir, server = qwen_image
     with pytest.raises(InferenceServerException) as refused:
         served(server, "qwen-ring", {**REQUEST, **change})
+    assert "INVALID_ARG" in str(refused.value.status()) and message in refused.value.message()
+    assert served(server, "qwen-ring", REQUEST).shape == (1, 64, 48, 3)
+
+
+# 48x48 is 9 image tokens: the ranks hold 5 and 4. diffusers' First Block Cache's ratios at steps 1 to 3 of this
+# request (one process, both branches alike): 0.27, 0.42, 0.42 after a skip; 0.35 skips step 1 only, 10 every step
+# after the first. Each threshold is far from every ratio, so a rank's float sums cannot tip a decision.
+CACHED = {**REQUEST, "height": 48, "width": 48, "num_inference_steps": 4}
+FIRST_BLOCK_FULL_STEPS = {0.35: 3, 10.0: 1}
+
+
+@pytest.mark.parametrize("method", ("ulysses", "ring"))
+def test_first_block_cache_equals_diffusers_with_the_same_config(qwen_image, method):
+    """Every rank takes the one-process decision (the sums added across the ranks, whose shares differ), so the
+    image equals diffusers' with the same FirstBlockCacheConfig, and full_steps counts the steps that ran every
+    block; the large threshold changes the image; the next request without a cache runs every step, as before."""
+    pipeline_dir, server = qwen_image
+    model = f"qwen-{method}"
+    for threshold, full_steps in FIRST_BLOCK_FULL_STEPS.items():
+        image, ran = served_with_steps(server, model, CACHED, {"method": "first_block", "threshold": threshold})
+        expected = reference(pipeline_dir, CACHED, cache=FirstBlockCacheConfig(threshold=threshold))
+        assert max_level_difference(image, expected) <= 1 and ran == full_steps, threshold
+    uncached = reference(pipeline_dir, CACHED)
+    assert max_level_difference(expected, uncached) > 1
+    image, ran = served_with_steps(server, model, CACHED)
+    assert max_level_difference(image, uncached) <= 1 and ran == CACHED["num_inference_steps"]
+
+
+def test_taylorseer_equals_diffusers_with_the_same_config(qwen_image):
+    """TaylorSeer decides by the call count, alike on every rank: computed at steps 0 and 2, predicted at 1 and 3.
+    Predicting the tiny transformer's attentions moves its image by one level at most (at 89 of its 6,912 values in
+    one process): the served image must be diffusers' TaylorSeer image, not the uncached one."""
+    pipeline_dir, server = qwen_image
+    cache = {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}
+    image, ran = served_with_steps(server, "qwen-ulysses", CACHED, cache)
+    expected = reference(pipeline_dir, CACHED, cache=TaylorSeerCacheConfig(cache_interval=2,
+                                                                           disable_cache_before_step=1))
+    assert max_level_difference(image, expected) <= 1 and ran == 2
+    moved = np.count_nonzero(expected != reference(pipeline_dir, CACHED))
+    assert moved > 40 and np.count_nonzero(image != expected) < moved // 4
+
+
+@pytest.mark.parametrize("cache, message", [
+    ({"method": "first_block", "threshold": -1}, "cache threshold -1 is not a finite number >= 0"),
+    ({"method": "teacache"}, "cache method 'teacache' is not one of none, first_block, taylorseer"),
+    ({"method": "first_block", "interval": 2}, "cache field(s) interval unknown to method 'first_block'"),
+    ("[1]", "cache is an array, not a JSON object"),
+])
+def test_bad_caches_are_invalid_argument_and_the_server_serves_on(qwen_image, cache, message):
+    _, server = qwen_image
+    with pytest.raises(InferenceServerException) as refused:
+        served_with_steps(server, "qwen-ring", CACHED, cache)
     assert "INVALID_ARG" in str(refused.value.status()) and message in refused.value.message()
     assert served(server, "qwen-ring", REQUEST).shape == (1, 64, 48, 3)
 
