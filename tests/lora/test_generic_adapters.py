@@ -12,6 +12,7 @@ from diffusers import QwenImagePipeline
 
 from mdtriton.build_tools.adapters import add_adapter
 from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.build_tools.repository import ENGINE_DIR
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.lora.directory import adapters_dir
@@ -58,9 +59,9 @@ def reference(pipeline_dir, files: dict) -> np.ndarray:
 def test_qwen_image_adapters_equal_diffusers_on_two_ranks(tmp_path):
     pipeline_dir = save_tiny_qwen_image_pipeline(tmp_path / "pipeline")
     repository = tmp_path / "repository"
-    engine_dir = build_model_version(repository, "qwen", "qwen-image-pipeline", None,
-                                     ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "cpu",
-                                     weights_path=pipeline_dir, progress=False) / ENGINE_DIR
+    engine_dir = build_model_version(repository, "qwen", BuildRequest(
+        "qwen-image-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "cpu",
+        weights_path=pipeline_dir, progress=False)) / ENGINE_DIR
     transformer = QwenImagePipeline.from_pretrained(pipeline_dir, local_files_only=True).transformer
     files = {"style": diffusers_lora(tmp_path / "style.safetensors", transformer, seed=1, rank=4),
              "detail": diffusers_lora(tmp_path / "detail.safetensors", transformer, seed=2, rank=2)}
