@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,9 @@ class DiffusersPipelinePart(PipelinePart):
     (signature, optional_inputs, check_request, call_arguments, outputs)."""
 
     transformers = ()  # no transformer engines of ours: diffusers loads the transformer with the rest
+    # Whether a guided step makes both branches' transformer call in one doubled batch (LTX2Pipeline) rather than
+    # two calls; guidance parallelism then splits that batch by halves (mdtriton.pipeline.guidance).
+    guidance_in_batch: ClassVar[bool] = False
     cache_methods = ()
 
     def check_build(self, pipeline_dir: Path, plan: ParallelPlan, data_type: str) -> str:
@@ -79,15 +82,15 @@ class DiffusersPipelinePart(PipelinePart):
             compile_blocks(transformer)
             if comm.device.type == "cuda":
                 replay_graphs(transformer)
-        split_by_guidance(transformer, comm)
+        split_by_guidance(transformer, comm, self.guidance_in_batch)
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""
         from mdtriton.pipeline.guidance import set_guided
 
-        set_guided(pipeline.transformer, self.guides(arguments))
+        set_guided(pipeline.transformer, self.guides(pipeline, arguments))
 
-    def guides(self, arguments: dict) -> bool:
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
         """Whether the pipeline called with arguments (call_arguments') makes a conditional and an unconditional
         transformer call each step; a part with guidance_branches says when."""
         return False

@@ -1,6 +1,7 @@
 """Pipelines served with diffusers' own transformer, split by its own context-parallel plan
 (mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method, equal diffusers' pipeline in
-one process within 1 uint8 level; bad requests are refused and the server serves on."""
+one process within 1 uint8 level (guidance parallelism: Qwen-Image here, every other guiding pipeline in
+tests/pipeline/test_guidance.py); bad requests are refused and the server serves on."""
 
 from __future__ import annotations
 
@@ -158,14 +159,14 @@ def test_mdtriton_generate_refuses_an_image_for_a_model_that_takes_none(qwen_ima
     assert not (tmp_path / "out.png").exists()
 
 
-KLEIN_METHODS = ("ulysses", "allgather_kv")
+KLEIN_METHODS = METHODS
 KLEIN_REQUEST = dict(prompt=["a red cat on a blue mat"], height=64, width=48, num_inference_steps=2, guidance_scale=4.0,
                      seed=3)
 
 
 @pytest.fixture(scope="module")
 def flux2_klein(tmp_path_factory):
-    """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by two methods."""
+    """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by each method."""
     pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("flux2-klein"), save_tiny_flux2_klein_pipeline,
                                            "flux2-klein-pipeline", KLEIN_METHODS, "klein")
     yield pipeline_dir, server

@@ -1,5 +1,6 @@
-"""FLUX.1 Kontext served both ways on 2 gloo ranks: through our FLUX engine (flux-kontext-pipeline: ulysses, ring, tp)
-and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring). Each equals
+"""FLUX.1 Kontext served both ways on 2 gloo ranks: through our FLUX engine (flux-kontext-pipeline: ulysses, ring,
+allgather_kv, tp) and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring,
+allgather_kv; both ways on cfg 2 x ulysses 2 in tests/pipeline/test_guidance.py). Each equals
 diffusers' FluxKontextPipeline in one process with the same components, input image and seed within 1 uint8 level,
 with an input image (its tokens appended to the sequence) and without one (text to image); the sequences' lengths are
 odd, so the context-parallel ranks split them unevenly. Bad requests are refused with INVALID_ARGUMENT naming the
@@ -26,9 +27,11 @@ from tests.pipeline.pipelines import max_level_difference
 MODELS = {
     "fast-ulysses": ("flux-kontext-pipeline", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "fast-ring": ("flux-kontext-pipeline", ParallelPlan(cp_size=2, cp_method="ring")),
+    "fast-allgather_kv": ("flux-kontext-pipeline", ParallelPlan(cp_size=2, cp_method="allgather_kv")),
     "fast-tp": ("flux-kontext-pipeline", ParallelPlan(tp_size=2)),
     "generic-ulysses": ("flux-kontext-generic-pipeline", ParallelPlan(cp_size=2, cp_method="ulysses")),
     "generic-ring": ("flux-kontext-generic-pipeline", ParallelPlan(cp_size=2, cp_method="ring")),
+    "generic-allgather_kv": ("flux-kontext-generic-pipeline", ParallelPlan(cp_size=2, cp_method="allgather_kv")),
 }
 LIMITS = EngineLimits(max_batch_size=2, max_tokens=300)
 # 9 text tokens, 3x2 image tokens made and 2x4 of the input image: 23 tokens (15 without the image), split 12 + 11.
