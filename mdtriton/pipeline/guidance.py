@@ -50,10 +50,11 @@ def split_by_guidance(transformer: nn.Module, comm: Communicator, in_batch: bool
 
 
 def set_guided(transformer: nn.Module, guided: bool) -> None:
-    """Tell a transformer split by guidance whether the next request makes an unconditional call each step."""
+    """Tell a transformer split by guidance whether the next request makes an unconditional call each step; no
+    conditional call is pending then (a failed request's)."""
     hook = HookRegistry.check_if_exists_or_initialize(transformer).get_hook(GUIDANCE_HOOK)
     if hook is not None:
-        hook.guided = guided
+        hook.guided, hook.pending, hook.branch = guided, None, None
 
 
 class GuidanceHook(ModelHook):

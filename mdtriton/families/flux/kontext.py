@@ -159,8 +159,10 @@ class FluxKontextPipelinePart(KontextRequest, FluxPipelinePart):
     """FluxKontextPipeline with our FLUX engine as its transformer (called as FluxPipeline calls it)."""
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
-        """Tell the engine's transformer whether this call guides (guidance parallelism)."""
+        """Tell the engine's transformer whether this call guides (guidance parallelism), with no conditional call
+        pending (a failed request's)."""
         pipeline.transformer.guided = self.guides(pipeline, arguments)
+        pipeline.transformer.pending = None
 
 
 FLUX_KONTEXT = FluxKontextPipelinePart()
