@@ -6,12 +6,12 @@ A guiding pipeline (QwenImagePipeline, Flux2KleinPipeline, ...) calls its transf
 `cache_context("cond")`, then under `cache_context("uncond")`, and combines the two outputs only after both calls
 (our Wan family relies on the same order); one that names no cache context (FluxKontextPipeline) makes the same two
 calls in the same order, so a guided step's first call is its conditional one. So the conditional call hands back a
-tensor not yet filled and keeps its inputs; the unconditional call runs the conditional inputs on guidance group 0 and its own on group 1, exchanges the
-outputs, fills the conditional call's tensor and returns its own. The pipeline may slice the conditional output
-before the unconditional call (a view, filled with it), but must not compute with it: a pipeline that does is not
-declared as guiding (`DiffusersPipelinePart.guidance_branches`). Whether a request guides (a negative prompt, a scale
-over 1) is known from its call arguments before the pipeline runs; one that does not makes no unconditional call, and
-both groups then run every call alike.
+tensor not yet filled and keeps its inputs; the unconditional call runs the conditional inputs on guidance group 0
+and its own on group 1, exchanges the outputs, fills the conditional call's tensor and returns its own. The pipeline
+may slice the conditional output before the unconditional call (a view, filled with it), but must not compute with
+it: a pipeline that does is not declared as guiding (`DiffusersPipelinePart.guidance_branches`). Whether a request
+guides (a negative prompt, a scale over 1) is known from its call arguments before the pipeline runs; one that does
+not makes no unconditional call, and both groups then run every call alike.
 
 A pipeline that guides in one call of a doubled batch instead (LTX2Pipeline: the unconditional samples, then the
 conditional ones, under `cache_context("cond_uncond")`) has that call split by halves of its batch: each guidance group

@@ -1,6 +1,6 @@
 """Pipelines served with diffusers' own transformer, split by its own context-parallel plan
-(mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method, equal diffusers' pipeline in
-one process within 1 uint8 level (guidance parallelism: Qwen-Image here, every other guiding pipeline in
+(mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method ([klein]'s ring in process),
+equal diffusers' pipeline in one process within 1 uint8 level (guidance parallelism of the others:
 tests/pipeline/test_guidance.py); bad requests are refused and the server serves on."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_pipeline
 from tests.conftest import start_server
-from tests.pipeline.pipelines import max_level_difference
+from tests.pipeline.pipelines import max_level_difference, outputs_in_process
 
 METHODS = ("ulysses", "ring", "allgather_kv")
 REQUEST = dict(prompt=["a red cat on a blue mat"], negative_prompt=["blurry"], height=64, width=48,
@@ -159,14 +159,14 @@ def test_mdtriton_generate_refuses_an_image_for_a_model_that_takes_none(qwen_ima
     assert not (tmp_path / "out.png").exists()
 
 
-KLEIN_METHODS = METHODS
+KLEIN_METHODS = ("ulysses", "allgather_kv")
 KLEIN_REQUEST = dict(prompt=["a red cat on a blue mat"], height=64, width=48, num_inference_steps=2, guidance_scale=4.0,
                      seed=3)
 
 
 @pytest.fixture(scope="module")
 def flux2_klein(tmp_path_factory):
-    """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by each method."""
+    """The tiny FLUX.2 [klein] directory and a server of it built on 2 ranks by two methods."""
     pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("flux2-klein"), save_tiny_flux2_klein_pipeline,
                                            "flux2-klein-pipeline", KLEIN_METHODS, "klein")
     yield pipeline_dir, server
@@ -193,6 +193,15 @@ def test_flux2_klein_with_input_images_equals_diffusers(flux2_klein):
     expected = reference(pipeline_dir, request, Flux2KleinPipeline)
     assert max_level_difference(image, expected) <= 1
     assert max_level_difference(expected, reference(pipeline_dir, KLEIN_REQUEST, Flux2KleinPipeline)) > 2
+
+
+def test_flux2_klein_on_ring_equals_diffusers_in_process(tmp_path):
+    """The method the server above is not built with, on 2 gloo ranks run as a server's ranks run them."""
+    pipeline_dir = save_tiny_flux2_klein_pipeline(tmp_path / "pipeline")
+    builds = {"ring": ("flux2-klein-pipeline", pipeline_dir, ParallelPlan(cp_size=2, cp_method="ring"), KLEIN_REQUEST)}
+    expected = reference(pipeline_dir, KLEIN_REQUEST, Flux2KleinPipeline)
+    for rank, outputs in enumerate(outputs_in_process(tmp_path / "repository", builds)):
+        assert max_level_difference(outputs["ring"]["image"], expected) <= 1, f"rank {rank}"
 
 
 def test_flux2_klein_refuses_a_text_length_out_of_range(flux2_klein):

@@ -13,25 +13,17 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline
 
-from mdtriton.build_tools.build import build_model_version
-from mdtriton.build_tools.repository import ENGINE_DIR
-from mdtriton.client.pipeline import image_arrays
 from mdtriton.engine.comm import Communicator
-from mdtriton.engine.dtypes import TORCH_DTYPES
-from mdtriton.engine.manifest import Manifest
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.qwen_image import QWEN_IMAGE
-from mdtriton.pipeline.prompts import prompt_tensor
-from mdtriton.serving import check_request, load_engine, with_defaults
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline
 from mdtriton.testing.tiny_flux_pipeline import tiny_flux_kontext_pipeline
 from mdtriton.testing.tiny_ltx2_pipeline import save_tiny_ltx2_image_to_video_pipeline, save_tiny_ltx2_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_edit_plus_pipeline, tiny_qwen_image_pipeline
 from tests.distributed import run_ranks
-from tests.pipeline.pipelines import max_level_difference
+from tests.pipeline.pipelines import max_level_difference, outputs_in_process
 from tests.pipeline.test_diffusers_pipelines import KLEIN_REQUEST as KLEIN
 from tests.pipeline.test_diffusers_pipelines import reference
-from tests.pipeline.test_flux_kontext_pipeline import LIMITS as KONTEXT_LIMITS
 from tests.pipeline.test_flux_kontext_pipeline import REQUEST as KONTEXT
 from tests.pipeline.test_flux_kontext_pipeline import input_image as kontext_image
 from tests.pipeline.test_flux_kontext_pipeline import reference as kontext_reference
@@ -93,9 +85,9 @@ def save_tiny_flux_kontext_pipeline(directory: Path) -> Path:
     return directory
 
 
-# Every other guiding pipeline, built on cfg 2 x ulysses 2 and run on 4 gloo ranks as a server's ranks run it (the
-# engine loaded from its directory, the request checked and completed with its defaults), each guided request's
-# outputs equal to diffusers' pipeline in one process: FLUX.2 [klein] (guidance_scale over 1, not distilled),
+# Every other guiding pipeline, built on cfg 2 x ulysses 2 and run on 4 gloo ranks as a server's ranks run it
+# (tests.pipeline.pipelines.outputs_in_process: the request checked and completed with its defaults), each guided
+# request's outputs equal to diffusers' pipeline in one process: FLUX.2 [klein] (guidance_scale over 1, not distilled),
 # Qwen-Image-Edit-Plus (a negative prompt), FLUX.1 Kontext both ways (true_cfg_scale and a negative prompt; its
 # pipeline names no branch) and LTX-2 text and image to video (both branches in one doubled batch).
 KONTEXT_REQUEST = {**KONTEXT, "negative_prompt": ["blurry"], "true_cfg_scale": 2.0, "image": kontext_image()}
@@ -111,52 +103,15 @@ GUIDED_PIPELINES = {
 }
 
 
-def engine_inputs(engine_dir: Path, request: dict) -> dict[str, torch.Tensor]:
-    """request (texts as lists, numbers, input images as `images` or `image`) as a server hands it to its ranks:
-    tensors typed as the model declares them, checked, with the model's defaults for what it leaves out."""
-    manifest = Manifest.read(engine_dir)
-    values = {**{key: value for key, value in request.items() if key != "images"},
-              **image_arrays(request.get("images", []))}
-    inputs = {}
-    for spec in manifest.inputs:
-        value = values.get(spec.name)
-        if value is None:
-            continue
-        if spec.data_type == "STRING":
-            inputs[spec.name] = torch.from_numpy(prompt_tensor(value))
-        elif spec.data_type == "UINT8":
-            inputs[spec.name] = torch.from_numpy(np.ascontiguousarray(value))
-        else:
-            inputs[spec.name] = torch.tensor([value], dtype=TORCH_DTYPES[spec.data_type])
-    check_request(manifest, inputs)
-    return with_defaults(manifest, inputs, {})
-
-
-def guided_on_ranks(rank: int, world_size: int, engines: dict[str, tuple[str, dict]]) -> dict[str, dict]:
-    """Each engine loaded on this rank, and its request's outputs (but the step counts) as arrays."""
-    results = {}
-    for name, (engine_dir, inputs) in engines.items():
-        manifest = Manifest.read(Path(engine_dir))
-        comm = Communicator(manifest.plan, rank, torch.device("cpu"))
-        comm.join_groups()
-        outputs = load_engine(Path(engine_dir), manifest, comm).forward(inputs)
-        results[name] = {key: value.numpy() for key, value in outputs.items() if key not in ("step", "full_steps")}
-    return results
-
-
 @pytest.fixture(scope="module")
 def guided_pipelines(tmp_path_factory):
     """Each guiding pipeline's directory, and its outputs on the 4 ranks of cfg 2 x ulysses 2, rank by rank."""
     root = tmp_path_factory.mktemp("guided")
     plan = ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses")
-    directories, engines = {}, {}
-    for name, (architecture, save, request) in GUIDED_PIPELINES.items():
-        directories[name] = save(root / name)
-        engine_dir = build_model_version(root / "repository", name, architecture, None, plan, "FP32", "cpu",
-                                         weights_path=directories[name], progress=False,
-                                         limits=KONTEXT_LIMITS if name.startswith("kontext") else None) / ENGINE_DIR
-        engines[name] = (str(engine_dir), engine_inputs(engine_dir, request))
-    return directories, run_ranks(4, guided_on_ranks, engines, timeout=540)
+    directories = {name: save(root / name) for name, (_, save, _) in GUIDED_PIPELINES.items()}
+    builds = {name: (architecture, directories[name], plan, request)
+              for name, (architecture, _, request) in GUIDED_PIPELINES.items()}
+    return directories, outputs_in_process(root / "repository", builds)
 
 
 def guided_reference(name: str, pipeline_dir: Path) -> dict[str, np.ndarray]:

@@ -1,8 +1,9 @@
 """Pipelines that take input images (image, image_2, image_3: mdtriton.pipeline.image_inputs), served with diffusers'
-own transformer split by its plan on 2 gloo ranks, each method: FLUX.2 [dev] (reference images, one to three) and
-Qwen-Image-Edit-Plus (one and three images; its guidance parallelism in tests/pipeline/test_guidance.py), each equal
-to diffusers' pipeline in one process given the same PIL images within 1 uint8 level; bad requests are refused naming the input and the server serves on. The tiny pipelines make
-the input images matter (one image more or fewer changes the image by 8 uint8 levels or more)."""
+own transformer split by its plan on 2 gloo ranks: FLUX.2 [dev] (reference images, none to three) and
+Qwen-Image-Edit-Plus (one to three), each equal to diffusers' pipeline in one process given the same PIL images
+within 1 uint8 level (allgather_kv on 2 ranks run in process; Edit-Plus on cfg 2 x ulysses 2:
+tests/pipeline/test_guidance.py); bad requests are refused naming the input and the server serves on. The tiny
+pipelines make the input images matter (one image more or fewer changes the image by 8 uint8 levels or more)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.image_text_processor import image_text_processor
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_edit_plus_pipeline
-from tests.pipeline.pipelines import max_level_difference
+from tests.pipeline.pipelines import max_level_difference, outputs_in_process
 from tests.pipeline.test_diffusers_pipelines import reference, served, served_pipeline
 
 
@@ -29,21 +30,21 @@ def input_image(seed: int, height: int, width: int) -> np.ndarray:
 
 
 IMAGES = [input_image(1, 64, 64), input_image(2, 80, 64), input_image(3, 64, 96)]
-DEV_METHODS = ("ulysses", "ring", "allgather_kv")
+DEV_METHODS = ("ulysses", "ring")
 DEV_REQUEST = dict(prompt=["a red cat on a blue mat"], num_inference_steps=2, guidance_scale=4.0, seed=5)
 DEV_GOOD = {**DEV_REQUEST, "height": 64, "width": 48}
 
 
 @pytest.fixture(scope="module")
 def flux2_dev(tmp_path_factory):
-    """The tiny FLUX.2 [dev] directory and a server of it built on 2 ranks by each method."""
+    """The tiny FLUX.2 [dev] directory and a server of it built on 2 ranks by two methods."""
     pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("flux2-dev"), save_tiny_flux2_pipeline,
                                            "flux2-pipeline", DEV_METHODS, "dev")
     yield pipeline_dir, server
     server.stop()
 
 
-@pytest.mark.parametrize("method, count", [("ulysses", 3), ("ring", 1), ("allgather_kv", 2)])
+@pytest.mark.parametrize("method, count", [("ulysses", 3), ("ring", 1)])
 def test_flux2_dev_with_input_images_equals_diffusers(flux2_dev, method, count):
     """No size sent: the first input image's, as in diffusers."""
     pipeline_dir, server = flux2_dev
@@ -109,17 +110,16 @@ def test_mdtriton_generate_sends_each_image(flux2_dev, tmp_path):
     assert main(command + paths + paths[:2]) == 1
 
 
-EDIT_METHODS = ("ulysses", "ring", "allgather_kv")
 EDIT_REQUEST = dict(prompt=["make the cat blue"], negative_prompt=["blurry"], height=64, width=64,
                     num_inference_steps=2, true_cfg_scale=4.0, seed=7)
 
 
 @pytest.fixture(scope="module")
 def edit_plus(tmp_path_factory):
-    """The tiny Qwen-Image-Edit-Plus directory and a server of it built on 2 ranks by each method."""
+    """The tiny Qwen-Image-Edit-Plus directory and a server of it built on 2 ranks by two methods."""
     pipeline_dir, server = served_pipeline(tmp_path_factory.mktemp("edit-plus"),
                                            save_tiny_qwen_image_edit_plus_pipeline, "qwen-image-edit-plus-pipeline",
-                                           EDIT_METHODS, "edit")
+                                           ("ulysses", "ring"), "edit")
     yield pipeline_dir, server
     server.stop()
 
@@ -160,13 +160,26 @@ def test_edit_plus_refuses_bad_requests_then_equals_diffusers_with_one_image(edi
     assert max_level_difference(image, edit_reference(pipeline_dir, good)) <= 1
 
 
-@pytest.mark.parametrize("method, count", [("ring", 3), ("allgather_kv", 3), ("allgather_kv", 1)])
-def test_edit_plus_with_one_or_three_images_equals_diffusers(edit_plus, method, count):
-    """With one image on ulysses above: each method with three images, and one image on allgather_kv."""
+def test_edit_plus_with_three_images_equals_diffusers(edit_plus):
     pipeline_dir, server = edit_plus
-    request = {**EDIT_REQUEST, "images": IMAGES[:count]}
-    image = served(server, f"edit-{method}", request)
+    request = {**EDIT_REQUEST, "images": IMAGES}
+    image = served(server, "edit-ring", request)
     assert image.shape == (1, 64, 64, 3)
     assert max_level_difference(image, edit_reference(pipeline_dir, request)) <= 1
     assert ("mdtriton rank 1 worker: QwenImageTransformer2DModel split by its context-parallel plan across 2 ranks "
-            f"({method})") in server.log_file.read_text()
+            "(ring)") in server.log_file.read_text()
+
+
+def test_allgather_kv_equals_diffusers_in_process(tmp_path):
+    """The method neither server above is built with, on 2 gloo ranks run as a server's ranks run them: FLUX.2 [dev]
+    with two input images, Qwen-Image-Edit-Plus with three."""
+    plan = ParallelPlan(cp_size=2, cp_method="allgather_kv")
+    dev_dir = save_tiny_flux2_pipeline(tmp_path / "dev")
+    edit_dir = save_tiny_qwen_image_edit_plus_pipeline(tmp_path / "edit")
+    dev_request, edit_request = {**DEV_REQUEST, "images": IMAGES[:2]}, {**EDIT_REQUEST, "images": IMAGES}
+    builds = {"dev": ("flux2-pipeline", dev_dir, plan, dev_request),
+              "edit": ("qwen-image-edit-plus-pipeline", edit_dir, plan, edit_request)}
+    expected = {"dev": reference(dev_dir, dev_request, Flux2Pipeline), "edit": edit_reference(edit_dir, edit_request)}
+    for rank, outputs in enumerate(outputs_in_process(tmp_path / "repository", builds)):
+        for name, image in expected.items():
+            assert max_level_difference(outputs[name]["image"], image) <= 1, f"{name}, rank {rank}"
