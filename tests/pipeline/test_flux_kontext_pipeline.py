@@ -1,7 +1,6 @@
 """FLUX.1 Kontext served both ways on 2 gloo ranks: through our FLUX engine (flux-kontext-pipeline: ulysses, ring, tp)
-and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring); both ways on
-allgather_kv run in process as a server's ranks run them (cfg 2 x ulysses 2: tests/pipeline/test_guidance.py). Each
-equals
+and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring); allgather_kv and
+cfg 2 x ulysses 2 both ways: tests/pipeline/test_pipeline_plans.py. Each equals
 diffusers' FluxKontextPipeline in one process with the same components, input image and seed within 1 uint8 level,
 with an input image (its tokens appended to the sequence) and without one (text to image); the sequences' lengths are
 odd, so the context-parallel ranks split them unevenly. Bad requests are refused with INVALID_ARGUMENT naming the
@@ -23,7 +22,7 @@ from mdtriton.engine.manifest import EngineLimits
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_flux_pipeline import tiny_flux_kontext_pipeline
 from tests.conftest import start_server
-from tests.pipeline.pipelines import max_level_difference, outputs_in_process
+from tests.pipeline.pipelines import max_level_difference
 
 MODELS = {
     "fast-ulysses": ("flux-kontext-pipeline", ParallelPlan(cp_size=2, cp_method="ulysses")),
@@ -137,16 +136,3 @@ def test_mdtriton_generate_sends_the_input_image(kontext, tmp_path):
                  "--seed", "7", "--max-sequence-length", "9", "-o", str(output)]) == 0
     made = np.asarray(Image.open(output))[None]
     assert max_level_difference(made, reference(pipeline_dir, REQUEST, input_image())) <= 1
-
-
-def test_allgather_kv_both_ways_equals_diffusers_in_process(tmp_path):
-    pipeline_dir = tmp_path / "pipeline"
-    tiny_flux_kontext_pipeline(seed=0).save_pretrained(pipeline_dir)
-    plan = ParallelPlan(cp_size=2, cp_method="allgather_kv")
-    request = {**REQUEST, "image": input_image()}
-    ways = {"fast": "flux-kontext-pipeline", "generic": "flux-kontext-generic-pipeline"}
-    builds = {way: (architecture, pipeline_dir, plan, request) for way, architecture in ways.items()}
-    expected = reference(pipeline_dir, REQUEST, input_image())
-    for rank, outputs in enumerate(outputs_in_process(tmp_path / "repository", builds)):
-        for way in builds:
-            assert max_level_difference(outputs[way]["image"], expected) <= 1, f"{way}, rank {rank}"

@@ -1,9 +1,9 @@
 """Pipelines that take input images (image, image_2, image_3: mdtriton.pipeline.image_inputs), served with diffusers'
 own transformer split by its plan on 2 gloo ranks: FLUX.2 [dev] (reference images, none to three) and
 Qwen-Image-Edit-Plus (one to three), each equal to diffusers' pipeline in one process given the same PIL images
-within 1 uint8 level (allgather_kv on 2 ranks run in process; Edit-Plus on cfg 2 x ulysses 2:
-tests/pipeline/test_guidance.py); bad requests are refused naming the input and the server serves on. The tiny
-pipelines make the input images matter (one image more or fewer changes the image by 8 uint8 levels or more)."""
+within 1 uint8 level (the plans these servers are not built with: tests/pipeline/test_pipeline_plans.py); bad
+requests are refused naming the input and the server serves on. The tiny pipelines make the input images matter (one
+image more or fewer changes the image by 8 uint8 levels or more)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.image_text_processor import image_text_processor
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_edit_plus_pipeline
-from tests.pipeline.pipelines import max_level_difference, outputs_in_process
+from tests.pipeline.pipelines import max_level_difference
 from tests.pipeline.test_diffusers_pipelines import reference, served, served_pipeline
 
 
@@ -169,17 +169,3 @@ def test_edit_plus_with_three_images_equals_diffusers(edit_plus):
     assert ("mdtriton rank 1 worker: QwenImageTransformer2DModel split by its context-parallel plan across 2 ranks "
             "(ring)") in server.log_file.read_text()
 
-
-def test_allgather_kv_equals_diffusers_in_process(tmp_path):
-    """The method neither server above is built with, on 2 gloo ranks run as a server's ranks run them: FLUX.2 [dev]
-    with two input images, Qwen-Image-Edit-Plus with three."""
-    plan = ParallelPlan(cp_size=2, cp_method="allgather_kv")
-    dev_dir = save_tiny_flux2_pipeline(tmp_path / "dev")
-    edit_dir = save_tiny_qwen_image_edit_plus_pipeline(tmp_path / "edit")
-    dev_request, edit_request = {**DEV_REQUEST, "images": IMAGES[:2]}, {**EDIT_REQUEST, "images": IMAGES}
-    builds = {"dev": ("flux2-pipeline", dev_dir, plan, dev_request),
-              "edit": ("qwen-image-edit-plus-pipeline", edit_dir, plan, edit_request)}
-    expected = {"dev": reference(dev_dir, dev_request, Flux2Pipeline), "edit": edit_reference(edit_dir, edit_request)}
-    for rank, outputs in enumerate(outputs_in_process(tmp_path / "repository", builds)):
-        for name, image in expected.items():
-            assert max_level_difference(outputs[name]["image"], image) <= 1, f"{name}, rank {rank}"
