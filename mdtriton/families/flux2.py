@@ -122,6 +122,11 @@ class Flux2KleinPipelinePart(Flux2PipelinePart):
     diffusers_class = "Flux2KleinPipeline"
     model_name = "FLUX.2 [klein]"
     cache_methods = ("first_block", "taylorseer")  # its pipeline names cache contexts; FLUX.2 [dev]'s names none
+    guidance_branches = True
+
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
+        """As Flux2KleinPipeline decides: guidance_scale over 1 and a checkpoint not guidance distilled."""
+        return arguments["guidance_scale"] > 1 and not pipeline.config.is_distilled
 
 
 FLUX2 = Flux2PipelinePart()

@@ -12,6 +12,7 @@ it to the clip's size). Outputs: the clip's frames as UINT8 [batch, frames, heig
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -53,6 +54,8 @@ def ltx2_context_parallel_plan(transformer: torch.nn.Module) -> dict:
 
 class LTX2PipelinePart(DiffusersPipelinePart):
     diffusers_class = "LTX2Pipeline"
+    guidance_branches = True
+    guidance_in_batch = True  # the unconditional and conditional samples in one call, under "cond_uncond"
 
     def signature(self) -> Signature:
         inputs = (
@@ -140,6 +143,12 @@ class LTX2PipelinePart(DiffusersPipelinePart):
             "guidance_scale": float(inputs["guidance_scale"][0]),
             "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
         }
+
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
+        """As LTX2Pipeline decides: guidance_scale or audio_guidance_scale (the pipeline's default: a request does not
+        set it) over 1."""
+        audio_guidance = inspect.signature(type(pipeline).__call__).parameters["audio_guidance_scale"].default
+        return arguments["guidance_scale"] > 1 or (audio_guidance or arguments["guidance_scale"]) > 1
 
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"video": UINT8 [batch, frames, height, width, 3] of the frames [batch, frames, 3, H, W] in [0, 1], rounded

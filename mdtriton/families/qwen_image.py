@@ -87,7 +87,7 @@ class QwenImagePipelinePart(DiffusersPipelinePart):
             "generator": torch.Generator().manual_seed(int(inputs["seed"][0])),
         }
 
-    def guides(self, arguments: dict) -> bool:
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
         """As QwenImagePipeline decides: true_cfg_scale over 1 with a negative prompt."""
         return arguments["true_cfg_scale"] > 1 and arguments["negative_prompt"] is not None
 

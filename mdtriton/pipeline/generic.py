@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,6 +36,9 @@ class DiffusersPipelinePart(PipelinePart):
     (signature, optional_inputs, check_inputs, call_arguments, outputs)."""
 
     transformers = ()  # no transformer engines of ours: diffusers loads the transformer with the rest
+    # Whether a guided step makes both branches' transformer call in one doubled batch (LTX2Pipeline) rather than
+    # two calls; guidance parallelism then splits that batch by halves (mdtriton.pipeline.guidance).
+    guidance_in_batch: ClassVar[bool] = False
     # diffusers' cache hooks (mdtriton.pipeline.diffusers_cache) keep their state per cache context and know only the
     # blocks diffusers registers: a part whose pipeline calls its transformer under cache_context and whose blocks
     # diffusers' First Block Cache knows offers ("first_block", "taylorseer").
@@ -85,15 +88,15 @@ class DiffusersPipelinePart(PipelinePart):
             compile_blocks(transformer)
             if comm.device.type == "cuda":
                 replay_graphs(transformer)
-        split_by_guidance(transformer, comm)
+        split_by_guidance(transformer, comm, self.guidance_in_batch)
 
     def before_call(self, pipeline: Any, arguments: dict) -> None:
         """Tell guidance parallelism whether this call guides (makes an unconditional transformer call each step)."""
         from mdtriton.pipeline.guidance import set_guided
 
-        set_guided(pipeline.transformer, self.guides(arguments))
+        set_guided(pipeline.transformer, self.guides(pipeline, arguments))
 
-    def guides(self, arguments: dict) -> bool:
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
         """Whether the pipeline called with arguments (call_arguments') makes a conditional and an unconditional
         transformer call each step; a part with guidance_branches says when."""
         return False

@@ -1,7 +1,8 @@
 """Pipelines served with diffusers' own transformer, split by its own context-parallel plan
 (mdtriton.pipeline.generic): Qwen-Image and FLUX.2 [klein] on 2 gloo ranks, each method, equal diffusers' pipeline in
 one process within 1 uint8 level, with and without a step cache (diffusers' cache hooks, First Block Cache's decision
-agreed across the ranks); bad requests are refused and the server serves on."""
+agreed across the ranks; the plans these servers are not built with: tests/pipeline/test_pipeline_plans.py); bad
+requests are refused and the server serves on."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """FLUX.1 Kontext served both ways on 2 gloo ranks: through our FLUX engine (flux-kontext-pipeline: ulysses, ring, tp)
-and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring). Each equals
+and with diffusers' own transformer split by its plan (flux-kontext-generic-pipeline: ulysses, ring); allgather_kv and
+cfg 2 x ulysses 2 both ways: tests/pipeline/test_pipeline_plans.py. Each equals
 diffusers' FluxKontextPipeline in one process with the same components, input image and seed within 1 uint8 level,
 with an input image (its tokens appended to the sequence) and without one (text to image); the sequences' lengths are
 odd, so the context-parallel ranks split them unevenly. Bad requests are refused with INVALID_ARGUMENT naming the

@@ -1,8 +1,9 @@
 """Pipelines that take input images (image, image_2, image_3: mdtriton.pipeline.image_inputs), served with diffusers'
 own transformer split by its plan on 2 gloo ranks: FLUX.2 [dev] (reference images, none to three) and
 Qwen-Image-Edit-Plus (one to three), each equal to diffusers' pipeline in one process given the same PIL images
-within 1 uint8 level; bad requests are refused naming the input and the server serves on. The tiny pipelines make
-the input images matter (one image more or fewer changes the image by 8 uint8 levels or more)."""
+within 1 uint8 level (the plans these servers are not built with: tests/pipeline/test_pipeline_plans.py); bad
+requests are refused naming the input and the server serves on. The tiny pipelines make the input images matter (one
+image more or fewer changes the image by 8 uint8 levels or more)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from diffusers import Flux2Pipeline, QwenImageEditPlusPipeline
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
+from mdtriton.build_tools.build import build_model_version
+from mdtriton.build_tools.build_request import BuildRequest
+from mdtriton.engine.manifest import EngineError
+from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.image_text_processor import image_text_processor
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_edit_plus_pipeline
@@ -50,6 +55,16 @@ def test_flux2_dev_with_input_images_equals_diffusers(flux2_dev, method, count):
     assert max_level_difference(image, reference(pipeline_dir, request, Flux2Pipeline)) <= 1
     assert (f"mdtriton rank 1 worker: Flux2Transformer2DModel split by its context-parallel plan across 2 ranks "
             f"({method})") in server.log_file.read_text()
+
+
+def test_flux2_dev_is_refused_guidance_parallelism_at_build(tmp_path):
+    """[dev] embeds its guidance in the transformer: one call a step, no branches to put on two rank groups."""
+    pipeline_dir = save_tiny_flux2_pipeline(tmp_path / "pipeline")
+    with pytest.raises(EngineError, match="Flux2Pipeline has no guidance branches to run on separate ranks"):
+        build_model_version(tmp_path / "repository", "dev", BuildRequest(
+            "flux2-pipeline", None, ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses"), "FP32", "cpu",
+            weights_path=pipeline_dir, progress=False))
+    assert not (tmp_path / "repository" / "dev").exists()
 
 
 def image_of(dtype=np.uint8, shape=(64, 48, 3)) -> np.ndarray:
@@ -154,3 +169,4 @@ def test_edit_plus_with_three_images_equals_diffusers(edit_plus):
     assert max_level_difference(image, edit_reference(pipeline_dir, request)) <= 1
     assert ("mdtriton rank 1 worker: QwenImageTransformer2DModel split by its context-parallel plan across 2 ranks "
             "(ring)") in server.log_file.read_text()
+

@@ -1,6 +1,7 @@
 """LTX-2 (video with sound) served with diffusers' own transformer split by its mended plan (mdtriton.families.ltx2)
-on 2 gloo ranks: text to video with ulysses and ring, image to video with ulysses (allgather_kv, and every method on
-uneven splits: tests/pipeline/test_ltx2_context_parallel.py); the frames equal diffusers' pipeline in one process
+on 2 gloo ranks: text to video with ulysses and ring, image to video with ulysses (every method on uneven splits:
+tests/pipeline/test_ltx2_context_parallel.py; text to video with allgather_kv, image to video with ring, both on cfg 2 x
+ulysses 2: tests/pipeline/test_pipeline_plans.py); the frames equal diffusers' pipeline in one process
 within 1 uint8 level and the sound within diffusers' own float32 tolerance; bad requests are refused and the server
 serves on; `mdtriton generate` writes the MP4 with its sound track, and the sound as a WAV."""
 

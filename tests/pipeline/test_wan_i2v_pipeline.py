@@ -1,7 +1,7 @@
 """Wan image to video (wan-i2v-pipeline, diffusers' WanImageToVideoPipeline): Wan 2.1 I2V (its image encoder's tokens
 beside the text), Wan 2.2 I2V A14B (two experts; a first and a last frame) and Wan 2.2 TI2V given an image (a timestep
-per token). Each on 2 CPU ranks (gloo) with ulysses, ring, tp and cfg, and Wan 2.1 I2V in one process, on cfg 2 x
-ulysses 2 (4 ranks) and served by a real tritonserver: every video must equal diffusers' pipeline with the same
+per token). Each on 2 CPU ranks (gloo) with ulysses, ring, tp and on cfg 2 x ulysses 2 (4 ranks), Wan 2.1 I2V also
+with cfg 2, in one process and served by a real tritonserver: every video must equal diffusers' pipeline with the same
 components, image and seed within one uint8 level. Bad requests are refused naming the input (served:
 INVALID_ARGUMENT while a good request runs).
 """
@@ -127,15 +127,17 @@ def test_every_layout_and_plan_of_2_ranks_equals_diffusers(engines, expected):
 
 
 @pytest.mark.timeout(600)
-def test_wan21_i2v_on_cfg2_x_ulysses2_equals_diffusers(pipelines, expected, tmp_path):
-    """Guidance parallelism over context parallelism: 4 ranks, each guidance group's 2 ranks splitting the video."""
+def test_every_layout_on_cfg2_x_ulysses2_equals_diffusers(pipelines, expected, tmp_path):
+    """Guidance parallelism over context parallelism: 4 ranks, each guidance group's 2 ranks splitting the video (Wan
+    2.2 I2V A14B: both experts, each guided)."""
     plan = ParallelPlan(cfg_size=2, cp_size=2, cp_method="ulysses")
-    engine_dir = build_model_version(tmp_path, "cfg2_ulysses2", BuildRequest(
-        "wan-i2v-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines["wan2.1-i2v"], progress=False,
-        limits=LIMITS)) / ENGINE_DIR
-    engine_dirs, requests = {"cfg2_ulysses2": str(engine_dir)}, {"cfg2_ulysses2": request("wan2.1-i2v")}
+    engine_dirs = {layout: str(build_model_version(tmp_path, layout, BuildRequest(
+        "wan-i2v-pipeline", None, plan, "FP32", "cpu", weights_path=pipelines[layout], progress=False,
+        limits=LIMITS)) / ENGINE_DIR) for layout in I2V_LAYOUTS}
+    requests = {layout: request(layout) for layout in I2V_LAYOUTS}
     for rank, videos in enumerate(run_ranks(4, run_pipelines, engine_dirs, requests, timeout=540)):
-        assert max_level_difference(videos["cfg2_ulysses2"], expected["wan2.1-i2v"]) <= 1, f"rank {rank}"
+        for layout in I2V_LAYOUTS:
+            assert max_level_difference(videos[layout], expected[layout]) <= 1, f"{layout}, rank {rank}"
 
 
 # What each layout refuses beside wan-pipeline's checks (every layout's model, 2 ranks of ulysses).

@@ -40,6 +40,7 @@ class KontextRequest:
     manifest config holds the VAE's scale factor (pipeline_config)."""
 
     diffusers_class = "FluxKontextPipeline"
+    guidance_branches = True  # true classifier-free guidance: a conditional, then an unconditional call per step
 
     def signature(self) -> Signature:
         inputs = (
@@ -114,6 +115,10 @@ class KontextRequest:
             arguments["_auto_resize"] = False
         return arguments
 
+    def guides(self, pipeline: Any, arguments: dict) -> bool:
+        """As FluxKontextPipeline decides: true_cfg_scale over 1 with a negative prompt."""
+        return arguments["true_cfg_scale"] > 1 and arguments["negative_prompt"] is not None
+
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]}, rounded as diffusers' numpy_to_pil."""
         return {"image": to_uint8(result.images)}
@@ -152,6 +157,12 @@ def output_size(inputs: dict[str, torch.Tensor], multiple: int) -> tuple[int, in
 
 class FluxKontextPipelinePart(KontextRequest, FluxPipelinePart):
     """FluxKontextPipeline with our FLUX engine as its transformer (called as FluxPipeline calls it)."""
+
+    def before_call(self, pipeline: Any, arguments: dict) -> None:
+        """Tell the engine's transformer whether this call guides (guidance parallelism), with no conditional call
+        pending (a failed request's)."""
+        pipeline.transformer.guided = self.guides(pipeline, arguments)
+        pipeline.transformer.pending = None
 
 
 FLUX_KONTEXT = FluxKontextPipelinePart()

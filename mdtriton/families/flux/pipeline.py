@@ -31,12 +31,18 @@ MAX_SEQUENCE_LENGTH = 512
 
 
 class EngineTransformer(EngineAsTransformer):
-    """FluxPipeline's `transformer`: a transformer engine called as FluxTransformer2DModel is."""
+    """FluxPipeline's `transformer`: a transformer engine called as FluxTransformer2DModel is.
+
+    Guidance parallelism (cfg_size 2, FluxKontextPipeline's true classifier-free guidance): the pipeline names no
+    branch, but each guided step calls the conditional branch first, then the unconditional one (run_guided); its part
+    says whether a request guides (`guided`)."""
 
     def __init__(self, engine: TorchEngine):
         super().__init__(engine)
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], guidance_embeds=config["guidance_embeds"])
+        self.out_features = config["patch_size"] ** 2 * (config["out_channels"] or config["in_channels"])
+        self.guided = False  # whether the request's steps each call the transformer twice, set before its call
 
     def forward(self, hidden_states, timestep, guidance, pooled_projections, encoder_hidden_states, txt_ids, img_ids,
                 joint_attention_kwargs=None, return_dict=False):
@@ -50,7 +56,10 @@ class EngineTransformer(EngineAsTransformer):
         }
         if self.config.guidance_embeds:
             inputs["guidance"] = guidance.to(self._dtype)
-        return (self.run_engine(inputs),)
+        if self.engine.comm.cfg_size == 1 or not self.guided:
+            return (self.run_engine(inputs),)
+        branch = "uncond" if self.pending is not None else "cond"
+        return (self.run_guided(inputs, branch, (*hidden_states.shape[:2], self.out_features)),)
 
 
 class FluxPipelinePart(PipelinePart):

@@ -37,17 +37,14 @@ class EngineTransformer(EngineAsTransformer):
     tokens (encoder_hidden_states_image), which the engine takes beside the text.
 
     Guidance parallelism (cfg_size 2): WanPipeline calls the transformer for the conditional branch, then for the
-    unconditional one, and combines them only after both. So the conditional call hands back an empty tensor and
-    keeps its inputs; the unconditional call runs the conditional inputs on guidance group 0 and its own on group 1,
-    at once, exchanges the outputs (one all-gather), fills the conditional call's tensor and returns its own. A
-    pipeline that does not guide (guidance_scale <= 1) makes no unconditional call: both groups then run the
-    conditional one."""
+    unconditional one, each named by its cache context, and combines them only after both (run_guided). A pipeline
+    that does not guide (guidance_scale <= 1) makes no unconditional call: both groups then run the conditional
+    one."""
 
     def __init__(self, engine: TorchEngine, pipeline: Any):
         super().__init__(engine)
         self.pipeline = pipeline
         self.branch = "cond"
-        self.pending: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         config = engine.manifest.config
         self.config = SimpleNamespace(in_channels=config["in_channels"], out_channels=config["out_channels"],
                                       patch_size=tuple(config["patch_size"]), image_dim=config["image_dim"])
@@ -66,20 +63,10 @@ class EngineTransformer(EngineAsTransformer):
                   "encoder_hidden_states": encoder_hidden_states.to(self._dtype)}
         if encoder_hidden_states_image is not None:
             inputs["encoder_hidden_states_image"] = encoder_hidden_states_image.to(self._dtype)
-        comm = self.engine.comm
-        if comm.cfg_size == 1 or not self.pipeline.do_classifier_free_guidance:
+        if self.engine.comm.cfg_size == 1 or not self.pipeline.do_classifier_free_guidance:
             return (self.run_engine(inputs),)
-        if self.branch == "cond":
-            shape = (hidden_states.shape[0], self.config.out_channels, *hidden_states.shape[2:])
-            self.pending = (inputs, torch.empty(shape, dtype=self._dtype, device=self.device))
-            return (self.pending[1],)
-        conditional, filled = self.pending
-        self.pending = None
-        # Each guidance group runs one branch, in that branch's step cache context.
-        super().cache_context("cond" if comm.cfg_rank == 0 else "uncond")
-        both = comm.cfg_all_gather(self.run_engine(conditional if comm.cfg_rank == 0 else inputs))
-        filled.copy_(both[0])
-        return (both[1],)
+        shape = (hidden_states.shape[0], self.config.out_channels, *hidden_states.shape[2:])
+        return (self.run_guided(inputs, self.branch, shape),)
 
 
 class WanPipelinePart(PipelinePart):
