@@ -53,6 +53,7 @@ from multiprocessing.connection import wait
 import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
+from mdtriton.backend.job_scheduler import MIN_SPEEDUP
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.messages import (EndGeneration, Finished, Leave, Message, Progress, ProtocolError,
                                        RanksUnavailable, Result, Run, Submit, Withdraw)
@@ -110,7 +111,7 @@ class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
                  timeout: float, timer: JobTimer, on_serving: Callable[[Generation], None],
                  on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None],
-                 on_queue_length: Callable[[int], None]):
+                 on_queue_length: Callable[[int], None], min_speedup: float = MIN_SPEEDUP):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the generation this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
@@ -119,7 +120,8 @@ class JobRunner:
         submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
         reports steps of (pipelines do), whichever rank submitted it (all in the runner thread; an elastic model's
         also in the thread that reads the hub's link); on_queue_length(waiting): an elastic model's hub, on rank 0,
-        says how many jobs wait for a group (in the hub's thread)."""
+        says how many jobs wait for a group (in the hub's thread); min_speedup: what a larger group must gain for a
+        lone job of an elastic model to take it (backend/job_scheduler.py)."""
         self.engine = engine
         self.comm = comm
         self.rendezvous = rendezvous
@@ -131,6 +133,7 @@ class JobRunner:
         self._on_started = on_started
         self._on_progress = on_progress
         self._on_queue_length = on_queue_length
+        self.min_speedup = min_speedup
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, RankJob] = {}
         self._link: HubLink | SingleRankLink | None = None
@@ -304,10 +307,16 @@ class JobRunner:
         if self.comm.plan.world_size == 1:
             return SingleRankLink()
         plan = self.comm.plan
+        group_times = None
+        if plan.elastic:  # every rank together, before any job: the table the hub sizes lone jobs' groups by
+            started = time.monotonic()
+            group_times = self.engine.measure_group_times()
+            log.info("rank %d timed the forward on every group size in %.2f s", self.comm.rank,
+                     time.monotonic() - started)
         if self.comm.rank == 0:
             partitions = {size: plan.group_partition(size) for size in plan.group_sizes()} if plan.elastic else None
             self._hub = JobHub(generation.hub_address, generation.token, plan.world_size, partitions,
-                               self._on_queue_length).start()
+                               self._on_queue_length, group_times, self.min_speedup).start()
         return HubLink(generation.hub_address, generation.token, self.comm.rank, self.join_timeout)
 
     def _abort_when_a_peer_exits(self, generation: Generation, serving: threading.Event) -> None:
@@ -367,7 +376,8 @@ class JobRunner:
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.inputs.items()]
         job.submitted_to_hub = True
         try:
-            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs))
+            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs,
+                             self.engine.request_tokens(job.inputs)))
         except OSError:
             pass  # the hub has gone, so this generation is ending: the job fails with it
 

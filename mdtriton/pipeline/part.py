@@ -87,6 +87,12 @@ class PipelinePart(ABC):
     def check_request(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Raise RequestError, saying what to send instead, if the inputs are not a request the pipeline can run."""
 
+    def request_tokens(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> int | None:
+        """The tokens the transformer runs over for a checked request (an elastic model sizes a lone request's group of
+        ranks by them: backend/job_scheduler.py); None, the default, where the part does not count them (such a
+        request takes the largest free group)."""
+        return None
+
     @abstractmethod
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         """The diffusers pipeline's call arguments for a request (not its callbacks nor output_type)."""
