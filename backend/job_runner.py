@@ -124,6 +124,10 @@ class JobRunner:
         lone job of an elastic model to take it (backend/job_scheduler.py)."""
         self.engine = engine
         self.comm = comm
+        # This rank and whether the plan is elastic, for the threads beside the runner thread: while a job runs bound
+        # to a group (Communicator.bound_to), the communicator's rank and plan are the group's.
+        self.rank = comm.rank
+        self.elastic = comm.plan.elastic
         self.rendezvous = rendezvous
         self._entered = entered
         self.join_timeout = join_timeout
@@ -172,11 +176,11 @@ class JobRunner:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
             link = self._link
-            if not self.comm.plan.elastic:
+            if not self.elastic:
                 # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below
                 # what the pipe holds (64 KiB, 36 bytes a job).
                 self._arrivals_writer.send_bytes(job.id.encode())
-        if self.comm.plan.elastic:
+        if self.elastic:
             self._check_and_submit_elastic(job, link)
         return job
 
@@ -332,9 +336,9 @@ class JobRunner:
         """
         while serving.is_set():
             exited = [rank for rank, pid in generation.members.items()
-                      if rank != self.comm.rank and process_state(pid) is ProcessState.EXITED]
+                      if rank != self.rank and process_state(pid) is ProcessState.EXITED]
             if exited:
-                log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.comm.rank,
+                log.error("rank %d: rank %s of generation %d exited; aborting the process groups", self.rank,
                           ", ".join(map(str, exited)), generation.number)
                 self._aborted.set()
                 self.comm.disconnect()
@@ -376,7 +380,7 @@ class JobRunner:
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.inputs.items()]
         job.submitted_to_hub = True
         try:
-            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs,
+            link.send(Submit(job.id, self.rank, header, job.deadline, job.inputs,
                              self.engine.request_tokens(job.inputs)))
         except OSError:
             pass  # the hub has gone, so this generation is ending: the job fails with it
@@ -453,7 +457,7 @@ class JobRunner:
                 message = EndGeneration("rank 0's job hub went away", False)
             self._hub_heard = time.monotonic()
             match message:
-                case Run(job=job_id, group=group) if self.comm.rank not in group:  # a job of this rank, started elsewhere
+                case Run(job=job_id, group=group) if self.rank not in group:  # a job of this rank, started elsewhere
                     with self._lock:
                         job = self._pending.get(job_id)
                     if job is not None:
@@ -543,13 +547,13 @@ class JobRunner:
             case "done":
                 outcome = result.tensors
             case "stopped":
-                log.info("rank %d: request %s stopped: %s", self.comm.rank, job.id, result.reason or job.stop_reason)
+                log.info("rank %d: request %s stopped: %s", self.rank, job.id, result.reason or job.stop_reason)
                 outcome = JobStopped(result.done, result.total)
             case "refused":
                 outcome = JobFailed(result.reason, request_error=True)
             case _:
                 log.warning("rank %d: request %s failed on every rank of its group (the ranks serve on): %s",
-                            self.comm.rank, job.id, result.reason)
+                            self.rank, job.id, result.reason)
                 outcome = JobFailed(result.reason)
         self._end_job(job, outcome)
 
@@ -566,7 +570,7 @@ class JobRunner:
 
     def _drop(self, job: RankJob) -> None:
         """End a job of this rank that never started: its request no longer waits for it."""
-        log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
+        log.info("rank %d: request %s dropped before it started: %s", self.rank, job.id, job.stop_reason)
         self._end_job(job, JobStopped(0, 0))
 
     def _end_job(self, job: RankJob, outcome) -> None:

@@ -146,11 +146,12 @@ class TorchEngine(Engine):
         """The request's tokens, as the family counts them (FLUX: text plus image)."""
         return self.architecture.check_request(self.manifest.config, inputs).tokens
 
-    def measure_group_times(self, calls=lambda size: 1) -> GroupTimes:
-        """The forward's times on the family's example requests (calls: as measure_group_times takes it)."""
+    def measure_group_times(self, max_tokens: int | None = None, calls=lambda size: 1) -> GroupTimes:
+        """The forward's times on the family's example requests of up to max_tokens tokens (None: this engine's limit;
+        a pipeline's is its own); calls: as measure_group_times takes it."""
         dtype = TORCH_DTYPES[self.manifest.data_type]
         return measure_group_times(self.forward, lambda tokens: self.architecture.example_request(
-            self.manifest.config, tokens, dtype), self.comm, self.manifest.limits.max_tokens, calls)
+            self.manifest.config, tokens, dtype), self.comm, max_tokens or self.manifest.limits.max_tokens, calls)
 
 
 def device_forward(module: torch.nn.Module, architecture: Architecture, config: dict, compiled: bool,

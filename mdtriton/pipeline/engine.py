@@ -150,13 +150,14 @@ class PipelineEngine(Engine):
         return self.part.request_tokens(self.manifest, inputs)
 
     def measure_group_times(self) -> GroupTimes | None:
-        """The first transformer engine's times; a step's guided branches (guidance parallelism in the plan) count
-        twice on a group too small to run them at once. None for diffusers' own transformer."""
+        """The first transformer engine's times, up to the pipeline's token limit; a step's guided branches (guidance
+        parallelism in the plan) count twice on a group too small to run them at once. None for diffusers' own
+        transformer."""
         if not self.transformers:
             return None
         plan = self.comm.plan
         return self.transformers[0].engine.measure_group_times(
-            lambda size: plan.cfg_size // plan.group_plan(size).cfg_size)
+            self.manifest.limits.max_tokens, lambda size: plan.cfg_size // plan.group_plan(size).cfg_size)
 
     def before_collectives(self) -> None:
         """At the running job's first transformer call: the ranks agree that none failed before it."""
