@@ -53,7 +53,7 @@ def _jobs_on_every_group(rank: int, world_size: int, engine_dirs: dict[str, str]
         with comm.bound_to(1):
             alone = engine.forward(cases[3 + rank])["sample"]
         assert comm.plan == manifest.plan and comm.members == [0, 1, 2, 3]  # unbound again
-        results[name] = (world, pair, alone, engine.measure_group_times(max_tokens=64))
+        results[name] = (world, pair, alone, engine.measure_group_times(max_tokens=64) if name == "ring" else None)
     return results
 
 
@@ -70,9 +70,9 @@ def test_jobs_on_disjoint_groups_equal_one_rank(tmp_path):
 
     for rank, results in enumerate(per_rank):
         for name, (world, pair, alone, times) in results.items():
-            # The ranks' table of forward times: every group size, both token counts, the same on every rank.
-            assert times == per_rank[0][name][3] and times.tokens == (8, 64) and sorted(times.seconds) == [1, 2, 4]
-            assert all(seconds > 0 for pair_of_times in times.seconds.values() for seconds in pair_of_times)
+            if times is not None:  # the ranks' table of forward times: every size, both counts, the same on every rank
+                assert times == per_rank[0][name][3] and times.tokens == (8, 64) and sorted(times.seconds) == [1, 2, 4]
+                assert all(seconds > 0 for pair_of_times in times.seconds.values() for seconds in pair_of_times)
             for got, case, group in ((world, 0, "world"), (pair, 1 + rank // 2, "pair"), (alone, 3 + rank, "alone")):
                 error = max_relative_error(got, expected[case])
                 assert error < 1e-5, f"{name}, rank {rank}, on its {group}: error {error:.2e}"
