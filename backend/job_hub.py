@@ -26,6 +26,7 @@ dropped if it waits, or its group's leader is told to stop it; one past its dead
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -33,10 +34,13 @@ from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing.connection import Client, Connection, Listener, wait
 
-from mdtriton.backend.job_scheduler import GroupScheduler
+from mdtriton.backend.job_scheduler import MIN_SPEEDUP, GroupScheduler
 from mdtriton.backend.messages import (EndEpoch, Finished, Hello, Leave, Message, Progress, ProtocolError, Result,
                                        Run, Submit, Withdraw, receive_over, send_over)
 from mdtriton.backend.private_directory import PRIVATE_FILE_MODE
+from mdtriton.engine.group_times import GroupTimes
+
+log = logging.getLogger("mdtriton.backend")
 
 
 class JobHub:
@@ -44,14 +48,18 @@ class JobHub:
 
     def __init__(self, address: str, token: str, world_size: int,
                  partitions: dict[int, list[list[int]]] | None = None,
-                 on_queue_length: Callable[[int], None] | None = None):
+                 on_queue_length: Callable[[int], None] | None = None, group_times: GroupTimes | None = None,
+                 min_speedup: float = MIN_SPEEDUP):
         """partitions: an elastic model's groups by size (each job runs on one of them); None: every job on every
         rank. on_queue_length(waiting): told, in the hub's thread, how many of an elastic model's jobs wait for a
-        group, whenever that changes (the rank's metrics)."""
+        group, whenever that changes (the rank's metrics). group_times, min_speedup: the ranks' table of forward times
+        by group size and what a larger group must gain, by which a lone job's group is sized (job_scheduler)."""
         self.address = address
         self.token = token
         self.world_size = world_size
         self.partitions = partitions
+        self.group_times = group_times
+        self.min_speedup = min_speedup
         self.on_queue_length = on_queue_length
         self._listener = Listener(address, family="AF_UNIX", authkey=token.encode())
         os.chmod(address, PRIVATE_FILE_MODE)  # its directory is private already; the socket too, for good measure
@@ -119,7 +127,9 @@ class JobHub:
     def _schedule(self, links: dict[int, Connection]) -> None:
         """An elastic model's jobs: start each on a free group as the policy says, until the epoch ends."""
         ranks = {connection: rank for rank, connection in links.items()}
-        scheduler = GroupScheduler(self.partitions)
+        scheduler = GroupScheduler(self.partitions, self.group_times, self.min_speedup)
+        log.info("job hub: a lone job takes a larger group if %gx as fast, by the ranks' forward times: %s",
+                 self.min_speedup, self.group_times.describe() if self.group_times is not None else "none")
         origins: dict[str, int] = {}  # the origin of every job submitted and not yet answered
         sequence, reported = 0, 0
 

@@ -53,6 +53,7 @@ from multiprocessing.connection import wait
 import torch
 
 from mdtriton.backend.job_hub import HubLink, JobHub, SingleRankLink
+from mdtriton.backend.job_scheduler import MIN_SPEEDUP
 from mdtriton.backend.job_timer import JobTimer
 from mdtriton.backend.messages import (EndEpoch, Finished, Leave, Message, Progress, ProtocolError,
                                        RanksUnavailable, Result, Run, Submit, Withdraw)
@@ -110,7 +111,7 @@ class JobRunner:
     def __init__(self, engine: Engine, comm: Communicator, rendezvous: Rendezvous, entered: int, join_timeout: float,
                  timeout: float, timer: JobTimer, on_serving: Callable[[Epoch], None],
                  on_started: Callable[[str], None], on_progress: Callable[[str, int, int], None],
-                 on_queue_length: Callable[[int], None]):
+                 on_queue_length: Callable[[int], None], min_speedup: float = MIN_SPEEDUP):
         """comm: the communicator the engine was loaded with (the runner forms its groups over it, and broadcasts
         inputs and rank 0's outputs); entered: the epoch this rank entered as it started loading
         (Rendezvous.enter); timeout: the longest a collective waits for its peers before the ranks are taken as
@@ -119,9 +120,14 @@ class JobRunner:
         submitted starts running; on_progress(job id, done, total): called after each step of every job the engine
         reports steps of (pipelines do), whichever rank submitted it (all in the runner thread; an elastic model's
         also in the thread that reads the hub's link); on_queue_length(waiting): an elastic model's hub, on rank 0,
-        says how many jobs wait for a group (in the hub's thread)."""
+        says how many jobs wait for a group (in the hub's thread); min_speedup: what a larger group must gain for a
+        lone job of an elastic model to take it (backend/job_scheduler.py)."""
         self.engine = engine
         self.comm = comm
+        # This rank and whether the plan is elastic, for the threads beside the runner thread: while a job runs bound
+        # to a group (Communicator.bound_to), the communicator's rank and plan are the group's.
+        self.rank = comm.rank
+        self.elastic = comm.plan.elastic
         self.rendezvous = rendezvous
         self._entered = entered
         self.join_timeout = join_timeout
@@ -131,6 +137,7 @@ class JobRunner:
         self._on_started = on_started
         self._on_progress = on_progress
         self._on_queue_length = on_queue_length
+        self.min_speedup = min_speedup
         self._lock = threading.Lock()  # guards the fields below, which the runner thread and submitters share
         self._pending: dict[str, RankJob] = {}
         self._link: HubLink | SingleRankLink | None = None
@@ -169,11 +176,11 @@ class JobRunner:
                 raise RanksUnavailable(self._end.reason if self._end else "the ranks have not met yet")
             self._pending[job.id] = job
             link = self._link
-            if not self.comm.plan.elastic:
+            if not self.elastic:
                 # Never blocks: a stub has about one request in flight (Triton hands it one per execute), far below
                 # what the pipe holds (64 KiB, 36 bytes a job).
                 self._arrivals_writer.send_bytes(job.id.encode())
-        if self.comm.plan.elastic:
+        if self.elastic:
             self._check_and_submit_elastic(job, link)
         return job
 
@@ -304,10 +311,16 @@ class JobRunner:
         if self.comm.plan.world_size == 1:
             return SingleRankLink()
         plan = self.comm.plan
+        group_times = None
+        if plan.elastic:  # every rank together, before any job: the table the hub sizes lone jobs' groups by
+            started = time.monotonic()
+            group_times = self.engine.measure_group_times()
+            log.info("rank %d timed the forward on every group size in %.2f s", self.comm.rank,
+                     time.monotonic() - started)
         if self.comm.rank == 0:
             partitions = {size: plan.group_partition(size) for size in plan.group_sizes()} if plan.elastic else None
             self._hub = JobHub(epoch.hub_address, epoch.token, plan.world_size, partitions,
-                               self._on_queue_length).start()
+                               self._on_queue_length, group_times, self.min_speedup).start()
         return HubLink(epoch.hub_address, epoch.token, self.comm.rank, self.join_timeout)
 
     def _abort_when_a_peer_exits(self, epoch: Epoch, serving: threading.Event) -> None:
@@ -323,9 +336,9 @@ class JobRunner:
         """
         while serving.is_set():
             exited = [rank for rank, pid in epoch.members.items()
-                      if rank != self.comm.rank and process_state(pid) is ProcessState.EXITED]
+                      if rank != self.rank and process_state(pid) is ProcessState.EXITED]
             if exited:
-                log.error("rank %d: rank %s of epoch %d exited; aborting the process groups", self.comm.rank,
+                log.error("rank %d: rank %s of epoch %d exited; aborting the process groups", self.rank,
                           ", ".join(map(str, exited)), epoch.number)
                 self._aborted.set()
                 self.comm.disconnect()
@@ -367,7 +380,8 @@ class JobRunner:
         header = [[name, TRITON_TYPES[t.dtype], list(t.shape)] for name, t in job.inputs.items()]
         job.submitted_to_hub = True
         try:
-            link.send(Submit(job.id, self.comm.rank, header, job.deadline, job.inputs))
+            link.send(Submit(job.id, self.rank, header, job.deadline, job.inputs,
+                             self.engine.request_tokens(job.inputs)))
         except OSError:
             pass  # the hub has gone, so this epoch is ending: the job fails with it
 
@@ -443,7 +457,7 @@ class JobRunner:
                 message = EndEpoch("rank 0's job hub went away", False)
             self._hub_heard = time.monotonic()
             match message:
-                case Run(job=job_id, group=group) if self.comm.rank not in group:  # a job of this rank, started elsewhere
+                case Run(job=job_id, group=group) if self.rank not in group:  # a job of this rank, started elsewhere
                     with self._lock:
                         job = self._pending.get(job_id)
                     if job is not None:
@@ -533,13 +547,13 @@ class JobRunner:
             case "done":
                 outcome = result.tensors
             case "stopped":
-                log.info("rank %d: request %s stopped: %s", self.comm.rank, job.id, result.reason or job.stop_reason)
+                log.info("rank %d: request %s stopped: %s", self.rank, job.id, result.reason or job.stop_reason)
                 outcome = JobStopped(result.done, result.total)
             case "refused":
                 outcome = JobFailed(result.reason, request_error=True)
             case _:
                 log.warning("rank %d: request %s failed on every rank of its group (the ranks serve on): %s",
-                            self.comm.rank, job.id, result.reason)
+                            self.rank, job.id, result.reason)
                 outcome = JobFailed(result.reason)
         self._end_job(job, outcome)
 
@@ -556,7 +570,7 @@ class JobRunner:
 
     def _drop(self, job: RankJob) -> None:
         """End a job of this rank that never started: its request no longer waits for it."""
-        log.info("rank %d: request %s dropped before it started: %s", self.comm.rank, job.id, job.stop_reason)
+        log.info("rank %d: request %s dropped before it started: %s", self.rank, job.id, job.stop_reason)
         self._end_job(job, JobStopped(0, 0))
 
     def _end_job(self, job: RankJob, outcome) -> None:

@@ -192,8 +192,9 @@ class Hello:
 @dataclass(frozen=True)
 class Submit:
     """A job this rank received, to be put in the order: its id, this rank, its inputs' [name, data type, shape]. An
-    elastic model's job also brings its deadline (time.monotonic(), one clock for the machine) and its checked inputs
-    (in host memory), which the hub hands to the group that runs it."""
+    elastic model's job also brings its deadline (time.monotonic(), one clock for the machine), its checked inputs
+    (in host memory), which the hub hands to the group that runs it, and its tokens (Engine.request_tokens; None if
+    the engine cannot tell), by which the hub sizes its group."""
 
     kind: ClassVar[str] = "submit"
     job: str
@@ -201,6 +202,7 @@ class Submit:
     inputs: list
     deadline: float | None = None
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from mdtriton.backend.job_scheduler import MIN_SPEEDUP
 from mdtriton.backend.messages import RanksUnavailable
 from mdtriton.backend.metrics import RankMetrics
 from mdtriton.backend.placement import placement_from_args
@@ -130,7 +131,7 @@ class RankModel:
                           request_timeout=self.request_timeout, adapters_dir=str(self.adapters_dir),
                           lora_cache_mib=int(parameters.get("lora_cache_mib", DEFAULT_CACHE_MIB)),
                           join_timeout=float(parameters.get("join_timeout_s", "600")),
-                          threads=self._cpu_threads())
+                          threads=self._cpu_threads(), elastic_min_speedup=self._elastic_min_speedup(parameters))
         # Started before the worker keeper, whose thread messages the server: the watchdog takes this process's parent,
         # now, as the server to watch (a stub whose server died before that would never see it go).
         self.watchdog = StubWatchdog(self._on_freeze, self._on_server_gone).start()
@@ -155,6 +156,17 @@ class RankModel:
         if self.placement.device.type == "cuda" or "OMP_NUM_THREADS" in os.environ:
             return None
         return max(1, len(os.sched_getaffinity(0)) // self.placement.world_size)
+
+    @staticmethod
+    def _elastic_min_speedup(parameters: dict) -> float:
+        """config.pbtxt's elastic_min_speedup (default job_scheduler.MIN_SPEEDUP): how many times as fast a larger
+        group must run a lone request of an elastic model for the request to take it; 0 gives every lone request the
+        largest free group."""
+        value = float(parameters.get("elastic_min_speedup", MIN_SPEEDUP))
+        if not (math.isfinite(value) and value >= 0):
+            raise EngineError(f"config.pbtxt's elastic_min_speedup is {value:g}: give a number of 0 or more (default "
+                              f"{MIN_SPEEDUP:g}; 0: a lone request always takes every free rank)")
+        return value
 
     def is_ready(self) -> bool:
         """Whether this rank is serving with all the others now (TritonPythonModel.is_ready): false while the

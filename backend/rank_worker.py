@@ -74,7 +74,8 @@ class RankWorker:
         comm.collective_timer = timer.time_collective
         runner = JobRunner(engine, comm, rendezvous, entered, spec.join_timeout, spec.request_timeout, timer,
                            on_serving=self._report_serving, on_started=self._report_started,
-                           on_progress=self._report_progress, on_queue_length=self._report_queue_length)
+                           on_progress=self._report_progress, on_queue_length=self._report_queue_length,
+                           min_speedup=spec.elastic_min_speedup)
         runner.start()
         threading.Thread(target=self._take_jobs, args=(runner,), name="mdtriton-stub-link", daemon=True).start()
         end = runner.wait_ended()

@@ -19,6 +19,7 @@ class WorkerSpec:
     lora_cache_mib: int  # how much of them the rank keeps loaded
     join_timeout: float
     threads: int | None  # torch threads on CPU; None: torch's default (OMP_NUM_THREADS is set)
+    elastic_min_speedup: float  # what a larger group must gain for a lone job of an elastic model (job_scheduler)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -72,7 +72,9 @@ def add_parser(subparsers) -> None:
                              "qwen-image-pipeline; default 1)")
     parser.add_argument("--elastic", action="store_true",
                         help="run each request on a group of the ranks instead of all of them: alone, a request takes "
-                             "every rank; when requests queue, they run at once on groups of 1, 2, 4, ... ranks (each at "
+                             "the largest group that makes it faster (by its size and forward times the ranks measure "
+                             "at load; config.pbtxt's elastic_min_speedup, default 1.1, says by how much); when "
+                             "requests queue, they run at once on groups of 1, 2, 4, ... ranks (each at "
                              "the plan's method, shrunk to the group), so no rank idles while a request waits. For "
                              "plans whose ranks each hold the whole transformer (--cp, --cfg; not --tp), on 2, 4, 8, ... "
                              "ranks")

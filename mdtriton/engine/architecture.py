@@ -62,6 +62,12 @@ class Architecture(ABC):
     def warm_up_requests(self, config: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
         """The requests a GPU load runs, in order, to compile every graph later requests need (mdtriton.engine.compile)."""
 
+    @abstractmethod
+    def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
+                        batch: int = 1) -> dict[str, torch.Tensor]:
+        """A seeded request of `tokens` tokens (as request_size counts them), laid out as a typical one: for
+        benchmarks and tests, and for an elastic plan's table of group times (mdtriton.engine.group_times)."""
+
     def new_module(self, config: dict, comm: Communicator, quantization: str | None = None) -> nn.Module:
         """Rank's module, its weights not yet loaded (made on the current default device)."""
         if quantization is None:

@@ -40,12 +40,16 @@ def compile_and_warm_up(module: torch.nn.Module, architecture: Architecture, con
     # Deterministic: Inductor picks its kernels' configurations without timing them on the device, so every
     # process (a healed worker, a later load) runs the same kernels and computes the same bits for the same inputs.
     for size in comm.plan.group_sizes():
+        size_start = time.perf_counter()
         with (comm.bound_to(size), comm.rehearsal(), torch.inference_mode(),
               torch._inductor.config.patch(deterministic=True)):
             for inputs in requests:
                 module(**{name: tensor.to(comm.device) for name, tensor in inputs.items()})
-    if comm.device.type == "cuda":
-        torch.cuda.synchronize(comm.device)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        if comm.plan.elastic:  # what each group size adds to the load (docs/architecture.md, "Elastic groups")
+            log.info("rank %d warmed up on groups of %d rank%s in %.2f s", comm.rank, size, "s" if size > 1 else "",
+                     time.perf_counter() - size_start)
     return time.perf_counter() - start
 
 

@@ -25,6 +25,7 @@ from mdtriton.engine.compile import CompileCache, compile_and_warm_up
 from mdtriton.engine.cuda_graphs import GraphedForward, eager_forward
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.fp8 import Fp8Unsupported, check_fp8_device
+from mdtriton.engine.group_times import GroupTimes, measure_group_times
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import check_fits
 from mdtriton.engine.modules import loaded_module
@@ -44,6 +45,17 @@ class Engine(ABC):
         """Run the model on inputs (by name); all ranks call this together, in the same order. The outputs are on the
         communicator's device (mdtriton.engine.comm, the device contract): the backend may broadcast them."""
 
+    def request_tokens(self, inputs: dict[str, torch.Tensor]) -> int | None:
+        """The tokens a request's transformer forwards run over (inputs already checked), by which an elastic model's
+        job hub sizes a lone request's group; None where the engine cannot tell (the request then takes the largest
+        free group)."""
+        return None
+
+    def measure_group_times(self) -> GroupTimes | None:
+        """An elastic plan's table of forward times by group size (mdtriton.engine.group_times), measured now: every
+        rank calls this together, once the ranks have met. None where the engine has no transformer of ours to time."""
+        return None
+
 
 class TorchEngine(Engine):
     """An engine run by PyTorch: the architecture module with this rank's weights on its device.
@@ -58,6 +70,7 @@ class TorchEngine(Engine):
     def __init__(self, manifest: Manifest, architecture: Architecture, module: torch.nn.Module, comm: Communicator,
                  load_seconds: float, warm_up_seconds: float, compiled: bool):
         self.manifest = manifest
+        self.architecture = architecture
         self.module = module
         self.comm = comm
         self.load_seconds = load_seconds
@@ -128,6 +141,17 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             on_device = {name: tensor.to(self.comm.device, non_blocking=True) for name, tensor in inputs.items()}
             return self.run(on_device) if cache is None else cache.forward(self.run, on_device, self.comm)
+
+    def request_tokens(self, inputs: dict[str, torch.Tensor]) -> int:
+        """The request's tokens, as the family counts them (FLUX: text plus image)."""
+        return self.architecture.check_request(self.manifest.config, inputs).tokens
+
+    def measure_group_times(self, max_tokens: int | None = None, calls=lambda size: 1) -> GroupTimes:
+        """The forward's times on the family's example requests of up to max_tokens tokens (None: this engine's limit;
+        a pipeline's is its own); calls: as measure_group_times takes it."""
+        dtype = TORCH_DTYPES[self.manifest.data_type]
+        return measure_group_times(self.forward, lambda tokens: self.architecture.example_request(
+            self.manifest.config, tokens, dtype), self.comm, max_tokens or self.manifest.limits.max_tokens, calls)
 
 
 def device_forward(module: torch.nn.Module, architecture: Architecture, config: dict, compiled: bool,

@@ -75,12 +75,6 @@ class Family(Architecture):
         inputs, _ = self.signature(config, "FP32")
         return {spec.name: [plan.cp_size if d == -1 else d for d in spec.shape] for spec in inputs}
 
-    @abstractmethod
-    def example_request(self, config: dict, tokens: int, dtype: torch.dtype,
-                        batch: int = 1) -> dict[str, torch.Tensor]:
-        """A seeded request of `tokens` tokens (as request_size counts them), laid out as a typical one: for
-        benchmarks and tests."""
-
     def attention_shape(self, config: dict) -> AttentionShape:
         """The model's attention, for `mdtriton bench`'s attention rows; by default from the config keys diffusers' FLUX
         and Wan transformers share (num_layers and num_single_layers, num_attention_heads, attention_head_dim)."""

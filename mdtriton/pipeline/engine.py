@@ -25,6 +25,7 @@ from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.engine import Engine, TorchEngine
+from mdtriton.engine.group_times import GroupTimes
 from mdtriton.engine.manifest import MANIFEST_FILE, EngineError, Manifest
 from mdtriton.engine.job_control import JobAgreement
 from mdtriton.engine.request_check import RequestError
@@ -155,6 +156,19 @@ class PipelineEngine(Engine):
                    for name, tensor in self.part.outputs_of(self.manifest, result).items()}
         return {**outputs, "full_steps": self.comm.cfg_all_gather(full_steps)[0]}
 
+    def request_tokens(self, inputs: dict[str, torch.Tensor]) -> int | None:
+        """The tokens of the request's transformer calls, as its family's part counts them (None if it does not)."""
+        return self.part.request_tokens(self.manifest, inputs)
+
+    def measure_group_times(self) -> GroupTimes | None:
+        """The first transformer engine's times, up to the pipeline's token limit; a step's guided branches (guidance
+        parallelism in the plan) count twice on a group too small to run them at once. None for diffusers' own
+        transformer."""
+        if not self.transformers:
+            return None
+        plan = self.comm.plan
+        return self.transformers[0].engine.measure_group_times(
+            self.manifest.limits.max_tokens, lambda size: plan.cfg_size // plan.group_plan(size).cfg_size)
 
     def before_collectives(self) -> None:
         """At the running job's first transformer call: the ranks agree that none failed before it."""

@@ -216,6 +216,12 @@ class PipelinePart(ServedPart):
         """Raise RequestError, saying what to send instead, if the inputs (the optional ones perhaps left out) are not
         ones the pipeline can run: its own limits and how its inputs fit together."""
 
+    def request_tokens(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> int | None:
+        """The tokens the transformer runs over for a checked request (an elastic model sizes a lone request's group of
+        ranks by them: backend/job_scheduler.py); None, the default, where the part does not count them (such a
+        request takes the largest free group)."""
+        return None
+
     @abstractmethod
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         """The diffusers pipeline's call arguments for a request (not its callbacks nor output_type)."""

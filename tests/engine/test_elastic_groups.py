@@ -1,5 +1,6 @@
 """An elastic plan's groups on 4 real gloo ranks: one loaded FLUX engine per rank, bound per job to the whole world,
-to a pair or to its rank alone; jobs on disjoint groups run at once, each equal to the one-rank engine."""
+to a pair or to its rank alone; jobs on disjoint groups run at once, each equal to the one-rank engine; the ranks'
+table of forward times by group size is the same on every rank."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _jobs_on_every_group(rank: int, world_size: int, engine_dirs: dict[str, str]
         with comm.bound_to(1):
             alone = engine.forward(cases[3 + rank])["sample"]
         assert comm.plan == manifest.plan and comm.members == [0, 1, 2, 3]  # unbound again
-        results[name] = (world, pair, alone)
+        results[name] = (world, pair, alone, engine.measure_group_times(max_tokens=64) if name == "ring" else None)
     return results
 
 
@@ -68,7 +69,10 @@ def test_jobs_on_disjoint_groups_equal_one_rank(tmp_path):
     per_rank = run_ranks(4, _jobs_on_every_group, engine_dirs, cases)
 
     for rank, results in enumerate(per_rank):
-        for name, (world, pair, alone) in results.items():
+        for name, (world, pair, alone, times) in results.items():
+            if times is not None:  # the ranks' table of forward times: every size, both counts, the same on every rank
+                assert times == per_rank[0][name][3] and times.tokens == (8, 64) and sorted(times.seconds) == [1, 2, 4]
+                assert all(seconds > 0 for pair_of_times in times.seconds.values() for seconds in pair_of_times)
             for got, case, group in ((world, 0, "world"), (pair, 1 + rank // 2, "pair"), (alone, 3 + rank, "alone")):
                 error = max_relative_error(got, expected[case])
                 assert error < 1e-5, f"{name}, rank {rank}, on its {group}: error {error:.2e}"

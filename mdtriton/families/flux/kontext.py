@@ -79,13 +79,12 @@ class KontextRequest:
                                    "per prompt, or none")
         check_batch(manifest, prompts, "images")
         multiple = 2 * manifest.config["vae_scale_factor"]
-        input_tokens = 0
         if "image" in inputs:
-            rows, columns = check_edit_image(inputs["image"], multiple)
-            input_tokens = (rows // multiple) * (columns // multiple)
+            check_edit_image(inputs["image"], multiple)
         height, width = output_size(inputs, multiple)
         text_tokens = text_length(inputs, MAX_SEQUENCE_LENGTH)
-        tokens = text_tokens + (height // multiple) * (width // multiple) + input_tokens
+        tokens = self.request_tokens(manifest, inputs)
+        input_tokens = tokens - text_tokens - (height // multiple) * (width // multiple)
         if tokens > manifest.limits.max_tokens:
             raise RequestError(f"{height}x{width} with {text_tokens} text tokens and an input image of {input_tokens} "
                                f"tokens is {tokens} tokens, over this model's maximum of {manifest.limits.max_tokens}; "
@@ -93,6 +92,15 @@ class KontextRequest:
                                "at build time: mdtriton build --max-tokens)")
         check_steps_and_guidance(inputs, ("guidance_scale", "true_cfg_scale"), "FLUX.1 Kontext [dev]: guidance_scale "
                                                                              "2.5 to 3.5")
+
+    def request_tokens(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> int:
+        """Text tokens, the image made's and the input image's (if any)."""
+        multiple = 2 * manifest.config["vae_scale_factor"]
+        height, width = output_size(inputs, multiple)
+        tokens = text_length(inputs, MAX_SEQUENCE_LENGTH) + (height // multiple) * (width // multiple)
+        if "image" in inputs:
+            tokens += (inputs["image"].shape[0] // multiple) * (inputs["image"].shape[1] // multiple)
+        return tokens
 
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         height, width = output_size(inputs, 2 * manifest.config["vae_scale_factor"])

@@ -112,6 +112,11 @@ class FluxPipelinePart(PipelinePart):
                                "max_sequence_length; the limit is set at build time: mdtriton build --max-tokens)")
         check_steps_and_guidance(inputs, ("guidance_scale",), "FLUX.1-dev: 3.5")
 
+    def request_tokens(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> int:
+        """Image tokens plus text tokens, as check_request counts them against the engine's limit."""
+        return (image_tokens(manifest, int(inputs["height"][0]), int(inputs["width"][0]))
+                + text_length(inputs, MAX_SEQUENCE_LENGTH))
+
     def call_arguments(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> dict:
         return {
             "prompt": read_prompts(inputs["prompt"], "prompt"),
