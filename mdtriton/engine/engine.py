@@ -144,7 +144,7 @@ class TorchEngine(Engine):
 
     def request_tokens(self, inputs: dict[str, torch.Tensor]) -> int:
         """The request's tokens, as the family counts them (FLUX: text plus image)."""
-        return self.architecture.check_request(self.manifest.config, inputs).tokens
+        return self.architecture.request_size(self.manifest.config, inputs).tokens
 
     def measure_group_times(self, max_tokens: int | None = None, calls=lambda size: 1) -> GroupTimes:
         """The forward's times on the family's example requests of up to max_tokens tokens (None: this engine's limit;
