@@ -72,7 +72,7 @@ class Epoch:
 
     @property
     def hub_address(self) -> str:
-        return str(self.directory / "hub.sock")
+        return str(self.directory / "hub")
 
 
 def rendezvous_root() -> Path:
@@ -108,7 +108,7 @@ class Rendezvous:
 
     def __init__(self, directory: Path, rank: int, world_size: int):
         self.directory = Path(directory)
-        longest_socket = self.directory / "epoch1234567" / "hub.sock"
+        longest_socket = self.directory / "epoch1234567" / "hub"
         if len(str(longest_socket).encode()) > MAX_UNIX_SOCKET_PATH:
             raise ValueError(f"the rendezvous area {self.directory} is too deep for the Unix sockets it holds "
                              f"(at most {MAX_UNIX_SOCKET_PATH} bytes); set {ROOT_ENV} to a shorter directory")

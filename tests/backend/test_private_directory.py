@@ -39,9 +39,9 @@ def test_the_root_is_created_private_and_every_file_in_it_is_0600(tmp_path):
     assert mode(root) == 0o700 and mode(area) == 0o700 and mode(area / f"epoch{number}") == 0o700
     for name in ("state.json", "lock", f"epoch{number}/store"):
         assert mode(area / name) == 0o600, name
-    hub = JobHub(str(area / f"epoch{number}" / "hub.sock"), "token", 2).start()
+    hub = JobHub(str(area / f"epoch{number}" / "hub"), "token", 2).start()
     try:
-        assert mode(area / f"epoch{number}" / "hub.sock") == 0o600
+        assert mode(area / f"epoch{number}" / "hub") == 0o600
     finally:
         hub.stop()
     for rank in ranks:
