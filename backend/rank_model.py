@@ -162,9 +162,13 @@ class RankModel:
         """config.pbtxt's elastic_min_speedup (default job_scheduler.MIN_SPEEDUP): how many times as fast a larger
         group must run a lone request of an elastic model for the request to take it; 0 gives every lone request the
         largest free group."""
-        value = float(parameters.get("elastic_min_speedup", MIN_SPEEDUP))
+        text = parameters.get("elastic_min_speedup", str(MIN_SPEEDUP))
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
         if not (math.isfinite(value) and value >= 0):
-            raise EngineError(f"config.pbtxt's elastic_min_speedup is {value:g}: give a number of 0 or more (default "
+            raise EngineError(f"config.pbtxt's elastic_min_speedup is {text!r}: give a number of 0 or more (default "
                               f"{MIN_SPEEDUP:g}; 0: a lone request always takes every free rank)")
         return value
 
