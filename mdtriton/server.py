@@ -122,12 +122,23 @@ def server_environment() -> dict[str, str]:
     libs = triton_dir().parent.parent / "nvidia_pytriton.libs"
     # This process's mdtriton first, so the stubs run the same code as the launcher (a checkout too).
     python_path = [str(Path(find_spec("mdtriton").origin).parent.parent)] + site.getsitepackages()
-    # libpython's directory goes last: on some hosts it is /usr/lib/<arch>, whose older CUDA libraries
-    # (cuDNN) must not shadow the ones torch brings.
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p]
-                                             + [sysconfig.get_config_var("LIBDIR")])
+                                             + libpython_directories(sysconfig.get_config_var("LIBDIR"),
+                                                                     sysconfig.get_config_var("MULTIARCH")))
     env["PYTHONPATH"] = os.pathsep.join(python_path + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+def libpython_directories(libdir: str, multiarch: str | None) -> list[str]:
+    """Where the stubs find libpython: libdir, unless the loader searches it anyway (a system directory). A system
+    directory must stay off LD_LIBRARY_PATH, even last: the loader reads LD_LIBRARY_PATH before a library's RUNPATH,
+    so an older cuDNN there (9.14 beside torch's 9.19 on hosts with CUDA's packages) is found before torch's own by
+    every process the stubs start, and torch quietly runs its slower flash attention instead of cuDNN's (Qwen-Image's
+    served image took 1.16x diffusers' time on one H200 with it there, 1.03x without: docs/benchmarks.md)."""
+    system = {"/lib", "/lib64", "/usr/lib", "/usr/lib64"}
+    if multiarch:
+        system |= {f"/lib/{multiarch}", f"/usr/lib/{multiarch}"}
+    return [] if os.path.normpath(libdir) in system else [libdir]
 
 
 # Triton's Python backend keeps each stub's shared memory in a file of /dev/shm named so; a server that crashes (with

@@ -67,3 +67,12 @@ def test_without_it_a_bytes_input_kills_the_stub_under_numpy_2(tmp_path, server_
         grpcclient.InferenceServerClient(server.grpc_address).infer("takes_bytes", [text])
     assert "is not healthy" in caught.value.message()
     assert "unpack_from requires a buffer" in (tmp_path / "server0.log").read_text()
+
+
+def test_a_system_library_directory_stays_off_the_servers_library_path():
+    """libpython's directory goes on the server's LD_LIBRARY_PATH only where the loader would not search it anyway:
+    listed there, a system directory is searched before torch's own libraries by every process the stubs start (an
+    older cuDNN in /usr/lib/x86_64-linux-gnu replaced torch's on GPU hosts, and its attention with it)."""
+    assert mdtriton.server.libpython_directories("/usr/lib/x86_64-linux-gnu", "x86_64-linux-gnu") == []
+    assert mdtriton.server.libpython_directories("/usr/lib/", None) == []
+    assert mdtriton.server.libpython_directories("/opt/python/lib", "x86_64-linux-gnu") == ["/opt/python/lib"]
