@@ -45,6 +45,17 @@ from mdtriton.lora.directory import AdapterSettings
 
 log = logging.getLogger("mdtriton.backend")
 
+def warn_of_a_foreign_cudnn(rank: int) -> None:
+    """Log a warning if torch cannot use the cuDNN it was built with: another one found first (a directory on
+    LD_LIBRARY_PATH is searched before torch's own libraries) leaves torch running without cuDNN's attention, slower
+    and with no error (Qwen-Image's served image 1.16x diffusers' time on one H200, docs/benchmarks.md)."""
+    try:
+        torch.backends.cudnn.version()
+    except RuntimeError as error:
+        log.warning("rank %d: %s (LD_LIBRARY_PATH=%s): attention runs slower kernels until that directory leaves the "
+                    "path", rank, error, os.environ.get("LD_LIBRARY_PATH", ""))
+
+
 class RankWorker:
     def __init__(self, spec: WorkerSpec, link: TensorLink):
         self.spec = spec
@@ -56,6 +67,7 @@ class RankWorker:
         spec = self.spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            warn_of_a_foreign_cudnn(spec.rank)
         elif spec.threads is not None:
             torch.set_num_threads(spec.threads)
         manifest = Manifest.read(Path(spec.engine_dir))
