@@ -68,7 +68,8 @@ class PipelineEngine(Engine):
         transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
         diffusers' LoRA loaders do). compile: None compiles on GPUs only, as TorchEngine.load does (our engines, and
-        diffusers' own transformer as the part prepares it)."""
+        diffusers' own transformer as the part prepares it). On a GPU, EngineError before anything is loaded if the
+        rank does not fit the GPU's free memory (mdtriton.pipeline.fit)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):

@@ -65,15 +65,19 @@ def test_the_estimate_is_each_components_tensor_bytes_at_the_served_data_type(pi
         assert estimate["vae"] == loaded_bytes(pipeline_dirs[architecture], "FP32", (), ())["vae"]
 
 
-def test_a_transformer_with_only_its_config_is_counted_from_its_class(pipeline_dirs, tmp_path):
-    """A build with random weights: transformer/ holds only config.json."""
-    with_weights = pipeline_dirs["qwen-image-pipeline"]
+@pytest.mark.parametrize("architecture, folders", [("qwen-image-pipeline", ("transformer",)),
+                                                    ("wan-pipeline", ("text_encoder", "vae"))])
+def test_a_component_with_only_its_config_is_counted_from_its_class(pipeline_dirs, tmp_path, architecture, folders):
+    """A build with random weights: transformer/ holds only config.json (a diffusers class); a transformers text
+    encoder and a VAE kept in float32 likewise."""
+    part, with_weights = served_part(architecture), pipeline_dirs[architecture]
     config_only = shutil.copytree(with_weights, tmp_path / "pipeline")
-    for weights in (config_only / "transformer").glob("*.safetensors"):
-        weights.unlink()
-    assert [path.name for path in (config_only / "transformer").iterdir()] == ["config.json"]
-    expected = loaded_bytes(with_weights, "BF16", (), ())["transformer"]
-    assert components_bytes(config_only, "BF16", ())["transformer"] == expected
+    for folder in folders:
+        for weights in (config_only / folder).glob("*.safetensors"):
+            weights.unlink()
+        assert "config.json" in [path.name for path in (config_only / folder).iterdir()]
+    expected = loaded_bytes(with_weights, "BF16", part.float32_components, part.transformers)
+    assert components_bytes(config_only, "BF16", part.float32_components, part.transformers) == expected
 
 
 def test_a_rank_that_fits_passes_and_one_byte_less_is_refused_naming_each_component(pipeline_dirs):
@@ -171,8 +175,9 @@ def test_models_on_device_are_the_models_diffusers_loads(pipeline_dirs, architec
 def test_models_on_device_are_on_the_ranks_gpu_only(pipeline_dirs):
     """The last GPU: no model lands on GPU 0 (as a pipeline-wide device_map "cuda" would put transformers' there)."""
     gpu = torch.device("cuda", torch.cuda.device_count() - 1)
+    on_gpu0 = torch.cuda.memory_allocated(0)
     models = models_on_device(pipeline_dirs["qwen-image-pipeline"], {"default": torch.bfloat16}, gpu, ())
     assert models and all(tensor.device == gpu for model in models.values()
                           for tensor in [*model.parameters(), *model.buffers()])
     if gpu.index > 0:
-        assert torch.cuda.memory_allocated(0) == 0
+        assert torch.cuda.memory_allocated(0) == on_gpu0
