@@ -83,7 +83,9 @@ def add_parser(subparsers) -> None:
                              "row, activations quantized per token, the rest and the inputs/outputs in BF16 "
                              "(GPUs of compute capability 8.9+: Ada, Hopper, Blackwell)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
-                        help="instance kind: one KIND_GPU instance per GPU, or KIND_CPU instances (gloo)")
+                        help="instance kind: one KIND_GPU instance per GPU, or KIND_CPU instances (gloo); with gpu, "
+                             "on a host with the GPUs, a model whose rank does not fit a GPU's memory is refused, "
+                             "naming what a rank holds (its weights; a pipeline's components too) and what to do")
     parser.add_argument("--gpus", help="comma-separated GPU ids for the ranks, in rank order (default 0..N-1)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--seed", type=int, default=0, help="seed for random weights (default 0)")

@@ -13,6 +13,8 @@ them serving.
 
 from __future__ import annotations
 
+import importlib
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
 from mdtriton.pipeline.diffusers_cache import DiffusersStepCache
+from mdtriton.pipeline.fit import MODEL_INDEX, check_pipeline_fits, components_bytes
 from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.split_vae import split_decode
@@ -65,18 +68,30 @@ class PipelineEngine(Engine):
         transformer's family. Requests may name
         the adapters kept where `adapters` says; they change the pipeline's first transformer (`transformer`, as
         diffusers' LoRA loaders do). compile: None compiles on GPUs only, as TorchEngine.load does (our engines, and
-        diffusers' own transformer as the part prepares it)."""
+        diffusers' own transformer as the part prepares it). On a GPU, EngineError before anything is loaded if the
+        rank does not fit the GPU's free memory (mdtriton.pipeline.fit)."""
         # Prompts are user data: diffusers' and transformers' truncation warnings would quote them in the server log.
         # Their loading progress bars would fill it, one line per component and rank.
         for library_logging in (diffusers_logging, transformers_logging):
             library_logging.set_verbosity_error()
             library_logging.disable_progress_bar()
         engine_dir = Path(engine_dir)
+        engine_manifests = {folder: Manifest.read(engine_dir / folder)
+                            for folder in transformer_engine_folders(engine_dir, part)}
         try:
+            arguments = part.load_arguments(engine_dir)
+            leave_out = (*part.transformers, *arguments)  # our engines, and what the part gives itself
+            if comm.device.type == "cuda":
+                # Before anything is loaded: does a rank fit the GPU's free memory (mdtriton.pipeline.fit)?
+                components = components_bytes(engine_dir, manifest.data_type, part.float32_components, leave_out)
+                check_pipeline_fits(components, engine_manifests, architecture, manifest.data_type, comm.device.index,
+                                    torch.cuda.mem_get_info(comm.device)[0], "free")
             dtypes = {"default": TORCH_DTYPES[manifest.data_type],
                       **dict.fromkeys(part.float32_components, torch.float32)}
-            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), dtype=dtypes,
-                                                         local_files_only=True, **part.load_arguments(engine_dir))
+            # On GPUs the models are read straight onto the rank's GPU (models_on_device); on CPU diffusers loads them.
+            models = models_on_device(engine_dir, dtypes, comm.device, leave_out) if comm.device.type == "cuda" else {}
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), **models,
+                                                         dtype=dtypes, local_files_only=True, **arguments)
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
         if type(pipeline).__name__ != part.diffusers_class:
@@ -87,9 +102,8 @@ class PipelineEngine(Engine):
         compiled = comm.device.type == "cuda" if compile is None else compile
         part.prepare(pipeline, comm, compiled)
         # The transformers last: each load checks that its shard fits the memory the other components left free.
-        engines = {folder: TorchEngine.load(engine_dir / folder, Manifest.read(engine_dir / folder), architecture, comm,
-                                            compiled)
-                   for folder in transformer_engine_folders(engine_dir, part)}
+        engines = {folder: TorchEngine.load(engine_dir / folder, engine_manifest, architecture, comm, compiled)
+                   for folder, engine_manifest in engine_manifests.items()}
         transformers = [part.transformer(engine, pipeline) for engine in engines.values()]
         for folder, transformer in zip(engines, transformers):
             setattr(pipeline, folder, transformer)
@@ -174,6 +188,32 @@ class PipelineEngine(Engine):
         """At the running job's first transformer call: the ranks agree that none failed before it."""
         if self.agreement is not None:
             self.agreement.before_collectives()
+
+
+def models_on_device(engine_dir: Path, dtypes: dict[str, torch.dtype], device: torch.device,
+                     leave_out: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """The pipeline's diffusers and transformers models in engine_dir (text encoders, VAE, diffusers' own transformer;
+    but leave_out's), each read by its class's from_pretrained straight onto device, in its dtype of dtypes (diffusers'
+    per-component form): DiffusionPipeline.from_pretrained then takes them as given components.
+
+    What it saves: loaded by the pipeline, every model is first made whole in host memory and then moved, so each rank
+    holds a host copy of the whole pipeline while it loads (FLUX.2 [dev] in bf16: about 112 GB per rank, N ranks on one
+    host at once); read onto the device, each weight file's tensors go to the GPU as they are read, and no rank holds
+    a host copy. Each model is loaded with its own device_map, not the pipeline's: the pipeline takes only "cuda" (no
+    GPU index), which transformers reads as GPU 0 (or $LOCAL_RANK's), not this rank's GPU. A device_map of one device
+    adds no hooks, so the pipeline's later `.to(device)` is allowed (and moves nothing)."""
+    index = json.loads((Path(engine_dir) / MODEL_INDEX).read_text())
+    models = {}
+    for name, entry in index.items():
+        if name.startswith("_") or name in leave_out or not (isinstance(entry, list)
+                                                             and entry[0] in ("diffusers", "transformers")):
+            continue
+        model_class = getattr(importlib.import_module(entry[0]), entry[1], None)
+        if isinstance(model_class, type) and issubclass(model_class, torch.nn.Module):
+            dtype = dtypes.get(name, dtypes["default"])
+            models[name] = model_class.from_pretrained(Path(engine_dir) / name, dtype=dtype, device_map=str(device),
+                                                       local_files_only=True)
+    return models
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:
