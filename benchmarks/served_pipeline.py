@@ -13,7 +13,7 @@ the others' 1024x1024. Input images (--input-images, random pixels of the image'
 Plus's 1 to 3 (default 1), FLUX.2's 0 to 3 (default 0). FLUX.2 [klein] 4B is guidance distilled: 4 steps by default, as
 its model card runs it. LTX-2's clip is 768x512 x 121 frames by default, with its sound (compared by its frames).
 Disk for the pipeline directory (--workdir), in bf16: FLUX.1-dev's 45 GB, Qwen-Image's and its Edit's 58 GB, LTX-2's
-68 GB, FLUX.2 [dev]'s 111 GB (a 32 B transformer and a 24 B text encoder; every rank loads both, so each GPU needs
+68 GB, FLUX.2 [dev]'s 113 GB (a 32 B transformer and a 24 B text encoder; every rank loads both, so each GPU needs
 that much memory too), FLUX.2 [klein]'s 16 GB. For each data type (--data-types: BF16, FP8) and plan (one server
 each, the model alone on its GPUs): the build, the time from start to ready, a first image or clip, one more for each other rank
 (a rank's first answer costs more: docs/benchmarks.md), --images more one after another (the client's wall time for
@@ -56,7 +56,7 @@ requests at once or steps apart ("-").
     python benchmarks/served_pipeline.py --architecture flux2-klein --plans 1,ulysses2 --diffusers 1,ulysses2 \\
         --images 3 --concurrent 0                                       # FLUX.2 [klein] 4B, 4 steps
     python benchmarks/served_pipeline.py --architecture flux2 --plans ulysses2 --diffusers ulysses2 --steps 4 \\
-        --images 2 --concurrent 0 --workdir /dev/shm/f2        # FLUX.2 [dev]: 111 GB of pipeline on each GPU
+        --images 2 --concurrent 0 --workdir /dev/shm/f2        # FLUX.2 [dev]: 113 GB of pipeline on each GPU
     python benchmarks/served_pipeline.py --architecture ltx2 --plans 1,ulysses2 --diffusers ulysses2 --images 1 \\
         --concurrent 0                                                  # LTX-2: 768x512 x 121 frames and sound
     python benchmarks/served_pipeline.py --tiny --architecture qwen-image --plans 1,ulysses2,cfg2 --diffusers 1 \\

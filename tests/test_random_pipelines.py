@@ -1,5 +1,6 @@
-"""The benchmarks' pipeline directories (mdtriton.testing.random_pipelines), tiny: each is a diffusers directory whose
-transformer/ holds the config the build reads, its class named as model_index.json names it."""
+"""The benchmarks' pipeline directories (mdtriton.testing.random_pipelines, random_diffusers_pipelines), tiny: each is a
+diffusers directory whose transformer/ holds the config the build reads, its class named as model_index.json names it;
+and the published configs, made on the meta device, have the published models' sizes."""
 
 from __future__ import annotations
 
@@ -8,13 +9,37 @@ import json
 import pytest
 import torch
 
-from mdtriton.testing.random_pipelines import flux_pipeline_dir, kontext_pipeline_dir, wan_pipeline_dir
+from mdtriton.testing.random_diffusers_pipelines import (flux2_klein_makers, flux2_klein_pipeline_dir, flux2_makers,
+                                                         flux2_pipeline_dir, ltx2_makers, ltx2_pipeline_dir,
+                                                         qwen_image_edit_plus_pipeline_dir)
+from mdtriton.testing.random_pipelines import (flux_pipeline_dir, kontext_pipeline_dir, qwen_image_makers,
+                                               wan_pipeline_dir)
 
 
-@pytest.mark.parametrize("make", [flux_pipeline_dir, kontext_pipeline_dir, wan_pipeline_dir])
+@pytest.mark.parametrize("make", [flux_pipeline_dir, kontext_pipeline_dir, wan_pipeline_dir,
+                                  qwen_image_edit_plus_pipeline_dir, flux2_pipeline_dir, flux2_klein_pipeline_dir,
+                                  ltx2_pipeline_dir])
 def test_each_pipeline_directory_holds_its_transformer_config(make, tmp_path):
     pipeline_dir, config = make(tmp_path / "pipeline", True, torch.device("cpu"))
     index = json.loads((pipeline_dir / "model_index.json").read_text())
     written = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
     assert written["_class_name"] == index["transformer"][1]
     assert {key: written[key] for key in config} == json.loads(json.dumps(config))  # tuples as JSON lists
+
+
+# Billions of parameters of the transformer and the text encoder (with its vision tower and, where it is not tied, its
+# output layer) as the configs give them: the published names' sizes (Qwen-Image 20 B with Qwen2.5-VL 7 B, whose count
+# takes in its vision tower and output layer; FLUX.2 [dev] 32 B with Mistral Small 3.1 24 B; FLUX.2 [klein] 4 B with
+# Qwen3 4 B; LTX-2 19 B with Gemma 3 12 B).
+PUBLISHED = {"qwen-image": (qwen_image_makers, 20.43, 8.29), "flux2": (flux2_makers, 32.2, 24.0),
+             "flux2-klein": (flux2_klein_makers, 3.88, 4.02), "ltx2": (ltx2_makers, 18.9, 12.2)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_published_configs_have_the_published_sizes(name):
+    makers, transformer, text_encoder = PUBLISHED[name]
+    components = {part: makers(torch.device("meta"))[part]() for part in ("transformer", "text_encoder")}
+    billions = {part: sum(p.numel() for p in model.parameters()) / 1e9 for part, model in components.items()}
+    assert billions == {"transformer": pytest.approx(transformer, rel=0.01),
+                        "text_encoder": pytest.approx(text_encoder, rel=0.01)}
+    assert {p.dtype for model in components.values() for p in model.parameters()} == {torch.bfloat16}

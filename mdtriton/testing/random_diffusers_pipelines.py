@@ -8,7 +8,7 @@ text encoder need not fit on the GPU together); or the tests' tiny pipelines (fl
 the tiny pipelines' small local ones (each tokenizer class over byte tokens): token ids do not change the work, and
 every pipeline here pads its prompt to a fixed length (FLUX.2: 512 tokens, LTX-2: 1,024) or takes a template longer
 than the tokens it drops. Their parameters in bf16 (what the directory takes on disk): Qwen-Image-Edit-Plus 58 GB,
-FLUX.2 [dev] 111 GB, FLUX.2 [klein] 4B 16 GB, LTX-2 68 GB.
+FLUX.2 [dev] 113 GB, FLUX.2 [klein] 4B 16 GB, LTX-2 68 GB.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ FLUX2_DEV_TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=8, num_si
 MISTRAL_SMALL_3_1_TEXT = dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
                               num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                               max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=None,
-                              rope_parameters=dict(rope_type="default", rope_theta=1e9))
+                              tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1e9))
 MISTRAL_SMALL_3_1_VISION = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                                 num_attention_heads=16, head_dim=64, patch_size=14, image_size=1540,
                                 hidden_act="silu", rope_parameters=dict(rope_type="default", rope_theta=10000.0))
@@ -139,7 +139,8 @@ def flux2_makers(device: torch.device) -> dict[str, Callable[[], object]]:
                        eos_token_id=tokenizer.eos_token_id)
     encoder_config = Mistral3Config(text_config=text_config, vision_config=MISTRAL_SMALL_3_1_VISION,
                                     image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
-                                    projector_hidden_act="gelu", multimodal_projector_bias=False)
+                                    projector_hidden_act="gelu", multimodal_projector_bias=False,
+                                    tie_word_embeddings=False)
     return {"transformer": in_bf16(lambda: Flux2Transformer2DModel(**FLUX2_DEV_TRANSFORMER), device),
             "text_encoder": in_bf16(lambda: Mistral3ForConditionalGeneration(encoder_config).eval(), device),
             "vae": in_bf16(AutoencoderKLFlux2, device),
