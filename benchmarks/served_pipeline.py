@@ -27,10 +27,10 @@ encoding, VAE decode, transfer; computed, not timed). A failed request is a row'
 says how many. Rows are printed and appended to --output as each ends; --plot draws their speed-up over the first row
 against their GPUs.
 
-With --xdit (FLUX, Wan) or --diffusers (every architecture but Kontext and Cosmos 3), after the served plans: xDiT's or diffusers' own
-whole pipeline (benchmarks/pipeline_peers.py: xfuser 0.7.0 as its runner runs it; diffusers' with its own context
-parallelism) in each configuration (1, ulyssesN, ringN; xDiT also ulyssesNxringM), on the same pipeline directory
-(the same random weights) with the same request and seed, one process per GPU, compiled as xfuser's
+With --xdit (FLUX, Wan) or --diffusers (every architecture but Kontext and Cosmos 3), after the served plans: xDiT's
+or diffusers' own whole pipeline (benchmarks/pipeline_peers.py: xfuser 0.7.0 as its runner runs it; diffusers' with its
+own context parallelism) in each configuration (1, ulyssesN, ringN; xDiT also ulyssesNxringM), on the same pipeline
+directory (the same random weights) with the same request and seed, one process per GPU, compiled as xfuser's
 --use_torch_compile compiles it, or diffusers' repeated blocks as our served ranks compile them (--peers-eager:
 uncompiled). Their rows time the call to the image or clip as a uint8 array on the host (rank 0's wall clock: a first
 one, which compiles, then --images more), against the first row's like the others; they have no build, server,
@@ -88,8 +88,8 @@ from mdtriton.client.pipeline import generate, generate_clip, generate_video
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.harness import build_pipeline, device_name, markdown_table, psnr, started_server
 from mdtriton.testing.metrics import rank_counters
-from mdtriton.testing.random_diffusers_pipelines import (flux2_klein_pipeline_dir, flux2_pipeline_dir, ltx2_pipeline_dir,
-                                                        qwen_image_edit_plus_pipeline_dir)
+from mdtriton.testing.random_diffusers_pipelines import (flux2_klein_pipeline_dir, flux2_pipeline_dir,
+                                                         ltx2_pipeline_dir, qwen_image_edit_plus_pipeline_dir)
 from mdtriton.testing.random_pipelines import (IMAGE_ARCHITECTURES, MODEL_SIZES, REQUESTS, add_pipeline_arguments,
                                                cosmos3_pipeline_dir, fill_clip_sizes, flux_pipeline_dir,
                                                kontext_pipeline_dir, pipeline_device, plan_of,
@@ -107,7 +107,8 @@ PIPELINE_DIRS = {"flux": flux_pipeline_dir, "kontext": kontext_pipeline_dir, "wa
                  "qwen-image-edit-plus": qwen_image_edit_plus_pipeline_dir, "flux2": flux2_pipeline_dir,
                  "flux2-klein": flux2_klein_pipeline_dir, "ltx2": ltx2_pipeline_dir}
 # The input images each architecture's request may carry: (default, fewest, most); the others take none.
-INPUT_IMAGES = {"kontext": (1, 1, 1), "qwen-image-edit-plus": (1, 1, 3), "flux2": (0, 0, 3), "flux2-klein": (0, 0, 3)}
+INPUT_IMAGES = {"kontext": (1, 1, 1), "qwen-image-edit-plus": (1, 1, 3), "flux2": (0, 0, 3),
+                "flux2-klein": (0, 0, 3)}
 # Qwen-Image's and Qwen-Image-Edit-Plus's request: a negative prompt (true classifier-free guidance, as their model
 # cards run it).
 QWEN_IMAGE_NEGATIVE_PROMPT = " "

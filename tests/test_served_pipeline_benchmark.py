@@ -1,6 +1,6 @@
-"""benchmarks/served_pipeline.py --tiny on CPU ranks (gloo), as its users run it: a named pipeline served with diffusers'
-own transformer (FLUX.2 [klein] with an input image) on 2 ranks, and diffusers' own pipeline beside it on the same
-directory, request and seed: their images agree within 1 uint8 level (float32), so the benchmark's request and its
+"""benchmarks/served_pipeline.py --tiny on CPU ranks (gloo), as its users run it: a named pipeline served with
+diffusers' own transformer (FLUX.2 [klein] with an input image) on 2 ranks, and diffusers' own pipeline beside it on the
+same directory, request and seed: their images agree within 1 uint8 level (float32), so the benchmark's request and its
 peer's are the same request. The other new architectures (qwen-image-edit-plus, flux2, ltx2) run the same script: see
 its --help."""
 

@@ -5,8 +5,10 @@ NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.ha
 components (T5-XXL, CLIP-L, the 16-channel VAE), Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) or Cosmos 3's (the Wan 2.2
 VAE; its text runs inside the transformer) with random weights made on the GPU, or the tests' tiny pipelines (--tiny,
 on the CPU). Qwen-Image's (served with diffusers' own transformer, which the build copies with the directory) holds
-its transformer's random weights too, with Qwen2.5-VL 7B's text encoder and Qwen-Image's VAE. The tokenizers are small local ones: token ids do not change the work (T5 always gets max_sequence_length
-tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as its bytes).
+its transformer's random weights too, with Qwen2.5-VL 7B's text encoder and Qwen-Image's VAE (the other pipelines served
+so: mdtriton.testing.random_diffusers_pipelines). The tokenizers are small local ones: token ids do not change the work
+(T5 always gets max_sequence_length tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as
+its bytes).
 """
 
 from __future__ import annotations
