@@ -9,11 +9,14 @@ import json
 import pytest
 import torch
 
-from mdtriton.testing.random_diffusers_pipelines import (flux2_klein_makers, flux2_klein_pipeline_dir, flux2_makers,
-                                                         flux2_pipeline_dir, ltx2_makers, ltx2_pipeline_dir,
+from mdtriton.testing.random_diffusers_pipelines import (FLUX2_DEV_TRANSFORMER, FLUX2_KLEIN_4B_TRANSFORMER,
+                                                         GEMMA3_12B_TEXT, LTX2_CONNECTORS, LTX2_TRANSFORMER,
+                                                         MISTRAL_SMALL_3_1_TEXT, QWEN3_4B, flux2_klein_makers,
+                                                         flux2_klein_pipeline_dir, flux2_makers, flux2_pipeline_dir,
+                                                         ltx2_makers, ltx2_pipeline_dir,
                                                          qwen_image_edit_plus_pipeline_dir)
-from mdtriton.testing.random_pipelines import (flux_pipeline_dir, kontext_pipeline_dir, qwen_image_makers,
-                                               wan_pipeline_dir)
+from mdtriton.testing.random_pipelines import (QWEN2_5_VL_7B_TEXT, QWEN_IMAGE_TRANSFORMER, flux_pipeline_dir,
+                                               kontext_pipeline_dir, qwen_image_makers, wan_pipeline_dir)
 
 
 @pytest.mark.parametrize("make", [flux_pipeline_dir, kontext_pipeline_dir, wan_pipeline_dir,
@@ -43,3 +46,14 @@ def test_the_published_configs_have_the_published_sizes(name):
     assert billions == {"transformer": pytest.approx(transformer, rel=0.01),
                         "text_encoder": pytest.approx(text_encoder, rel=0.01)}
     assert {p.dtype for model in components.values() for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_each_published_transformer_takes_its_text_encoders_width():
+    """The pipelines stack hidden states of their text encoder (FLUX.2: three layers; LTX-2's connectors: every
+    layer's and the embeddings'), which the transformer (or the connectors) must take."""
+    assert QWEN_IMAGE_TRANSFORMER["joint_attention_dim"] == QWEN2_5_VL_7B_TEXT["hidden_size"]
+    assert FLUX2_DEV_TRANSFORMER["joint_attention_dim"] == 3 * MISTRAL_SMALL_3_1_TEXT["hidden_size"]
+    assert FLUX2_KLEIN_4B_TRANSFORMER["joint_attention_dim"] == 3 * QWEN3_4B["hidden_size"]
+    assert (LTX2_CONNECTORS["caption_channels"], LTX2_CONNECTORS["text_proj_in_factor"]) == (
+        GEMMA3_12B_TEXT["hidden_size"], GEMMA3_12B_TEXT["num_hidden_layers"] + 1)
+    assert LTX2_TRANSFORMER["caption_channels"] == GEMMA3_12B_TEXT["hidden_size"]
