@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mdtriton.testing.random_diffusers_pipelines import (FLUX2_DEV_TRANSFORMER, FLUX2_KLEIN_4B_TRANSFORMER,
                                                          GEMMA3_12B_TEXT, LTX2_CONNECTORS, LTX2_TRANSFORMER,
@@ -15,8 +16,11 @@ from mdtriton.testing.random_diffusers_pipelines import (FLUX2_DEV_TRANSFORMER, 
                                                          flux2_klein_pipeline_dir, flux2_makers, flux2_pipeline_dir,
                                                          ltx2_makers, ltx2_pipeline_dir,
                                                          qwen_image_edit_plus_pipeline_dir)
-from mdtriton.testing.random_pipelines import (QWEN2_5_VL_7B_TEXT, QWEN_IMAGE_TRANSFORMER, flux_pipeline_dir,
-                                               kontext_pipeline_dir, qwen_image_makers, wan_pipeline_dir)
+from mdtriton.testing.random_pipelines import (QWEN2_5_VL_7B_TEXT, QWEN_IMAGE_TRANSFORMER, flux_pipeline_dir, in_bf16,
+                                               kontext_pipeline_dir, qwen_image_makers, save_made_components,
+                                               wan_pipeline_dir)
+from mdtriton.testing.tiny_flux2_pipeline import flux2_scheduler, flux2_vae
+from mdtriton.testing.tiny_qwen_image_pipeline import qwen_tokenizer
 
 
 @pytest.mark.parametrize("make", [flux_pipeline_dir, kontext_pipeline_dir, wan_pipeline_dir,
@@ -57,3 +61,22 @@ def test_each_published_transformer_takes_its_text_encoders_width():
     assert (LTX2_CONNECTORS["caption_channels"], LTX2_CONNECTORS["text_proj_in_factor"]) == (
         GEMMA3_12B_TEXT["hidden_size"], GEMMA3_12B_TEXT["num_hidden_layers"] + 1)
     assert LTX2_TRANSFORMER["caption_channels"] == GEMMA3_12B_TEXT["hidden_size"]
+
+
+def test_published_components_are_made_in_bf16_and_saved_as_a_pipeline_directory(tmp_path):
+    """save_made_components and in_bf16, as the published pipelines are made (here with the tiny FLUX.2 VAE): each
+    component saved in bf16 and listed in model_index.json with its library, the further entries kept, the default
+    data type left as it was; the same seed gives the same weights."""
+    makers = {"vae": in_bf16(flux2_vae, torch.device("cpu")), "tokenizer": qwen_tokenizer,
+              "scheduler": flux2_scheduler}
+    for name in ("a", "b"):
+        save_made_components(tmp_path / name, "Flux2KleinPipeline", makers, {"is_distilled": True})
+    assert torch.get_default_dtype() == torch.float32
+    index = json.loads((tmp_path / "a" / "model_index.json").read_text())
+    assert index == {"_class_name": "Flux2KleinPipeline", "is_distilled": True,
+                     "vae": ["diffusers", "AutoencoderKLFlux2"], "tokenizer": ["transformers", "Qwen2Tokenizer"],
+                     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    weights = [load_file(tmp_path / name / "vae" / "diffusion_pytorch_model.safetensors") for name in ("a", "b")]
+    assert {tensor.dtype for tensor in weights[0].values() if tensor.is_floating_point()} == {torch.bfloat16}
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
