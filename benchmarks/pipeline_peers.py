@@ -1,7 +1,8 @@
 """The peers of our served image or clip (benchmarks/served_pipeline.py's --xdit and --diffusers rows): xDiT's and
 diffusers' own whole pipelines, prompt to image or clip, on the same pipeline directory
-(mdtriton/testing/random_pipelines.py), request and seed, the transformer with the random weights `mdtriton build` gives
-the served one (seed 0) where the directory holds none (FLUX, Wan; Qwen-Image's directory holds its own).
+(mdtriton/testing/random_pipelines.py, random_diffusers_pipelines.py), request (its input images too) and seed, the
+transformer with the random weights `mdtriton build` gives the served one (seed 0) where the directory holds none (FLUX,
+Wan; the directories of the pipelines served with diffusers' own transformer hold its weights).
 
 - xDiT (FLUX, Wan; xfuser 0.7.0) as its model runner runs FLUX.1-dev (`runner_models/flux.py`) and Wan 2.1 T2V
   (`runner_models/wan.py`): diffusers' FluxPipeline or WanPipeline in bf16 with xfuser's
@@ -11,10 +12,11 @@ the served one (seed 0) where the directory holds none (FLUX, Wan; Qwen-Image's 
   input parameters (FLUX) or step schedule (Wan) set before each call. Two changes for a like-for-like comparison: the
   initial noise comes from a CPU generator seeded as our served pipeline draws it, and the directory's scheduler is
   kept. The VAE decodes on every rank (xfuser's default). Configurations: 1, ulyssesN, ringN, ulyssesNxringM.
-- diffusers (FLUX, Wan, Qwen-Image): the directory's pipeline class, its transformer split by diffusers' own context
-  parallelism (`enable_parallelism`: Ulysses or Ring in their "anything" modes, since a prompt's text tokens need not
-  divide by the ranks), its repeated blocks compiled as our served ranks compile them. Configurations: 1, ulyssesN,
-  ringN.
+- diffusers (FLUX, Wan, Qwen-Image, Qwen-Image-Edit-Plus, FLUX.2 [dev] and [klein], LTX-2): the directory's pipeline
+  class (loaded with what our served pipeline loads it with: Qwen-Image-Edit-Plus's processor), its transformer split
+  by diffusers' own context parallelism (`enable_parallelism` with the class's declared plan: Ulysses or Ring in their
+  "anything" modes, since a prompt's text tokens need not divide by the ranks), its repeated blocks compiled as our
+  served ranks compile them. Configurations: 1, ulyssesN, ringN.
 
 One process per GPU (xDiT: GPUs only; diffusers: gloo ranks on the CPU too), each loading the whole pipeline in bf16
 (float32 on the CPU). Rank 0 times each image or clip by the wall clock from the call to the uint8 result on the host
@@ -45,7 +47,9 @@ from mdtriton.families.wan.pipeline import MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUEN
 from mdtriton.harness import init_rank, run_ranks
 
 # The served pipeline of each architecture the peers run (their outputs are made uint8 as it makes them).
-PIPELINES = {"flux": "flux-pipeline", "wan": "wan-pipeline", "qwen-image": "qwen-image-pipeline"}
+PIPELINES = {"flux": "flux-pipeline", "wan": "wan-pipeline", "qwen-image": "qwen-image-pipeline",
+             "qwen-image-edit-plus": "qwen-image-edit-plus-pipeline", "flux2": "flux2-pipeline",
+             "flux2-klein": "flux2-klein-pipeline", "ltx2": "ltx2-pipeline"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class PeerJob:
     """What every rank of every configuration of a peer runs: images or clips of the request."""
 
     peer: str  # xDiT or diffusers
-    architecture: str  # flux, wan or qwen-image
+    architecture: str  # a key of PIPELINES
     pipeline_dir: Path
     device_type: str  # cuda (one GPU a rank) or cpu
     compiled: bool
@@ -65,14 +69,24 @@ class PeerJob:
 
 
 def peer_request(architecture: str, prompt: str, guidance: float, height: int, width: int, steps: int,
-                 frames: int | None, negative_prompt: str) -> dict:
+                 frames: int | None, negative_prompt: str, images: list[np.ndarray]) -> dict:
     """The pipeline's call arguments for our served request: FLUX's and Wan's with their guidance and T5 length (Wan's
-    frames), Qwen-Image's with its negative prompt and true classifier-free guidance."""
+    frames), Qwen-Image's and Qwen-Image-Edit-Plus's with their negative prompt and true classifier-free guidance,
+    FLUX.2's with its guidance, LTX-2's with its guidance and frames (at its default frame rate, as served); images:
+    the input images (uint8 [height, width, 3]), given as the PIL images our served pipeline makes of them."""
+    from PIL import Image
+
     request = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps)
-    if architecture == "qwen-image":
+    if images:
+        request["image"] = [Image.fromarray(image) for image in images]
+    if architecture in ("qwen-image", "qwen-image-edit-plus"):
         return request | dict(negative_prompt=negative_prompt, true_cfg_scale=guidance)
     if architecture == "wan":
         return request | dict(guidance_scale=guidance, num_frames=frames, max_sequence_length=WAN_MAX_SEQUENCE_LENGTH)
+    if architecture == "ltx2":
+        return request | dict(guidance_scale=guidance, num_frames=frames)
+    if architecture in ("flux2", "flux2-klein"):
+        return request | dict(guidance_scale=guidance)
     return request | dict(guidance_scale=guidance, max_sequence_length=FLUX_MAX_SEQUENCE_LENGTH)
 
 
@@ -149,13 +163,14 @@ def xdit_pipeline(job: PeerJob, ulysses: int, ring: int, device: torch.device):
 
 
 def diffusers_pipeline(job: PeerJob, ulysses: int, ring: int, device: torch.device):
-    """The directory's diffusers pipeline on this rank's device, the random transformer where the directory holds no
-    weights, split by diffusers' own context parallelism and compiled as the job says."""
+    """The directory's diffusers pipeline on this rank's device (loaded with what our served pipeline loads it with:
+    its part's load_arguments), the random transformer where the directory holds no weights, split by diffusers' own
+    context parallelism and compiled as the job says."""
     import diffusers
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     index = json.loads((job.pipeline_dir / "model_index.json").read_text())
-    components = {}
+    components = served_part(PIPELINES[job.architecture]).load_arguments(job.pipeline_dir)
     if not any((job.pipeline_dir / "transformer").glob("*.safetensors")):
         components["transformer"] = random_transformer(job, getattr(diffusers, index["transformer"][1]), device, dtype)
     pipeline = getattr(diffusers, index["_class_name"]).from_pretrained(job.pipeline_dir, torch_dtype=dtype,

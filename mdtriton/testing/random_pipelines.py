@@ -5,8 +5,10 @@ NAME-pipeline --weights DIR` builds with random transformer weights (mdtriton.ha
 components (T5-XXL, CLIP-L, the 16-channel VAE), Wan 2.1 T2V 14B's (UMT5-XXL, the Wan VAE) or Cosmos 3's (the Wan 2.2
 VAE; its text runs inside the transformer) with random weights made on the GPU, or the tests' tiny pipelines (--tiny,
 on the CPU). Qwen-Image's (served with diffusers' own transformer, which the build copies with the directory) holds
-its transformer's random weights too, with Qwen2.5-VL 7B's text encoder and Qwen-Image's VAE. The tokenizers are small local ones: token ids do not change the work (T5 always gets max_sequence_length
-tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as its bytes).
+its transformer's random weights too, with Qwen2.5-VL 7B's text encoder and Qwen-Image's VAE (the other pipelines served
+so: mdtriton.testing.random_diffusers_pipelines). The tokenizers are small local ones: token ids do not change the work
+(T5 always gets max_sequence_length tokens, CLIP 77; Cosmos 3's byte-level tokenizer gives a text of as many tokens as
+its bytes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import gc
 import json
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,13 +40,23 @@ FLUX_PROMPT = "a photo of a cat holding a sign that says hello world"
 WAN_PROMPT = "a cat walking on a sunny beach, cinematic"
 KONTEXT_PROMPT = "make the cat wear a red hat"
 # Each architecture's prompt and guidance scale, as the pipeline benchmarks ask for its images or clips (ours and xDiT's).
+# Qwen-Image's and Qwen-Image-Edit-Plus's is their true_cfg_scale; FLUX.2 [klein] 4B is guidance distilled (its model
+# card's 1.0).
 REQUESTS = {"flux": (FLUX_PROMPT, 3.5), "kontext": (KONTEXT_PROMPT, 2.5), "wan": (WAN_PROMPT, 5.0),
-            "cosmos3": (WAN_PROMPT, 5.0), "qwen-image": (FLUX_PROMPT, 4.0)}
+            "cosmos3": (WAN_PROMPT, 5.0), "qwen-image": (FLUX_PROMPT, 4.0),
+            "qwen-image-edit-plus": (KONTEXT_PROMPT, 4.0), "flux2": (FLUX_PROMPT, 4.0),
+            "flux2-klein": (FLUX_PROMPT, 1.0), "ltx2": (WAN_PROMPT, 3.0)}
 # The published size whose configs each architecture's random pipeline has, for tables' titles.
 MODEL_SIZES = {"flux": "FLUX.1-dev size", "kontext": "FLUX.1 Kontext [dev] size", "wan": "Wan 2.1 T2V 14B size",
-               "cosmos3": "Cosmos 3 15B size", "qwen-image": "Qwen-Image 20B size"}
+               "cosmos3": "Cosmos 3 15B size", "qwen-image": "Qwen-Image 20B size",
+               "qwen-image-edit-plus": "Qwen-Image-Edit-2509 20B size", "flux2": "FLUX.2 [dev] 32B size",
+               "flux2-klein": "FLUX.2 [klein] 4B size", "ltx2": "LTX-2 19B size"}
 # Architectures whose pipelines make images (the others make clips).
-IMAGE_ARCHITECTURES = ("flux", "kontext", "qwen-image")
+IMAGE_ARCHITECTURES = ("flux", "kontext", "qwen-image", "qwen-image-edit-plus", "flux2", "flux2-klein")
+# Each video architecture's clip by default (height, width, frames): Wan's and Cosmos 3's at 720p, LTX-2's at
+# LTX2Pipeline's default size; tiny: a few tokens (LTX-2's sides are multiples of 32).
+CLIP_SIZES = {"wan": (720, 1280, 81), "cosmos3": (720, 1280, 189), "ltx2": (512, 768, 121)}
+TINY_CLIP_SIZES = {"wan": (32, 48, 9), "cosmos3": (32, 48, 9), "ltx2": (32, 64, 9)}
 # Qwen/Qwen-Image's transformer/config.json.
 QWEN_IMAGE_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                               num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
@@ -110,12 +122,11 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, tiny_steps: int, dis
 
 
 def fill_clip_sizes(args: argparse.Namespace) -> None:
-    """A clip's sizes where not given (--architecture wan or cosmos3): 720p, 81 frames (Wan) or 189 (Cosmos 3), 4
-    steps; tiny: 32x48 x 9, 3 steps."""
+    """A clip's sizes where not given (--architecture wan, cosmos3 or ltx2: CLIP_SIZES, 4 steps; tiny:
+    TINY_CLIP_SIZES, 3 steps)."""
     if args.architecture not in IMAGE_ARCHITECTURES:
-        args.height = args.height or (32 if args.tiny else 720)
-        args.width = args.width or (48 if args.tiny else 1280)
-        args.frames = args.frames or (9 if args.tiny else 81 if args.architecture == "wan" else 189)
+        height, width, frames = (TINY_CLIP_SIZES if args.tiny else CLIP_SIZES)[args.architecture]
+        args.height, args.width, args.frames = args.height or height, args.width or width, args.frames or frames
         args.steps = args.steps or (3 if args.tiny else 4)
 
 
@@ -238,37 +249,67 @@ def cosmos3_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> t
     return save_pipeline_dir(directory, COSMOS3_INDEX, components, config), config
 
 
-def qwen_image_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
-    """A Qwen-Image pipeline directory with its transformer's weights (the published configs: the 20B transformer and
-    Qwen2.5-VL 7B made on device in bf16 from seed 0, the VAE in bf16, a local byte-level tokenizer with Qwen's special
-    tokens, Qwen-Image's scheduler; or the tests' tiny ones, float32) and its transformer's config."""
+def in_bf16(make: Callable[[], torch.nn.Module], device: torch.device) -> Callable[[], torch.nn.Module]:
+    """make, run with bf16 the default data type and device the default device: a model made directly in bf16 on the
+    GPU (made in float32 first, Qwen-Image's 20B transformer would not fit beside the rest)."""
+    def made() -> torch.nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                return make()
+        finally:
+            torch.set_default_dtype(previous)
+
+    return made
+
+
+def save_made_components(directory: Path, pipeline_class: str, makers: dict[str, Callable[[], object]],
+                         index: dict | None = None) -> Path:
+    """A diffusers directory of pipeline_class: each component made by its maker in turn (the random draws from seed
+    0), saved by its save_pretrained and dropped (its GPU memory given back) before the next is made, so that the
+    largest pipelines need not fit on the GPU whole; index: model_index.json's further entries. Returns directory."""
+    index = {"_class_name": pipeline_class, **(index or {})}
+    torch.manual_seed(0)
+    for name, make in makers.items():
+        component = make()
+        component.save_pretrained(directory / name)
+        index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+        del component
+        free_memory()
+    (directory / MODEL_INDEX).write_text(json.dumps(index))
+    return directory
+
+
+def qwen_image_makers(device: torch.device) -> dict[str, Callable[[], object]]:
+    """Qwen-Image's components at the published configs, each by the call that makes it: the 20B transformer,
+    Qwen2.5-VL 7B and the VAE on device in bf16, a local byte-level tokenizer with Qwen's special tokens, Qwen-Image's
+    scheduler."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    if tiny:
-        components = tiny_qwen_image_parts()
-        config = {key: value for key, value in components["transformer"].config.items() if not key.startswith("_")}
-    else:
-        tokenizer = qwen_tokenizer()
-        image_pad, video_pad, vision_start, vision_end = tokenizer.convert_tokens_to_ids(
-            ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
-        text_config = dict(QWEN2_5_VL_7B_TEXT, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        encoder_config = Qwen2_5_VLConfig(text_config=text_config, vision_config=QWEN2_5_VL_7B_VISION,
-                                          image_token_id=image_pad, video_token_id=video_pad,
-                                          vision_start_token_id=vision_start, vision_end_token_id=vision_end)
-        torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # made in bf16: the 20B transformer in float32 would not fit beside
-        try:
-            with torch.device(device):
-                components = {"transformer": QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER),
-                              "text_encoder": Qwen2_5_VLForConditionalGeneration(encoder_config).eval(),
-                              "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
-        finally:
-            torch.set_default_dtype(previous)
-        components.update(tokenizer=tokenizer, scheduler=qwen_image_scheduler())
-        config = dict(QWEN_IMAGE_TRANSFORMER)
+    tokenizer = qwen_tokenizer()
+    image_pad, video_pad, vision_start, vision_end = tokenizer.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    text_config = dict(QWEN2_5_VL_7B_TEXT, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    encoder_config = Qwen2_5_VLConfig(text_config=text_config, vision_config=QWEN2_5_VL_7B_VISION,
+                                      image_token_id=image_pad, video_token_id=video_pad,
+                                      vision_start_token_id=vision_start, vision_end_token_id=vision_end)
+    return {"transformer": in_bf16(lambda: QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER), device),
+            "text_encoder": in_bf16(lambda: Qwen2_5_VLForConditionalGeneration(encoder_config).eval(), device),
+            "vae": in_bf16(lambda: AutoencoderKLQwenImage(**QWEN_IMAGE_VAE), device),
+            "tokenizer": lambda: tokenizer, "scheduler": qwen_image_scheduler}
+
+
+def qwen_image_pipeline_dir(directory: Path, tiny: bool, device: torch.device) -> tuple[Path, dict]:
+    """A Qwen-Image pipeline directory with its transformer's weights (the published configs, qwen_image_makers, made
+    from seed 0; or the tests' tiny ones, float32) and its transformer's config."""
+    if not tiny:
+        save_made_components(directory, "QwenImagePipeline", qwen_image_makers(device))
+        return directory, dict(QWEN_IMAGE_TRANSFORMER)
+    components = tiny_qwen_image_parts()
+    config = {key: value for key, value in components["transformer"].config.items() if not key.startswith("_")}
     index = {"_class_name": "QwenImagePipeline", "transformer": ["diffusers", "QwenImageTransformer2DModel"]}
     return save_pipeline_dir(directory, index, components, config), config
 

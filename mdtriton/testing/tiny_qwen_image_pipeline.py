@@ -116,16 +116,23 @@ def tiny_qwen_image_edit_plus_pipeline(seed: int = 0) -> QwenImageEditPlusPipeli
 
 
 def save_tiny_qwen_image_edit_plus_pipeline(directory: Path, seed: int = 0) -> Path:
-    """Write a tiny Qwen-Image-Edit-Plus into directory as its checkpoints are laid out (model_index.json naming
-    transformers' Qwen2VLProcessor; the `processor` folder holding the image processor's and the tokenizer's files)
-    and return directory."""
+    """Write a tiny Qwen-Image-Edit-Plus into directory as its checkpoints are laid out (save_qwen2vl_processor) and
+    return directory."""
     directory = Path(directory)
     pipeline = tiny_qwen_image_edit_plus_pipeline(seed)
     pipeline.save_pretrained(directory)
-    index_path = directory / "model_index.json"
+    (directory / "processor" / "processor_config.json").unlink()
+    save_qwen2vl_processor(directory, pipeline.processor.image_processor, pipeline.processor.tokenizer)
+    return directory
+
+
+def save_qwen2vl_processor(directory: Path, image_processor, tokenizer) -> None:
+    """The text encoder's processor in a Qwen-Image-Edit-Plus directory as its checkpoints lay it out: model_index.json
+    naming transformers' Qwen2VLProcessor, the `processor` folder holding the image processor's and the tokenizer's
+    files."""
+    index_path = Path(directory) / "model_index.json"
     index = json.loads(index_path.read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     index_path.write_text(json.dumps(index, indent=2))
-    (directory / "processor" / "processor_config.json").unlink()
-    pipeline.processor.image_processor.save_pretrained(directory / "processor")
-    return directory
+    image_processor.save_pretrained(Path(directory) / "processor")
+    tokenizer.save_pretrained(Path(directory) / "processor")
