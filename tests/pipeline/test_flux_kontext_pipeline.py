@@ -8,11 +8,13 @@ input, and the server serves on."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusers import FluxKontextPipeline
+from diffusers import FirstBlockCacheConfig, FluxKontextPipeline
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -58,27 +60,38 @@ def kontext(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, image: np.ndarray | None) -> np.ndarray:
-    """diffusers' FluxKontextPipeline in one process: the input image at its size, the image made at height x width."""
+def reference(pipeline_dir, request: dict, image: np.ndarray | None, cache=None) -> np.ndarray:
+    """diffusers' FluxKontextPipeline in one process: the input image at its size, the image made at height x width;
+    with a diffusers cache config, after `transformer.enable_cache(cache)`, run under `cache_context("cond")` (the
+    pipeline names none; its one call a step when unguided)."""
     pipeline = FluxKontextPipeline.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
     arguments = {key: value for key, value in request.items() if key != "seed"}
     if image is not None:
         arguments.update(image=Image.fromarray(image), _auto_resize=False)
-    images = pipeline(**arguments, max_area=request["height"] * request["width"],
-                      generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
+    if cache is not None:
+        pipeline.transformer.enable_cache(cache)
+    with pipeline.transformer.cache_context("cond") if cache is not None else nullcontext():
+        images = pipeline(**arguments, max_area=request["height"] * request["width"],
+                          generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
     return (images * 255).round().astype(np.uint8)
 
 
 def served(server, model: str, request: dict, image: np.ndarray | None) -> np.ndarray:
+    return served_with_steps(server, model, request, image)[0]
+
+
+def served_with_steps(server, model: str, request: dict, image: np.ndarray | None,
+                      cache: dict | None = None) -> tuple[np.ndarray, int]:
+    """The served image of a request with a step cache (None: none), and its full_steps."""
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
     numbers = {name: value for name, value in request.items() if name not in texts}
-    arrays = request_arrays(texts, numbers, None, None)
+    arrays = request_arrays(texts, numbers, cache, None)
     if image is not None:
         arrays["image"] = image
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
         result = client.infer(model, infer_inputs(arrays), client_timeout=300)
-    return result.as_numpy("image")
+    return result.as_numpy("image"), int(result.as_numpy("full_steps")[0])
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -100,6 +113,19 @@ def test_true_guidance_with_a_negative_prompt_and_the_input_image_s_size_by_defa
     sized = {key: value for key, value in REQUEST.items() if key not in ("height", "width")}
     made = served(server, "generic-ring", sized, input_image())
     assert max_level_difference(made, reference(pipeline_dir, {**sized, "height": 32, "width": 64}, input_image())) <= 1
+
+
+def test_generic_first_block_cache_equals_diffusers_with_the_same_config(kontext):
+    """FluxKontextPipeline names no cache context: an unguided request's one call a step runs under "cond", as
+    diffusers' pipeline run under `transformer.cache_context("cond")` with the same FirstBlockCacheConfig. The tiny
+    pipeline's ratios at steps 1 to 3 of 4: 0.43, then 0.59 and 0.69 after the skip; 0.5 skips step 1 only, far from
+    each (a rank's float sums cannot tip a decision)."""
+    pipeline_dir, server = kontext
+    request = {**REQUEST, "num_inference_steps": 4}
+    image, ran = served_with_steps(server, "generic-ulysses", request, None, {"method": "first_block", "threshold": 0.5})
+    expected = reference(pipeline_dir, request, None, FirstBlockCacheConfig(threshold=0.5))
+    assert max_level_difference(image, expected) <= 1 and ran == 3
+    assert max_level_difference(expected, reference(pipeline_dir, request, None)) > 1
 
 
 @pytest.mark.parametrize("change, image, message", [
