@@ -47,10 +47,18 @@ def served(tmp_path_factory):
 
 
 def ask(server, model: str, request: dict, output: str) -> np.ndarray:
+    return ask_with_steps(server, model, request, output)[0]
+
+
+def ask_with_steps(server, model: str, request: dict, output: str, cache: str | None = None) -> tuple[np.ndarray, int]:
+    """The request's output, with a step cache (a JSON object as text; None: none), and its full_steps."""
     arrays = {name: texts(value) if isinstance(value, list) else np.array([value], TYPES[name])
               for name, value in request.items()}
+    if cache is not None:
+        arrays["cache"] = texts([cache])
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
-        return client.infer(model, infer_inputs(arrays), client_timeout=300).as_numpy(output)
+        result = client.infer(model, infer_inputs(arrays), client_timeout=300)
+    return result.as_numpy(output), int(result.as_numpy("full_steps")[0])
 
 
 def test_a_video_pipeline_equals_diffusers_in_one_process(served):
@@ -61,6 +69,27 @@ def test_a_video_pipeline_equals_diffusers_in_one_process(served):
     assert max_level_difference(video, expected) <= 1
     assert ("mdtriton rank 1 worker: WanTransformer3DModel split by its context-parallel plan across 2 ranks "
             "(ulysses)") in server.log_file.read_text()
+
+
+def test_first_block_cache_equals_diffusers_where_the_pipeline_meets_it(served):
+    """WanPipeline names its calls' cache contexts and diffusers' hooks know its blocks: First Block Cache equals
+    diffusers' with the same config (the tiny pipeline's ratios at steps 1 to 3 of 4 at 0.3: 0.098, 0.146, 0.234;
+    each step after the first skipped). Its attention modules are not named as TaylorSeer's default patterns
+    take (TaylorSeer would predict nothing): refused, saying so."""
+    wan_dir, _, server = served
+    request = {**WAN, "num_inference_steps": 4}
+    video, ran = ask_with_steps(server, "wan", request, "video", '{"method": "first_block", "threshold": 0.3}')
+    expected = reference_video(wan_dir, WAN["prompt"], 32, 48, 5, 4, 4.0, 5, cache_threshold=0.3,
+                               negative_prompt=WAN["negative_prompt"])
+    assert max_level_difference(video, expected) <= 1 and ran == 1
+    uncached = reference_video(wan_dir, WAN["prompt"], 32, 48, 5, 4, 4.0, 5, negative_prompt=WAN["negative_prompt"])
+    assert max_level_difference(expected, uncached) > 1
+    with pytest.raises(InferenceServerException) as refused:
+        ask_with_steps(server, "wan", request, "video", '{"method": "taylorseer"}')
+    assert "INVALID_ARG" in str(refused.value.status())
+    assert ("cache method 'taylorseer' is not offered by diffusers-pipeline; its methods: first_block, none "
+            "(TaylorSeer: no attention module of WanTransformer3DModel is named as its default patterns take)"
+            ) in refused.value.message()
 
 
 def test_an_image_pipeline_equals_diffusers_in_one_process(served):
