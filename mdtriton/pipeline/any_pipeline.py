@@ -123,10 +123,17 @@ def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
         return {"cache_methods": [], "cache_contexts": None,
                 "cache_note": f"{name} calls its transformer without naming a cache context, other than once a step: "
                               "diffusers' cache hooks keep one state per context"}
-    config = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
-    diffusers = importlib.import_module("diffusers")
-    with torch.device("meta"):  # its modules' names and classes, without weights
-        transformer = getattr(diffusers, config["_class_name"]).from_config(config)
+    config_path = pipeline_dir / "transformer" / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    transformer_class = getattr(importlib.import_module("diffusers"), config.get("_class_name", ""), None)
+    if transformer_class is None:  # the build refuses it (DiffusersPipelinePart.check_build), naming what is missing
+        return {"cache_methods": [], "cache_contexts": None, "cache_note": ""}
+    try:
+        with torch.device("meta"):  # its modules' names and classes, without weights
+            transformer = transformer_class.from_config(config)
+    except (RuntimeError, NotImplementedError) as error:  # a module that computes on its weights as it is made
+        return {"cache_methods": [], "cache_contexts": None,
+                "cache_note": f"its blocks could not be read off {transformer_class.__name__} at build ({error})"}
     methods, notes = [], []
     blocks = [block for child_name, child in transformer.named_children()
               if child_name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)

@@ -40,9 +40,9 @@ class DiffusersPipelinePart(PipelinePart):
     # two calls; guidance parallelism then splits that batch by halves (mdtriton.pipeline.guidance).
     guidance_in_batch: ClassVar[bool] = False
     # diffusers' cache hooks (mdtriton.pipeline.diffusers_cache) keep their state per cache context and know only the
-    # blocks diffusers registers (and LTX-2's: diffusers_cache.know_blocks): a part whose pipeline calls its
-    # transformer under cache_context, or whose calls of a step it names (cache_contexts), and whose blocks First
-    # Block Cache knows offers ("first_block", "taylorseer").
+    # blocks diffusers registers: a part whose pipeline calls its transformer under cache_context, or whose calls of a
+    # step it names (cache_contexts), offers "taylorseer", and "first_block" where First Block Cache runs its blocks
+    # correctly (cache_note says why not).
     cache_methods = ()
 
     def check_build(self, pipeline_dir: Path, plan: ParallelPlan, data_type: str) -> str:

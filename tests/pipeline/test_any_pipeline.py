@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import diffusers
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -17,6 +18,7 @@ from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import infer_inputs, texts
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.pipeline.any_pipeline import step_cache_offer
 from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
 from mdtriton.testing.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
 from tests.conftest import start_server
@@ -138,6 +140,28 @@ def test_what_only_the_pipeline_knows_it_refuses_itself_and_the_ranks_serve_on(s
         ask(server, "flux", {**FLUX, "max_sequence_length": 600}, "image")
     assert "`max_sequence_length` cannot be greater than 512 but is 600" in refused.value.message()
     assert ask(server, "flux", FLUX, "image").shape == (1, 64, 48, 3)
+
+
+@pytest.mark.parametrize("pipeline_class, transformer_class, methods, contexts, note", [
+    ("Flux2Pipeline", "Flux2Transformer2DModel", ["taylorseer"], ["cond"],
+     "First Block Cache: Flux2Transformer2DModel's blocks (Flux2SingleTransformerBlock, Flux2TransformerBlock) are not "
+     "at least two that diffusers' block hooks know, of one return layout"),
+    ("FluxKontextPipeline", "FluxTransformer2DModel", [], None,
+     "FluxKontextPipeline calls its transformer without naming a cache context, other than once a step"),
+    ("LTX2Pipeline", "LTX2VideoTransformer3DModel", ["taylorseer"], None,
+     "First Block Cache: LTX2VideoTransformer3DModel's blocks (LTX2VideoTransformerBlock) are not"),
+    ("FluxPipeline", "FluxTransformer2DModel", ["first_block", "taylorseer"], None, ""),
+])
+def test_the_build_offers_the_step_cache_the_pipeline_meets(tmp_path, pipeline_class, transformer_class, methods,
+                                                            contexts, note):
+    """Read off the pipeline's call (its cache contexts, or its one unnamed call a step) and its transformer's modules
+    (its class's default config, on the meta device): what is not offered says why."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline_class}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer_class}))
+    offer = step_cache_offer(getattr(diffusers, pipeline_class), tmp_path)
+    assert (offer["cache_methods"], offer["cache_contexts"]) == (methods, contexts)
+    assert note in offer["cache_note"] and bool(note) == bool(offer["cache_note"])
 
 
 def test_a_pipeline_whose_call_needs_what_a_request_cannot_carry_is_refused_at_build(tmp_path):
