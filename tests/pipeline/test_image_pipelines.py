@@ -111,6 +111,16 @@ def test_flux2_dev_taylorseer_equals_diffusers_with_the_same_config(flux2_dev):
             "First Block Cache fails on Flux2Transformer2DModel") in refused.value.message()
 
 
+def test_flux2_dev_is_refused_a_default_step_cache_it_does_not_offer_at_build(flux2_dev, tmp_path):
+    pipeline_dir, _ = flux2_dev
+    with pytest.raises(ValueError, match="--cache: method 'first_block' is not offered by this model; its methods: "
+                                         "taylorseer, none \\(diffusers' First Block Cache fails"):
+        build_model_version(tmp_path / "repository", "dev", BuildRequest(
+            "flux2-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "cpu",
+            weights_path=pipeline_dir, progress=False, cache='{"method": "first_block"}'))
+    assert not (tmp_path / "repository" / "dev").exists()
+
+
 def test_mdtriton_generate_sends_each_image(flux2_dev, tmp_path):
     """--image twice: image and image_2, the size left to the model (the first image's); a fourth is refused in one
     line before anything is sent."""
