@@ -108,8 +108,8 @@ def read_call(pipeline_dir: Path) -> dict:
 def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
     """The step cache methods diffusers' cache hooks run correctly on the pipeline (mdtriton.pipeline.diffusers_cache):
     {"cache_methods": [...], "cache_contexts": the contexts its unnamed calls run under (["cond"]) or None where its
-    call names them, "cache_note": why a method is not offered}. Both methods need calls that name their cache
-    context, or one call a step; First Block Cache blocks that diffusers' hooks know, of one return layout and
+    call names them, "cache_note": why a method is not offered}. Both methods need one transformer (not Wan 2.2
+    A14B's two experts) whose calls name their cache context, or one call a step; First Block Cache blocks that diffusers' hooks know, of one return layout and
     diffusers' argument names; TaylorSeer attention modules its default patterns name."""
     import torch
     from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
@@ -117,6 +117,11 @@ def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
     from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
 
     name = pipeline_class.__name__
+    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    if (index.get("transformer_2") or [None])[0] is not None:
+        return {"cache_methods": [], "cache_contexts": None,
+                "cache_note": f"{name} has a second transformer (transformer_2), and the step cache runs on the first "
+                              "only: the steps of the second would be neither cached nor counted"}
     source = inspect.getsource(pipeline_class.__call__)
     contexts = None if "cache_context(" in source else ["cond"]
     if contexts is not None and source.count("self.transformer(") != 1:

@@ -151,13 +151,17 @@ def test_what_only_the_pipeline_knows_it_refuses_itself_and_the_ranks_serve_on(s
     ("LTX2Pipeline", "LTX2VideoTransformer3DModel", ["taylorseer"], None,
      "First Block Cache: LTX2VideoTransformer3DModel's blocks (LTX2VideoTransformerBlock) are not"),
     ("FluxPipeline", "FluxTransformer2DModel", ["first_block", "taylorseer"], None, ""),
+    ("WanPipeline", "WanTransformer3DModel", [], None, "WanPipeline has a second transformer (transformer_2)"),
 ])
 def test_the_build_offers_the_step_cache_the_pipeline_meets(tmp_path, pipeline_class, transformer_class, methods,
                                                             contexts, note):
-    """Read off the pipeline's call (its cache contexts, or its one unnamed call a step) and its transformer's modules
-    (its class's default config, on the meta device): what is not offered says why."""
+    """Read off the pipeline's call (its cache contexts, or its one unnamed call a step), its transformers (one) and
+    its transformer's modules (its class's default config, on the meta device): what is not offered says why."""
     (tmp_path / "transformer").mkdir()
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline_class}))
+    index = {"_class_name": pipeline_class}
+    if pipeline_class == "WanPipeline":  # Wan 2.2 A14B: a low-noise expert beside the transformer
+        index["transformer_2"] = ["diffusers", transformer_class]
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
     (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer_class}))
     offer = step_cache_offer(getattr(diffusers, pipeline_class), tmp_path)
     assert (offer["cache_methods"], offer["cache_contexts"]) == (methods, contexts)
