@@ -109,8 +109,9 @@ def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
     """The step cache methods diffusers' cache hooks run correctly on the pipeline (mdtriton.pipeline.diffusers_cache):
     {"cache_methods": [...], "cache_contexts": the contexts its unnamed calls run under (["cond"]) or None where its
     call names them, "cache_note": why a method is not offered}. Both methods need one transformer (not Wan 2.2
-    A14B's two experts) whose calls name their cache context, or one call a step; First Block Cache blocks that diffusers' hooks know, of one return layout and
-    diffusers' argument names; TaylorSeer attention modules its default patterns name."""
+    A14B's two experts) whose calls name their cache context, or one call a step; First Block Cache blocks that
+    diffusers' hooks know, of one return layout and diffusers' argument names; TaylorSeer attention modules its
+    default patterns name."""
     import torch
     from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
     from diffusers.hooks._helpers import TransformerBlockRegistry
@@ -151,8 +152,8 @@ def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
             "hidden_states", "encoder_hidden_states"):
         methods.append("first_block")
     else:
-        notes.append(f"First Block Cache: {type(transformer).__name__}'s blocks "
-                     f"({', '.join(sorted({type(block).__name__ for block in blocks})) or 'none'}) are not at least two "
+        block_names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none"
+        notes.append(f"First Block Cache: {type(transformer).__name__}'s blocks ({block_names}) are not at least two "
                      "that diffusers' block hooks know, of one return layout and its argument names")
     if any(re.fullmatch(pattern, module_name) for module_name, _ in transformer.named_modules()
            for pattern in _TRANSFORMER_BLOCK_IDENTIFIERS):

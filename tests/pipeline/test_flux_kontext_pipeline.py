@@ -72,7 +72,8 @@ def reference(pipeline_dir, request: dict, image: np.ndarray | None, cache=None)
     if cache is not None:
         pipeline.transformer.enable_cache(cache)
         guided = request.get("negative_prompt") is not None and request.get("true_cfg_scale", 1.0) > 1
-        names, calls, forward = ("cond", "uncond") if guided else ("cond",), itertools.count(), pipeline.transformer.forward
+        names = ("cond", "uncond") if guided else ("cond",)
+        calls, forward = itertools.count(), pipeline.transformer.forward
 
         def named_forward(*args, **kwargs):
             with pipeline.transformer.cache_context(names[next(calls) % len(names)]):
