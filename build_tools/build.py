@@ -235,9 +235,13 @@ def serve_as_pipeline(triton_config: mc.ModelConfig, part: PipelinePart, stream:
         model_input.optional = model_input.name in part.served_optional_inputs()
     if cache is not None:
         try:
-            read_cache(cache)
+            config = read_cache(cache)
         except ValueError as error:
             raise ValueError(f"--cache: {error}") from None
+        if config is not None and config.method not in part.cache_methods:
+            raise ValueError(f"--cache: method {config.method!r} is not offered by this model; its methods: "
+                             f"{', '.join(part.cache_methods + ('none',))}"
+                             + (f" ({part.cache_note})" if part.cache_note else ""))
         triton_config.parameters["cache"].string_value = cache
 
 

@@ -113,7 +113,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--cache", metavar="JSON",
                         help="pipeline models: the step cache of requests that send no `cache` input, e.g. "
                              "'{\"method\": \"first_block\", \"threshold\": 0.08}' (methods: first_block, "
-                             "taylorseer, none; docs/client.md); default: none")
+                             "taylorseer, none, those the model offers; docs/client.md); default: none")
     parser.add_argument("--version-policy", metavar="POLICY",
                         help="which versions Triton serves: 'all', 'latest:K' or 'specific:V1,V2,...' "
                              "(default: keep the model's policy; Triton's latest:1 for a new model)")

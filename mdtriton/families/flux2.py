@@ -42,6 +42,9 @@ DEFAULT_SIDE = 1024
 class Flux2PipelinePart(DiffusersPipelinePart):
     diffusers_class = "Flux2Pipeline"
     model_name = "FLUX.2 [dev]"
+    cache_methods = ("taylorseer",)
+    cache_note = ("diffusers' First Block Cache fails on Flux2Transformer2DModel: it takes the head block's output "
+                  "(a double block's, image and text apart) from the tail block's (a single block's, one joint stream)")
 
     def signature(self) -> Signature:
         inputs = (
@@ -103,6 +106,10 @@ class Flux2PipelinePart(DiffusersPipelinePart):
             "max_sequence_length": text_length(inputs, MAX_SEQUENCE_LENGTH),
         }
 
+    def cache_contexts(self, pipeline: Any, arguments: dict) -> tuple[str, ...] | None:
+        """Flux2Pipeline names no cache context: its one call a step (guidance distilled) is the conditional one."""
+        return ("cond",)
+
     def outputs(self, result: Any) -> dict[str, torch.Tensor]:
         """{"image": UINT8 [batch, height, width, 3]}, rounded as diffusers' numpy_to_pil."""
         return {"image": to_uint8(result.images)}
@@ -121,8 +128,11 @@ def cut_sides(image: torch.Tensor, multiple: int) -> tuple[int, int]:
 class Flux2KleinPipelinePart(Flux2PipelinePart):
     diffusers_class = "Flux2KleinPipeline"
     model_name = "FLUX.2 [klein]"
-    cache_methods = ("first_block", "taylorseer")  # its pipeline names cache contexts; FLUX.2 [dev]'s names none
     guidance_branches = True
+
+    def cache_contexts(self, pipeline: Any, arguments: dict) -> None:
+        """Flux2KleinPipeline names its calls' cache contexts ("cond", "uncond")."""
+        return None
 
     def guides(self, pipeline: Any, arguments: dict) -> bool:
         """As Flux2KleinPipeline decides: guidance_scale over 1 and a checkpoint not guidance distilled."""

@@ -56,6 +56,9 @@ class LTX2PipelinePart(DiffusersPipelinePart):
     diffusers_class = "LTX2Pipeline"
     guidance_branches = True
     guidance_in_batch = True  # the unconditional and conditional samples in one call, under "cond_uncond"
+    cache_methods = ("taylorseer",)
+    cache_note = ("First Block Cache: diffusers' block hooks know no LTX-2 block, and would pass a skipped block's "
+                  "encoder_hidden_states (the text) on where LTX-2's blocks return the sound")
 
     def signature(self) -> Signature:
         inputs = (

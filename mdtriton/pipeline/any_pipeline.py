@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,67 @@ def read_call(pipeline_dir: Path) -> dict:
         if needed or parameter.name == "prompt":
             required.append(parameter.name)
     return {"pipeline_class": class_name, "inputs": inputs, "required": required,
-            "output": "video" if "num_frames" in inputs else "image"}
+            "output": "video" if "num_frames" in inputs else "image",
+            **step_cache_offer(pipeline_class, Path(pipeline_dir))}
+
+
+def step_cache_offer(pipeline_class: type, pipeline_dir: Path) -> dict:
+    """The step cache methods diffusers' cache hooks run correctly on the pipeline (mdtriton.pipeline.diffusers_cache):
+    {"cache_methods": [...], "cache_contexts": the contexts its unnamed calls run under (["cond"]) or None where its
+    call names them, "cache_note": why a method is not offered}. Both methods need one transformer (not Wan 2.2
+    A14B's two experts) whose calls name their cache context, or one call a step; First Block Cache blocks that
+    diffusers' hooks know, of one return layout and diffusers' argument names; TaylorSeer attention modules its
+    default patterns name."""
+    import torch
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+    from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
+
+    name = pipeline_class.__name__
+    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    if (index.get("transformer_2") or [None])[0] is not None:
+        return {"cache_methods": [], "cache_contexts": None,
+                "cache_note": f"{name} has a second transformer (transformer_2), and the step cache runs on the first "
+                              "only: the steps of the second would be neither cached nor counted"}
+    source = inspect.getsource(pipeline_class.__call__)
+    contexts = None if "cache_context(" in source else ["cond"]
+    if contexts is not None and source.count("self.transformer(") != 1:
+        return {"cache_methods": [], "cache_contexts": None,
+                "cache_note": f"{name} calls its transformer without naming a cache context, other than once a step: "
+                              "diffusers' cache hooks keep one state per context"}
+    config_path = pipeline_dir / "transformer" / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    transformer_class = getattr(importlib.import_module("diffusers"), config.get("_class_name", ""), None)
+    if transformer_class is None:  # the build refuses it (DiffusersPipelinePart.check_build), naming what is missing
+        return {"cache_methods": [], "cache_contexts": None, "cache_note": ""}
+    try:
+        with torch.device("meta"):  # its modules' names and classes, without weights
+            transformer = transformer_class.from_config(config)
+    except (RuntimeError, NotImplementedError) as error:  # a module that computes on its weights as it is made
+        return {"cache_methods": [], "cache_contexts": None,
+                "cache_note": f"its blocks could not be read off {transformer_class.__name__} at build ({error})"}
+    methods, notes = [], []
+    blocks = [block for child_name, child in transformer.named_children()
+              if child_name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+              for block in child]
+    TransformerBlockRegistry._register()
+    layouts = {(metadata.return_hidden_states_index, metadata.return_encoder_hidden_states_index,
+                metadata.hidden_states_argument_name, metadata.encoder_hidden_states_argument_name)
+               if (metadata := TransformerBlockRegistry._registry.get(type(block))) else None for block in blocks}
+    if len(blocks) >= 2 and len(layouts) == 1 and None not in layouts and next(iter(layouts))[2:] == (
+            "hidden_states", "encoder_hidden_states"):
+        methods.append("first_block")
+    else:
+        block_names = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none"
+        notes.append(f"First Block Cache: {type(transformer).__name__}'s blocks ({block_names}) are not at least two "
+                     "that diffusers' block hooks know, of one return layout and its argument names")
+    if any(re.fullmatch(pattern, module_name) for module_name, _ in transformer.named_modules()
+           for pattern in _TRANSFORMER_BLOCK_IDENTIFIERS):
+        methods.append("taylorseer")
+    else:
+        notes.append(f"TaylorSeer: no attention module of {type(transformer).__name__} is named as its default "
+                     "patterns take")
+    return {"cache_methods": methods, "cache_contexts": contexts, "cache_note": "; ".join(notes)}
 
 
 class AnyPipelinePart(DiffusersPipelinePart):
@@ -109,6 +170,8 @@ class AnyPipelinePart(DiffusersPipelinePart):
     def __init__(self, call: dict):
         self.call = call
         self.diffusers_class = call["pipeline_class"]
+        self.cache_methods = tuple(call.get("cache_methods", ()))
+        self.cache_note = call.get("cache_note", "")
 
     @classmethod
     def of_directory(cls, pipeline_dir: Path) -> "AnyPipelinePart":
@@ -141,6 +204,11 @@ class AnyPipelinePart(DiffusersPipelinePart):
             split_by_plan(pipeline.transformer_2, comm)
             if compiled:
                 compile_blocks(pipeline.transformer_2)
+
+    def cache_contexts(self, pipeline: Any, arguments: dict) -> tuple[str, ...] | None:
+        """As the build found (step_cache_offer): ("cond",) for one call a step that names no cache context."""
+        contexts = self.call.get("cache_contexts")
+        return tuple(contexts) if contexts is not None else None
 
     def check_inputs(self, manifest: Manifest, inputs: dict[str, torch.Tensor]) -> None:
         """Prompts (and second and negative prompts, one per prompt or none) that are not UTF-8, a batch over the

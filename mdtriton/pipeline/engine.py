@@ -138,7 +138,6 @@ class PipelineEngine(Engine):
                                    "adapters")
             config = step_cache_of(inputs)
             caches = [StepCache(config) for _ in self.transformers]
-            own_cache = None if self.transformers else DiffusersStepCache(self.pipeline.transformer, config, self.comm)
             for transformer, cache in zip(self.transformers, caches):
                 transformer.step_cache, transformer.agreement = cache, agreement
 
@@ -147,6 +146,9 @@ class PipelineEngine(Engine):
                 return callback_kwargs
 
             arguments = self.part.call_arguments(self.manifest, inputs)
+            if not self.transformers:
+                own_cache = DiffusersStepCache(self.pipeline.transformer, config, self.comm,
+                                               self.part.cache_contexts(self.pipeline, arguments))
             self.part.before_call(self.pipeline, arguments)
             with own_cache or nullcontext():
                 result = self.pipeline(**arguments, output_type="pt", callback_on_step_end=step_done)

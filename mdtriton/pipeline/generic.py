@@ -40,8 +40,9 @@ class DiffusersPipelinePart(PipelinePart):
     # two calls; guidance parallelism then splits that batch by halves (mdtriton.pipeline.guidance).
     guidance_in_batch: ClassVar[bool] = False
     # diffusers' cache hooks (mdtriton.pipeline.diffusers_cache) keep their state per cache context and know only the
-    # blocks diffusers registers: a part whose pipeline calls its transformer under cache_context and whose blocks
-    # diffusers' First Block Cache knows offers ("first_block", "taylorseer").
+    # blocks diffusers registers: a part whose pipeline calls its transformer under cache_context, or whose calls of a
+    # step it names (cache_contexts), offers "taylorseer", and "first_block" where First Block Cache runs its blocks
+    # correctly (cache_note says why not).
     cache_methods = ()
 
     def check_build(self, pipeline_dir: Path, plan: ParallelPlan, data_type: str) -> str:
@@ -100,6 +101,11 @@ class DiffusersPipelinePart(PipelinePart):
         """Whether the pipeline called with arguments (call_arguments') makes a conditional and an unconditional
         transformer call each step; a part with guidance_branches says when."""
         return False
+
+    def cache_contexts(self, pipeline: Any, arguments: dict) -> tuple[str, ...] | None:
+        """The cache contexts a cached call's transformer calls run under, in turn within each step, for a pipeline
+        that names none (mdtriton.pipeline.diffusers_cache.CallNamingHook); None, the default: it names its own."""
+        return None
 
     def transformer(self, engine: TorchEngine, pipeline: Any) -> torch.nn.Module:
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")

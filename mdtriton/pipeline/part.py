@@ -123,6 +123,8 @@ class PipelinePart(ServedPart):
     # The step cache methods its transformer runs (mdtriton.engine.step_cache): First Block Cache needs the module's
     # first_block, other_blocks and finish; TaylorSeer its keep_attention and given_attention.
     cache_methods: ClassVar[tuple[str, ...]] = ("first_block",)
+    # Why a method is not offered, said where a request asks for it ("" where nothing needs saying).
+    cache_note: ClassVar[str] = ""
 
     @abstractmethod
     def signature(self) -> Signature:
@@ -197,7 +199,8 @@ class PipelinePart(ServedPart):
         cache = step_cache_of(inputs)
         if cache is not None and cache.method not in self.cache_methods:
             raise RequestError(f"cache method {cache.method!r} is not offered by {manifest.architecture}; its methods: "
-                               f"{', '.join(self.cache_methods + ('none',))}")
+                               f"{', '.join(self.cache_methods + ('none',))}" + (f" ({self.cache_note})"
+                                                                                 if self.cache_note else ""))
         loras = loras_of(inputs)
         if loras:
             kept = adapter_names(adapters_dir) if adapters_dir is not None else []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import diffusers
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -17,6 +18,7 @@ from mdtriton.build_tools.build_request import BuildRequest
 from mdtriton.client.pipeline import infer_inputs, texts
 from mdtriton.engine.manifest import EngineError
 from mdtriton.engine.plan import ParallelPlan
+from mdtriton.pipeline.any_pipeline import step_cache_offer
 from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
 from mdtriton.testing.tiny_wan_pipeline import reference_video, save_tiny_wan_pipeline
 from tests.conftest import start_server
@@ -47,10 +49,18 @@ def served(tmp_path_factory):
 
 
 def ask(server, model: str, request: dict, output: str) -> np.ndarray:
+    return ask_with_steps(server, model, request, output)[0]
+
+
+def ask_with_steps(server, model: str, request: dict, output: str, cache: str | None = None) -> tuple[np.ndarray, int]:
+    """The request's output, with a step cache (a JSON object as text; None: none), and its full_steps."""
     arrays = {name: texts(value) if isinstance(value, list) else np.array([value], TYPES[name])
               for name, value in request.items()}
+    if cache is not None:
+        arrays["cache"] = texts([cache])
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
-        return client.infer(model, infer_inputs(arrays), client_timeout=300).as_numpy(output)
+        result = client.infer(model, infer_inputs(arrays), client_timeout=300)
+    return result.as_numpy(output), int(result.as_numpy("full_steps")[0])
 
 
 def test_a_video_pipeline_equals_diffusers_in_one_process(served):
@@ -61,6 +71,27 @@ def test_a_video_pipeline_equals_diffusers_in_one_process(served):
     assert max_level_difference(video, expected) <= 1
     assert ("mdtriton rank 1 worker: WanTransformer3DModel split by its context-parallel plan across 2 ranks "
             "(ulysses)") in server.log_file.read_text()
+
+
+def test_first_block_cache_equals_diffusers_where_the_pipeline_meets_it(served):
+    """WanPipeline names its calls' cache contexts and diffusers' hooks know its blocks: First Block Cache equals
+    diffusers' with the same config (the tiny pipeline's ratios at steps 1 to 3 of 4 at 0.3: 0.098, 0.146, 0.234;
+    each step after the first skipped). Its attention modules are not named as TaylorSeer's default patterns
+    take (TaylorSeer would predict nothing): refused, saying so."""
+    wan_dir, _, server = served
+    request = {**WAN, "num_inference_steps": 4}
+    video, ran = ask_with_steps(server, "wan", request, "video", '{"method": "first_block", "threshold": 0.3}')
+    expected = reference_video(wan_dir, WAN["prompt"], 32, 48, 5, 4, 4.0, 5, cache_threshold=0.3,
+                               negative_prompt=WAN["negative_prompt"])
+    assert max_level_difference(video, expected) <= 1 and ran == 1
+    uncached = reference_video(wan_dir, WAN["prompt"], 32, 48, 5, 4, 4.0, 5, negative_prompt=WAN["negative_prompt"])
+    assert max_level_difference(expected, uncached) > 1
+    with pytest.raises(InferenceServerException) as refused:
+        ask_with_steps(server, "wan", request, "video", '{"method": "taylorseer"}')
+    assert "INVALID_ARG" in str(refused.value.status())
+    assert ("cache method 'taylorseer' is not offered by diffusers-pipeline; its methods: first_block, none "
+            "(TaylorSeer: no attention module of WanTransformer3DModel is named as its default patterns take)"
+            ) in refused.value.message()
 
 
 def test_an_image_pipeline_equals_diffusers_in_one_process(served):
@@ -109,6 +140,32 @@ def test_what_only_the_pipeline_knows_it_refuses_itself_and_the_ranks_serve_on(s
         ask(server, "flux", {**FLUX, "max_sequence_length": 600}, "image")
     assert "`max_sequence_length` cannot be greater than 512 but is 600" in refused.value.message()
     assert ask(server, "flux", FLUX, "image").shape == (1, 64, 48, 3)
+
+
+@pytest.mark.parametrize("pipeline_class, transformer_class, methods, contexts, note", [
+    ("Flux2Pipeline", "Flux2Transformer2DModel", ["taylorseer"], ["cond"],
+     "First Block Cache: Flux2Transformer2DModel's blocks (Flux2SingleTransformerBlock, Flux2TransformerBlock) are not "
+     "at least two that diffusers' block hooks know, of one return layout"),
+    ("FluxKontextPipeline", "FluxTransformer2DModel", [], None,
+     "FluxKontextPipeline calls its transformer without naming a cache context, other than once a step"),
+    ("LTX2Pipeline", "LTX2VideoTransformer3DModel", ["taylorseer"], None,
+     "First Block Cache: LTX2VideoTransformer3DModel's blocks (LTX2VideoTransformerBlock) are not"),
+    ("FluxPipeline", "FluxTransformer2DModel", ["first_block", "taylorseer"], None, ""),
+    ("WanPipeline", "WanTransformer3DModel", [], None, "WanPipeline has a second transformer (transformer_2)"),
+])
+def test_the_build_offers_the_step_cache_the_pipeline_meets(tmp_path, pipeline_class, transformer_class, methods,
+                                                            contexts, note):
+    """Read off the pipeline's call (its cache contexts, or its one unnamed call a step), its transformers (one) and
+    its transformer's modules (its class's default config, on the meta device): what is not offered says why."""
+    (tmp_path / "transformer").mkdir()
+    index = {"_class_name": pipeline_class}
+    if pipeline_class == "WanPipeline":  # Wan 2.2 A14B: a low-noise expert beside the transformer
+        index["transformer_2"] = ["diffusers", transformer_class]
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer_class}))
+    offer = step_cache_offer(getattr(diffusers, pipeline_class), tmp_path)
+    assert (offer["cache_methods"], offer["cache_contexts"]) == (methods, contexts)
+    assert note in offer["cache_note"] and bool(note) == bool(offer["cache_note"])
 
 
 def test_a_pipeline_whose_call_needs_what_a_request_cannot_carry_is_refused_at_build(tmp_path):

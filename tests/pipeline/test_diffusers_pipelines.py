@@ -6,6 +6,7 @@ requests are refused and the server serves on."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import numpy as np
@@ -60,11 +61,12 @@ def qwen_image(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, cache=None,
+def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, cache=None, cache_context=None,
               **load_arguments) -> np.ndarray:
     """diffusers' pipeline in this process with the directory's components (and load_arguments) for a request as
     `served` takes it (its `images`, UINT8 arrays, given to the pipeline as PIL images), after
-    `transformer.enable_cache(cache)` where a diffusers cache config is given."""
+    `transformer.enable_cache(cache)` where a diffusers cache config is given, and run under
+    `transformer.cache_context(cache_context)` where one is given (a pipeline that names none)."""
     pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True, **load_arguments)
     pipeline.set_progress_bar_config(disable=True)
     if cache is not None:
@@ -72,7 +74,9 @@ def reference(pipeline_dir, request: dict, pipeline_class=QwenImagePipeline, cac
     arguments = {key: value for key, value in request.items() if key not in ("seed", "images")}
     if "images" in request:
         arguments["image"] = [Image.fromarray(image) for image in request["images"]]
-    images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
+    with pipeline.transformer.cache_context(cache_context) if cache_context else nullcontext():
+        images = pipeline(**arguments, generator=torch.Generator().manual_seed(request["seed"]),
+                          output_type="np").images
     return (images * 255).round().astype(np.uint8)
 
 

@@ -8,11 +8,13 @@ input, and the server serves on."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusers import FluxKontextPipeline
+from diffusers import FirstBlockCacheConfig, FluxKontextPipeline, TaylorSeerCacheConfig
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -58,27 +60,46 @@ def kontext(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_dir, request: dict, image: np.ndarray | None) -> np.ndarray:
-    """diffusers' FluxKontextPipeline in one process: the input image at its size, the image made at height x width."""
+def reference(pipeline_dir, request: dict, image: np.ndarray | None, cache=None) -> np.ndarray:
+    """diffusers' FluxKontextPipeline in one process: the input image at its size, the image made at height x width;
+    with a diffusers cache config, after `transformer.enable_cache(cache)`, each transformer call under a cache context
+    (the pipeline names none): "cond" for an unguided step's one call, "cond" then "uncond" for a guided step's two."""
     pipeline = FluxKontextPipeline.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
     arguments = {key: value for key, value in request.items() if key != "seed"}
     if image is not None:
         arguments.update(image=Image.fromarray(image), _auto_resize=False)
+    if cache is not None:
+        pipeline.transformer.enable_cache(cache)
+        guided = request.get("negative_prompt") is not None and request.get("true_cfg_scale", 1.0) > 1
+        names = ("cond", "uncond") if guided else ("cond",)
+        calls, forward = itertools.count(), pipeline.transformer.forward
+
+        def named_forward(*args, **kwargs):
+            with pipeline.transformer.cache_context(names[next(calls) % len(names)]):
+                return forward(*args, **kwargs)
+
+        pipeline.transformer.forward = named_forward
     images = pipeline(**arguments, max_area=request["height"] * request["width"],
                       generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images
     return (images * 255).round().astype(np.uint8)
 
 
 def served(server, model: str, request: dict, image: np.ndarray | None) -> np.ndarray:
+    return served_with_steps(server, model, request, image)[0]
+
+
+def served_with_steps(server, model: str, request: dict, image: np.ndarray | None,
+                      cache: dict | None = None) -> tuple[np.ndarray, int]:
+    """The served image of a request with a step cache (None: none), and its full_steps."""
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
     numbers = {name: value for name, value in request.items() if name not in texts}
-    arrays = request_arrays(texts, numbers, None, None)
+    arrays = request_arrays(texts, numbers, cache, None)
     if image is not None:
         arrays["image"] = image
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
         result = client.infer(model, infer_inputs(arrays), client_timeout=300)
-    return result.as_numpy("image")
+    return result.as_numpy("image"), int(result.as_numpy("full_steps")[0])
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -100,6 +121,28 @@ def test_true_guidance_with_a_negative_prompt_and_the_input_image_s_size_by_defa
     sized = {key: value for key, value in REQUEST.items() if key not in ("height", "width")}
     made = served(server, "generic-ring", sized, input_image())
     assert max_level_difference(made, reference(pipeline_dir, {**sized, "height": 32, "width": 64}, input_image())) <= 1
+
+
+CACHED = {**REQUEST, "num_inference_steps": 4}
+GUIDED_CACHED = {**CACHED, "negative_prompt": ["blurry"], "true_cfg_scale": 2.0}
+TAYLORSEER = {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}
+
+
+@pytest.mark.parametrize("request_, cache, config, full_steps", [
+    (CACHED, {"method": "first_block", "threshold": 0.5}, FirstBlockCacheConfig(threshold=0.5), 3),
+    (GUIDED_CACHED, TAYLORSEER, TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1), 2),
+], ids=["first_block", "guided-taylorseer"])
+def test_generic_step_cache_equals_diffusers_with_the_same_config(kontext, request_, cache, config, full_steps):
+    """FluxKontextPipeline names no cache context: an unguided step's one call runs under "cond", a guided step's
+    under "cond" then "uncond", as diffusers' pipeline with its calls so named and the same cache config. The tiny
+    pipeline's First Block Cache ratios at steps 1 to 3 of 4: 0.43, then 0.59 and 0.69 after the skip; 0.5 skips step
+    1 only, far from each (a rank's float sums cannot tip a decision). TaylorSeer computes at steps 0 and 2 of each
+    branch: one context for both branches would count each step twice."""
+    pipeline_dir, server = kontext
+    image, ran = served_with_steps(server, "generic-ulysses", request_, None, cache)
+    expected = reference(pipeline_dir, request_, None, config)
+    assert max_level_difference(image, expected) <= 1 and ran == full_steps
+    assert max_level_difference(expected, reference(pipeline_dir, request_, None)) > 1
 
 
 @pytest.mark.parametrize("change, image, message", [

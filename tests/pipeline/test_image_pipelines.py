@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from diffusers import Flux2Pipeline, QwenImageEditPlusPipeline
+from diffusers import Flux2Pipeline, QwenImageEditPlusPipeline, TaylorSeerCacheConfig
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -21,7 +21,7 @@ from mdtriton.families.image_text_processor import image_text_processor
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_edit_plus_pipeline
 from tests.pipeline.pipelines import max_level_difference
-from tests.pipeline.test_diffusers_pipelines import reference, served, served_pipeline
+from tests.pipeline.test_diffusers_pipelines import reference, served, served_pipeline, served_with_steps
 
 
 def input_image(seed: int, height: int, width: int) -> np.ndarray:
@@ -90,6 +90,35 @@ def test_flux2_dev_bad_requests_are_invalid_argument_and_the_server_serves_on(fl
         served(server, "dev-ulysses", {**DEV_GOOD, **change})
     assert "INVALID_ARG" in str(refused.value.status()) and message in refused.value.message()
     assert served(server, "dev-ulysses", DEV_GOOD).shape == (1, 64, 48, 3)
+
+
+def test_flux2_dev_taylorseer_equals_diffusers_with_the_same_config(flux2_dev):
+    """Flux2Pipeline names no cache context: its one call a step runs under "cond", as diffusers' pipeline run under
+    `transformer.cache_context("cond")` with the same TaylorSeerCacheConfig (computed at steps 0 and 2 of 4, predicted
+    at 1 and 3, which moves the image); First Block Cache, which diffusers' fails on FLUX.2, is refused saying so."""
+    pipeline_dir, server = flux2_dev
+    request = {**DEV_GOOD, "num_inference_steps": 4}
+    cache = {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}
+    image, ran = served_with_steps(server, "dev-ulysses", request, cache)
+    expected = reference(pipeline_dir, request, Flux2Pipeline, TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1), cache_context="cond")
+    assert max_level_difference(image, expected) <= 1 and ran == 2
+    assert max_level_difference(expected, reference(pipeline_dir, request, Flux2Pipeline)) > 1
+    with pytest.raises(InferenceServerException) as refused:
+        served_with_steps(server, "dev-ulysses", request, {"method": "first_block"})
+    assert "INVALID_ARG" in str(refused.value.status())
+    assert ("cache method 'first_block' is not offered by flux2-pipeline; its methods: taylorseer, none (diffusers' "
+            "First Block Cache fails on Flux2Transformer2DModel") in refused.value.message()
+
+
+def test_flux2_dev_is_refused_a_default_step_cache_it_does_not_offer_at_build(flux2_dev, tmp_path):
+    pipeline_dir, _ = flux2_dev
+    with pytest.raises(ValueError, match="--cache: method 'first_block' is not offered by this model; its methods: "
+                                         "taylorseer, none \\(diffusers' First Block Cache fails"):
+        build_model_version(tmp_path / "repository", "dev", BuildRequest(
+            "flux2-pipeline", None, ParallelPlan(cp_size=2, cp_method="ulysses"), "FP32", "cpu",
+            weights_path=pipeline_dir, progress=False, cache='{"method": "first_block"}'))
+    assert not (tmp_path / "repository" / "dev").exists()
 
 
 def test_mdtriton_generate_sends_each_image(flux2_dev, tmp_path):

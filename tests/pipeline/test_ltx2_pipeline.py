@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline, TaylorSeerCacheConfig
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -52,10 +52,13 @@ def ltx2(tmp_path_factory):
     server.stop()
 
 
-def reference(pipeline_class, pipeline_dir, request: dict) -> tuple[np.ndarray, np.ndarray]:
-    """diffusers' pipeline in this process: (frames UINT8 [B, F, H, W, 3], sound [B, channels, samples])."""
+def reference(pipeline_class, pipeline_dir, request: dict, cache=None) -> tuple[np.ndarray, np.ndarray]:
+    """diffusers' pipeline in this process: (frames UINT8 [B, F, H, W, 3], sound [B, channels, samples]); with a
+    diffusers cache config, after `transformer.enable_cache(cache)`."""
     pipeline = pipeline_class.from_pretrained(pipeline_dir, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
+    if cache is not None:
+        pipeline.transformer.enable_cache(cache)
     arguments = {key: value for key, value in request.items() if key != "seed"}
     if "image" in arguments:
         arguments["image"] = Image.fromarray(arguments["image"])
@@ -69,10 +72,10 @@ def expected(ltx2):
     return reference(LTX2Pipeline, ltx2[0]["text"], REQUEST)
 
 
-def served(server, model: str, request: dict) -> grpcclient.InferResult:
+def served(server, model: str, request: dict, cache: dict | None = None) -> grpcclient.InferResult:
     texts = {name: request.get(name) for name in ("prompt", "negative_prompt")}
     numbers = {name: value for name, value in request.items() if name not in texts and name != "image"}
-    arrays = request_arrays(texts, numbers, None, None)
+    arrays = request_arrays(texts, numbers, cache, None)
     if "image" in request:
         arrays["image"] = request["image"]
     with grpcclient.InferenceServerClient(server.grpc_address) as client:
@@ -105,6 +108,29 @@ def test_image_to_video_equals_diffusers_in_one_process(ltx2):
     text_frames, _ = reference(LTX2Pipeline, directories["text"], REQUEST)
     resized = np.asarray(Image.fromarray(IMAGE).resize((32, 32)), dtype=float)
     assert np.abs(frames[0, 0] - resized).mean() < np.abs(text_frames[0, 0] - resized).mean()
+
+
+def test_taylorseer_equals_diffusers_with_the_same_config(ltx2):
+    """LTX2Pipeline's one call a step (both branches in a doubled batch, under "cond_uncond") with TaylorSeer,
+    computed at steps 0 and 2 of 4 and predicted at 1 and 3 (its audio-video cross-attentions: the modules diffusers'
+    patterns name), equals diffusers' with the same TaylorSeerCacheConfig, frames and sound, and moves the clip. First
+    Block Cache is refused saying why: diffusers' hooks would carry the text where the blocks return the sound."""
+    directories, server = ltx2
+    request = {**REQUEST, "num_inference_steps": 4}
+    result = served(server, "ltx2-ulysses", request,
+                    {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1})
+    frames, audio = reference(LTX2Pipeline, directories["text"], request,
+                              TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
+    assert max_level_difference(result.as_numpy("video"), frames) <= 1
+    torch.testing.assert_close(torch.from_numpy(result.as_numpy("audio").copy()), torch.from_numpy(audio),
+                               **AUDIO_TOLERANCE)
+    assert int(result.as_numpy("full_steps")[0]) == 2
+    assert max_level_difference(frames, reference(LTX2Pipeline, directories["text"], request)[0]) > 1
+    with pytest.raises(InferenceServerException) as refused:
+        served(server, "ltx2-ulysses", request, {"method": "first_block"})
+    assert "INVALID_ARG" in str(refused.value.status())
+    assert "its methods: taylorseer, none (First Block Cache: diffusers' block hooks know no LTX-2 block" in (
+        refused.value.message())
 
 
 @pytest.mark.parametrize("change, message", [

@@ -5,7 +5,8 @@ that each rank imports and loads once. On 2 ranks: FLUX.2 [klein] on ring, FLUX.
 Qwen-Image-Edit-Plus (three) on allgather_kv, FLUX.1 Kontext both ways on allgather_kv (an input image), LTX-2 text to
 video on allgather_kv and image to video on ring. On cfg 2 x ulysses 2 (4 ranks), every guiding pipeline, guided:
 [klein] (guidance_scale over 1, not distilled), Edit-Plus (a negative prompt, one image), Kontext both ways
-(true_cfg_scale and a negative prompt; its pipeline names no branch) and LTX-2 text and image to video (both branches
+(true_cfg_scale and a negative prompt; its pipeline names no branch), Kontext on diffusers' transformer with TaylorSeer
+too (the calls named for the cache are the branches split) and LTX-2 text and image to video (both branches
 in one doubled batch). Each output equals diffusers' pipeline in one process within 1 uint8 level, LTX-2's sound
 within diffusers' float32 tolerance. (Qwen-Image's guidance: tests/pipeline/test_guidance.py; Wan's image to video:
 tests/pipeline/test_wan_i2v_pipeline.py.)"""
@@ -13,12 +14,13 @@ tests/pipeline/test_wan_i2v_pipeline.py.)"""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, LTX2ImageToVideoPipeline, LTX2Pipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, TaylorSeerCacheConfig
 
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.testing.tiny_flux2_pipeline import save_tiny_flux2_klein_pipeline, save_tiny_flux2_pipeline
@@ -49,6 +51,8 @@ REQUESTS = {
     "kontext": {**kontext.REQUEST, "image": kontext.input_image()},
     "kontext-guided": {**kontext.REQUEST, "negative_prompt": ["blurry"], "true_cfg_scale": 2.0,
                        "image": kontext.input_image()},
+    "kontext-guided-taylorseer": {**kontext.GUIDED_CACHED, "image": kontext.input_image(),
+                                  "cache": [json.dumps(kontext.TAYLORSEER)]},
     "ltx2": ltx2.REQUEST,
     "ltx2-i2v": {**ltx2.REQUEST, "image": ltx2.IMAGE},
 }
@@ -68,6 +72,9 @@ CASES = {
     "edit-cfg2xulysses2": ("qwen-image-edit-plus-pipeline", "edit", CFG_ULYSSES, "edit-1-image"),
     "kontext-cfg2xulysses2": ("flux-kontext-pipeline", "kontext", CFG_ULYSSES, "kontext-guided"),
     "kontext-generic-cfg2xulysses2": ("flux-kontext-generic-pipeline", "kontext", CFG_ULYSSES, "kontext-guided"),
+    # The calls it names for a step cache ("cond", then "uncond") are the branches the guidance groups split.
+    "kontext-generic-taylorseer-cfg2xulysses2": ("flux-kontext-generic-pipeline", "kontext", CFG_ULYSSES,
+                                                 "kontext-guided-taylorseer"),
     "ltx2-cfg2xulysses2": ("ltx2-pipeline", "ltx2", CFG_ULYSSES, "ltx2"),
     "ltx2-i2v-cfg2xulysses2": ("ltx2-image-to-video-pipeline", "ltx2-i2v", CFG_ULYSSES, "ltx2-i2v"),
 }
@@ -101,8 +108,9 @@ def expected(kind: str, pipeline_dir: Path, request_name: str) -> dict[str, np.n
     if kind == "edit":
         return {"image": edit_reference(pipeline_dir, request)}
     if kind == "kontext":
+        cache = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1) if "cache" in request else None
         return {"image": kontext.reference(pipeline_dir, {key: value for key, value in request.items()
-                                                          if key != "image"}, request["image"])}
+                                                          if key not in ("image", "cache")}, request["image"], cache)}
     frames, audio = ltx2.reference(LTX2Pipeline if kind == "ltx2" else LTX2ImageToVideoPipeline, pipeline_dir, request)
     return {"video": frames, "audio": audio}
 
