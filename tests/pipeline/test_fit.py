@@ -1,6 +1,7 @@
 """The pipeline fit check (mdtriton.pipeline.fit): what a rank of a pipeline holds, estimated from the directory's
 safetensors headers before anything is loaded (FLUX.2 [dev]'s text encoder on rank 0 only), and a rank that does not
-fit refused naming each component; and the models of a pipeline loaded straight onto the rank's device (mdtriton.pipeline.engine.models_on_device)."""
+fit refused naming each component; and the models of a pipeline loaded straight onto the rank's device
+(mdtriton.pipeline.engine.models_on_device)."""
 
 from __future__ import annotations
 
