@@ -5,11 +5,11 @@ diffusers loads every component but the transformer from the engine directory, a
 runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
 replicated (deterministic, so the ranks agree without sending anything), but a part's one-rank components (FLUX.2
-[dev]'s text encoder: the prompts encoded on rank 0 and broadcast, mdtriton.pipeline.encoder), and the transformer's
-collectives keep the ranks in step. The VAE decode is split across the ranks by bands of rows (mdtriton.pipeline.split_vae). The
-ranks agree before the first transformer call that none failed before it, and after each step whether to stop
-(mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at once and leaves
-them serving.
+[dev]'s text encoder: the prompts encoded on rank 0 and broadcast, mdtriton.pipeline.encoder), and the
+transformer's collectives keep the ranks in step. The VAE decode is split across the ranks by bands of rows
+(mdtriton.pipeline.split_vae). The ranks agree before the first transformer call that none failed before it, and
+after each step whether to stop (mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on
+every rank at once and leaves them serving.
 """
 
 from __future__ import annotations
