@@ -26,7 +26,7 @@ from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import ANY_PIPELINE, EnginePart, PipelinePart, family, served_part
 from mdtriton.pipeline.any_pipeline import AnyPipelinePart
-from mdtriton.pipeline.fit import check_pipeline_gpus_fit, components_bytes
+from mdtriton.pipeline.fit import check_pipeline_gpus_fit, components_bytes, ranks_components
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
@@ -108,8 +108,8 @@ def build_model_version(repository: Path, name: str, request: BuildRequest) -> P
     if device == "gpu":
         gpus = list(triton_config.instance_group[0].gpus)
         if isinstance(part, PipelinePart):  # the transformer engines with the pipeline's other components
-            check_pipeline_gpus_fit(components_bytes(pipeline_dir, data_type, part.float32_components,
-                                                     part.transformers),
+            components = components_bytes(pipeline_dir, data_type, part.float32_components, part.transformers)
+            check_pipeline_gpus_fit(ranks_components(components, part, plan),
                                     {folder: transformer for folder, _ in engines}, model_family, data_type, gpus)
         else:
             check_gpus_fit(transformer, model_family, gpus)
@@ -158,9 +158,10 @@ def build_diffusers_pipeline(repository: Path, name: str, part: DiffusersPipelin
                                  else request.request_timeout_s)
     serve_as_pipeline(triton_config, part, request.stream, request.cache)
     model_dir = prepare_model_dir(repository, name, request.version, triton_config, request.policy)
-    if request.device == "gpu":  # every rank holds every component, diffusers' transformer too
-        check_pipeline_gpus_fit(components_bytes(pipeline_dir, request.data_type, part.float32_components), {}, None,
-                                request.data_type, list(triton_config.instance_group[0].gpus))
+    if request.device == "gpu":  # every rank holds every component, diffusers' transformer too (but one-rank ones)
+        components = components_bytes(pipeline_dir, request.data_type, part.float32_components)
+        check_pipeline_gpus_fit(ranks_components(components, part, request.plan), {}, None, request.data_type,
+                                list(triton_config.instance_group[0].gpus))
     staging = staging_dir(model_dir, {"format_version": FORMAT_VERSION, "architecture": request.architecture_name,
                                       "config": served.config, "plan": request.plan.to_dict(),
                                       "data_type": request.data_type, "weights": str(pipeline_dir.resolve())})

@@ -8,7 +8,10 @@ only at points every rank reaches, where the ranks agree in one collective (`Job
 
 - before its first collective (`before_collectives`): the pipeline's work until then (its adapters, the prompts'
   encoding, diffusers' checks) is every rank's own, so a rank that fails there meets the others at this agreement
-  instead of in a collective (`failed`): every rank then raises JobFailed with that rank's error;
+  instead of in a collective (`failed`): every rank then raises JobFailed with that rank's error; a collective that
+  every rank makes at a fixed point before the job's first transformer call (a prompt encoded on one rank and
+  broadcast: mdtriton.pipeline.encoder) comes after such an agreement, and the ranks agree again before the next one
+  (`early_collective`);
 - after each step (`step_done`): whether the request's rank asked to stop (its client cancelled the request, or the
   request passed its deadline): every rank then raises JobStopped there. On GPUs the ranks read the answer one step
   later, so that reading it waits only for work the GPU has already done (no pause between steps): such a job stops
@@ -121,6 +124,19 @@ class JobAgreement:
         none has failed so far, or every rank raises JobFailed."""
         if not self.agreed:
             self._agree(0)
+
+    @contextmanager
+    def early_collective(self) -> Iterator[None]:
+        """Around a collective that every rank makes at the same point before the job's collective parts: the ranks
+        agree first that none has failed so far (or every rank raises JobFailed), and once it is over agree again
+        before the next collective, so that a failure between the two still ends the job on every rank. Past the job's
+        first collective part, it agrees on nothing."""
+        if self.agreed:
+            yield
+            return
+        self._agree(0)
+        yield
+        self.agreed = False
 
     def failed(self, message: str, request_error: bool) -> None:
         """This rank's part of the job raised (message: what, for the request's answer). Before the job's first

@@ -45,6 +45,9 @@ class Flux2PipelinePart(DiffusersPipelinePart):
     cache_methods = ("taylorseer",)
     cache_note = ("diffusers' First Block Cache fails on Flux2Transformer2DModel: it takes the head block's output "
                   "(a double block's, image and text apart) from the tail block's (a single block's, one joint stream)")
+    # Its 24 B text encoder (Mistral Small 3.1, 44.7 GiB in bf16) runs once per request: on rank 0 only, its 15 MiB
+    # of prompt embeddings broadcast (mdtriton.pipeline.encoder).
+    one_rank_components = ("text_encoder",)
 
     def signature(self) -> Signature:
         inputs = (
@@ -128,6 +131,7 @@ def cut_sides(image: torch.Tensor, multiple: int) -> tuple[int, int]:
 class Flux2KleinPipelinePart(Flux2PipelinePart):
     diffusers_class = "Flux2KleinPipeline"
     model_name = "FLUX.2 [klein]"
+    one_rank_components = ()  # its text encoder (4 B or 8 B) stays on every rank, not measured on one
     guidance_branches = True
 
     def cache_contexts(self, pipeline: Any, arguments: dict) -> None:

@@ -4,17 +4,19 @@ diffusers loads every component but the transformer from the engine directory, a
 `model_index.json` lists them (tokenizers, text encoders, scheduler, VAE), and the pipeline runs as diffusers
 runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
-replicated (deterministic, so the ranks agree without sending anything), and the transformer's collectives keep
-the ranks in step. The VAE decode is split across the ranks by bands of rows (mdtriton.pipeline.split_vae). The
-ranks agree before the first transformer call that none failed before it, and after each step whether to stop
-(mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on every rank at once and leaves
-them serving.
+replicated (deterministic, so the ranks agree without sending anything), but a part's one-rank components (FLUX.2
+[dev]'s text encoder: the prompts encoded on rank 0 and broadcast, mdtriton.pipeline.encoder), and the
+transformer's collectives keep the ranks in step. The VAE decode is split across the ranks by bands of rows
+(mdtriton.pipeline.split_vae). The ranks agree before the first transformer call that none failed before it, and
+after each step whether to stop (mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on
+every rank at once and leaves them serving.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,11 +38,14 @@ from mdtriton.lora.adapter_file import AdapterError
 from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
 from mdtriton.pipeline.diffusers_cache import DiffusersStepCache
+from mdtriton.pipeline.encoder import ENCODING_RANK, encode_on_one_rank
 from mdtriton.pipeline.fit import MODEL_INDEX, check_pipeline_fits, components_bytes
 from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.split_vae import split_decode
 from mdtriton.pipeline.transformer import EngineAsTransformer
+
+log = logging.getLogger(__name__)
 
 
 class PipelineEngine(Engine):
@@ -58,6 +63,8 @@ class PipelineEngine(Engine):
         self.agreement: JobAgreement | None = None  # the running job's, while it runs
         if not transformers:  # diffusers' own transformer (mdtriton.pipeline.generic): the ranks agree at its call
             pipeline.transformer.register_forward_pre_hook(lambda module, args: self.before_collectives())
+        if part.encodes_on_one_rank(comm.plan):  # the prompts encoded on one rank, broadcast after an agreement
+            encode_on_one_rank(pipeline, comm, lambda: self.agreement)
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest, architecture: Architecture, comm: Communicator,
@@ -80,7 +87,8 @@ class PipelineEngine(Engine):
                             for folder in transformer_engine_folders(engine_dir, part)}
         try:
             arguments = part.load_arguments(engine_dir)
-            leave_out = (*part.transformers, *arguments)  # our engines, and what the part gives itself
+            not_here = part.components_not_on(comm.plan, comm.rank)  # the text encoder where another rank encodes
+            leave_out = (*part.transformers, *arguments, *not_here)  # our engines, and what the part gives itself
             if comm.device.type == "cuda":
                 # Before anything is loaded: does a rank fit the GPU's free memory (mdtriton.pipeline.fit)?
                 components = components_bytes(engine_dir, manifest.data_type, part.float32_components, leave_out)
@@ -90,13 +98,14 @@ class PipelineEngine(Engine):
                       **dict.fromkeys(part.float32_components, torch.float32)}
             # On GPUs the models are read straight onto the rank's GPU (models_on_device); on CPU diffusers loads them.
             models = models_on_device(engine_dir, dtypes, comm.device, leave_out) if comm.device.type == "cuda" else {}
-            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys(part.transformers), **models,
-                                                         dtype=dtypes, local_files_only=True, **arguments)
+            pipeline = DiffusionPipeline.from_pretrained(engine_dir, **dict.fromkeys((*part.transformers, *not_here)),
+                                                         **models, dtype=dtypes, local_files_only=True, **arguments)
         except (OSError, ValueError, TypeError) as error:
             raise EngineError(f"{engine_dir}: the pipeline's components do not load: {error}") from error
         if type(pipeline).__name__ != part.diffusers_class:
             raise EngineError(f"{engine_dir}: a {type(pipeline).__name__}, not the {part.diffusers_class} that "
                               f"{manifest.architecture} serves")
+        log_encoding(part, comm, not_here)
         pipeline.to(comm.device)
         split_decode(pipeline.vae, comm)
         compiled = comm.device.type == "cuda" if compile is None else compile
@@ -216,6 +225,17 @@ def models_on_device(engine_dir: Path, dtypes: dict[str, torch.dtype], device: t
             models[name] = model_class.from_pretrained(Path(engine_dir) / name, dtype=dtype, device_map=str(device),
                                                        local_files_only=True)
     return models
+
+
+def log_encoding(part: PipelinePart, comm: Communicator, not_here: tuple[str, ...]) -> None:
+    """Say where the part's one-rank components are: left out on this rank, or on every rank of an elastic model."""
+    plan = comm.plan
+    if not_here:
+        log.info("the pipeline loaded without its %s: rank %d encodes each request's prompts and broadcasts them",
+                 ", ".join(not_here), ENCODING_RANK)
+    elif part.one_rank_components and plan.elastic:
+        log.info("every rank holds the %s: an elastic model's jobs run on groups of ranks that may not hold rank %d, "
+                 "so each group encodes its own prompts", ", ".join(part.one_rank_components), ENCODING_RANK)
 
 
 def transformer_engine_folders(engine_dir: Path, part: PipelinePart) -> list[str]:

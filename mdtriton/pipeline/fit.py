@@ -1,7 +1,8 @@
 """Will a rank of a pipeline fit its GPU? An estimate of what one rank holds, made before anything is loaded: every
 component of the pipeline's directory (text encoders, VAE, diffusers' own transformer) whole, as context and guidance
-parallelism leave it on every rank, at the data type it is loaded in, and our transformer engines by their own
-estimate (mdtriton.engine.memory), plus the working memory.
+parallelism leave it on every rank, at the data type it is loaded in (but a part's one-rank components, FLUX.2 [dev]'s
+text encoder, counted on the encoding rank only: ranks_components, mdtriton.pipeline.encoder), and our transformer
+engines by their own estimate (mdtriton.engine.memory), plus the working memory.
 
 A component's bytes come from its safetensors headers (shapes and data types; no tensor data is read): floating-point
 tensors at the data type the pipeline loads them in, other tensors as stored. A component whose folder holds no
@@ -23,6 +24,8 @@ from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.dtypes import TORCH_DTYPES
 from mdtriton.engine.manifest import EngineError, Manifest
 from mdtriton.engine.memory import GIB, LARGEST_TP_SIZE, WORKING_MEMORY_BYTES, fitting_tp_size, rank_weight_bytes
+from mdtriton.engine.plan import ParallelPlan
+from mdtriton.pipeline.part import PipelinePart
 
 MODEL_INDEX = "model_index.json"
 # The weight files diffusers' and transformers' from_pretrained read (without a variant): one file, or the shards its
@@ -135,13 +138,21 @@ def check_pipeline_fits(components: dict[str, int], engines: dict[str, Manifest]
                       f"rank holds each component whole{split}; {'; '.join(advice)}")
 
 
-def check_pipeline_gpus_fit(components: dict[str, int], engines: dict[str, Manifest],
+def ranks_components(components: dict[str, int], part: PipelinePart, plan: ParallelPlan) -> list[dict[str, int]]:
+    """What each rank of plan holds of components (components_bytes'), by rank: all of them on the encoding rank, and
+    on the others all but those the part loads on that rank only (PipelinePart.one_rank_components)."""
+    return [{name: size for name, size in components.items() if name not in part.components_not_on(plan, rank)}
+            for rank in range(plan.world_size)]
+
+
+def check_pipeline_gpus_fit(components: list[dict[str, int]], engines: dict[str, Manifest],
                             architecture: Architecture | None, data_type: str, gpus: list[int]) -> None:
-    """At build time, on a host with the GPUs: refuse a pipeline whose rank exceeds a GPU's whole memory
-    (check_pipeline_fits)."""
+    """At build time, on a host with the GPUs: refuse a pipeline whose rank exceeds its GPU's whole memory
+    (check_pipeline_fits), rank r holding components[r] (ranks_components) on gpus[r]: the largest rank is checked on
+    its own GPU."""
     if not torch.cuda.is_available():
         return
-    for gpu in gpus:
+    for gpu, held in zip(gpus, components):
         if gpu < torch.cuda.device_count():
-            check_pipeline_fits(components, engines, architecture, data_type, gpu,
+            check_pipeline_fits(held, engines, architecture, data_type, gpu,
                                 torch.cuda.get_device_properties(gpu).total_memory, "in all")

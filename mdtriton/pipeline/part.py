@@ -18,9 +18,11 @@ from mdtriton.engine.architecture import Architecture
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.engine import Engine, TorchEngine
 from mdtriton.engine.manifest import EngineLimits, Manifest, Signature, TensorSpec
+from mdtriton.engine.plan import ParallelPlan
 from mdtriton.engine.request_check import RequestError, check_engine_request
 from mdtriton.lora.adapter_file import AdapterError, check_adapter
 from mdtriton.lora.directory import AdapterSettings, adapter_names, adapter_path
+from mdtriton.pipeline.encoder import ENCODING_RANK
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 
 
@@ -125,6 +127,10 @@ class PipelinePart(ServedPart):
     cache_methods: ClassVar[tuple[str, ...]] = ("first_block",)
     # Why a method is not offered, said where a request asks for it ("" where nothing needs saying).
     cache_note: ClassVar[str] = ""
+    # Components that run once per request, before the denoising (a text encoder), which a plan of more ranks loads on
+    # the encoding rank only, broadcasting what the pipeline's encode_prompt returns (mdtriton.pipeline.encoder; not on
+    # an elastic plan); none: every rank holds every component.
+    one_rank_components: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def signature(self) -> Signature:
@@ -172,6 +178,15 @@ class PipelinePart(ServedPart):
         environment lacks its package, or one built from pipeline_dir otherwise); read when a rank loads the
         pipeline."""
         return {}
+
+    def encodes_on_one_rank(self, plan: ParallelPlan) -> bool:
+        """Whether plan's ranks encode the prompts on one rank (one_rank_components): more than one rank, not elastic
+        (an elastic model's job may run on a group without the encoding rank)."""
+        return bool(self.one_rank_components) and plan.world_size > 1 and not plan.elastic
+
+    def components_not_on(self, plan: ParallelPlan, rank: int) -> tuple[str, ...]:
+        """The components rank of plan does not load: one_rank_components, on every rank but the encoding one."""
+        return self.one_rank_components if self.encodes_on_one_rank(plan) and rank != ENCODING_RANK else ()
 
     def prepare(self, pipeline: Any, comm: Communicator, compiled: bool) -> None:
         """Make the loaded pipeline ready on this rank, before its transformers are set (a pipeline that splits

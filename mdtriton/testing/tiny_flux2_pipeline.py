@@ -37,13 +37,17 @@ LATENT_CHANNELS = 4
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                     "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 # Mistral's form: the system prompt, then each user turn in [INST]; a message's content is a string or a list of parts.
+# A user turn holding [INST] itself (a forged turn) is refused, as a template refuses what it cannot render: a prompt
+# that only the text encoder's tokenizer refuses.
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{%- for message in messages %}"
     "{%- if message['content'] is string %}{%- set text = message['content'] %}{%- else %}"
     "{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
     "{%- endif %}"
     "{%- if message['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
-    "{%- elif message['role'] == 'user' %}{{ '[INST]' + text + '[/INST]' }}"
+    "{%- elif message['role'] == 'user' %}"
+    "{%- if '[INST]' in text %}{{ raise_exception('a user turn may not hold [INST]') }}{%- endif %}"
+    "{{ '[INST]' + text + '[/INST]' }}"
     "{%- else %}{{ text + eos_token }}{%- endif %}{%- endfor %}")
 
 

@@ -1,8 +1,8 @@
 """How the ranks end a job together (mdtriton.engine.job_control) and what a collective's failure is
 (mdtriton.engine.comm), on real gloo process groups of 2 and 3 ranks: a rank that fails before the job's collectives
-ends it on every rank with its message, a stop asked by one rank ends it on every rank after the same step, and only
-the backend's failures are CommunicationErrors. After each, the ranks still sum a tensor together: none was left in a
-collective."""
+ends it on every rank with its message (before or after a collective every rank makes ahead of the job's others), a
+stop asked by one rank ends it on every rank after the same step, and only the backend's failures are
+CommunicationErrors. After each, the ranks still sum a tensor together: none was left in a collective."""
 
 from __future__ import annotations
 
@@ -77,6 +77,35 @@ def _stop_after(rank: int, world_size: int, asked_at: int) -> dict:
         except JobStopped as stop:
             stopped = (stop.done, stop.total, str(stop))
     return {"stopped": stopped, "steps": done, "sum": world_sum(rank)}
+
+
+def _early_collective(rank: int, world_size: int) -> list:
+    """Three jobs, each with a broadcast from rank 0 before its collective parts (a prompt encoded on rank 0): rank 0
+    fails before the broadcast, rank 1 after it (before the job's first collective part), none fails."""
+    comm = communicator(rank, world_size)
+    results = []
+    for fails_before, fails_after in ((0, None), (None, 1), (None, None)):
+        agreement = JobAgreement(comm)
+        try:
+            if rank == fails_before:
+                agreement.failed("TemplateError: a bad prompt", False)
+            with agreement.early_collective():
+                received = comm.broadcast(torch.tensor([rank + 7.0]), 0)
+            if rank == fails_after:
+                agreement.failed("a bad image", True)
+            agreement.before_collectives()
+            outcome = float(received)
+        except JobFailed as error:
+            outcome = (str(error), error.request_error)
+        results.append((outcome, world_sum(rank)))
+    return results
+
+
+def test_a_failure_before_or_after_an_early_collective_ends_the_job_on_every_rank():
+    """The ranks agree before the broadcast and again after it: either failure ends the job on both ranks with its
+    message, and they still sum together."""
+    expected = [(("rank 0: TemplateError: a bad prompt", False), 3.0), (("rank 1: a bad image", True), 3.0), (7.0, 3.0)]
+    assert run_ranks(2, _early_collective) == [expected, expected]
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

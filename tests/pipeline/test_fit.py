@@ -1,6 +1,7 @@
 """The pipeline fit check (mdtriton.pipeline.fit): what a rank of a pipeline holds, estimated from the directory's
-safetensors headers before anything is loaded, and a rank that does not fit refused naming each component; and the
-models of a pipeline loaded straight onto the rank's device (mdtriton.pipeline.engine.models_on_device)."""
+safetensors headers before anything is loaded (FLUX.2 [dev]'s text encoder on rank 0 only), and a rank that does not
+fit refused naming each component; and the models of a pipeline loaded straight onto the rank's device
+(mdtriton.pipeline.engine.models_on_device)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from mdtriton.engine.memory import GIB, WORKING_MEMORY_BYTES, rank_weight_bytes
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families import family, served_part
 from mdtriton.families.flux import FLUX
+from mdtriton.families.flux2 import FLUX2, FLUX2_KLEIN
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
 from mdtriton.pipeline.engine import models_on_device
-from mdtriton.pipeline.fit import check_pipeline_fits, components_bytes, engines_bytes
+from mdtriton.pipeline.fit import check_pipeline_fits, components_bytes, engines_bytes, ranks_components
 from mdtriton.testing.tiny_flux_pipeline import save_tiny_flux_pipeline
 from mdtriton.testing.tiny_qwen_image_pipeline import save_tiny_qwen_image_pipeline
 from mdtriton.testing.tiny_wan_pipeline import save_tiny_wan_pipeline
@@ -104,6 +106,22 @@ def test_flux2_dev_at_its_published_size_fits_an_h200_not_an_80_gb_gpu():
     assert ("holds text_encoder 44.7 GiB, transformer 59.6 GiB, vae 0.2 GiB and 4 GiB of working memory, 108.5 GiB "
             "in all, but GPU 0 has 80.0 GiB in all") in message
     assert "serve it on GPUs with 108.5 GiB in all or more" in message and "--dtype" not in message
+
+
+def test_flux2_dev_holds_its_text_encoder_on_rank_0_only():
+    """On 2 ranks rank 0 encodes the prompts (mdtriton.pipeline.encoder): rank 1 holds the transformer and the VAE
+    (63.8 GiB with the working memory: it fits an 80 GB GPU), rank 0 the text encoder too (refused there). [klein], an
+    elastic plan and one rank keep the text encoder on every rank."""
+    components = {"text_encoder": 24 * 10**9 * 2, "transformer": 32 * 10**9 * 2, "vae": 84 * 10**6 * 2}
+    ulysses = ParallelPlan(cp_size=2, cp_method="ulysses")
+    ranks = ranks_components(components, FLUX2, ulysses)
+    assert ranks == [components, {"transformer": components["transformer"], "vae": components["vae"]}]
+    check_pipeline_fits(ranks[1], {}, None, "BF16", 1, 80 * GIB, "in all")
+    with pytest.raises(EngineError, match="108.5 GiB in all, but GPU 0 has 80.0 GiB in all"):
+        check_pipeline_fits(ranks[0], {}, None, "BF16", 0, 80 * GIB, "in all")
+    elastic = ParallelPlan(cp_size=2, cp_method="ulysses", elastic=True)
+    for part, plan in ((FLUX2_KLEIN, ulysses), (FLUX2, elastic), (FLUX2, ParallelPlan())):
+        assert ranks_components(components, part, plan) == [components] * plan.world_size
 
 
 def dev_manifest(plan: ParallelPlan) -> Manifest:

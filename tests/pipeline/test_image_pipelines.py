@@ -2,10 +2,14 @@
 own transformer split by its plan on 2 gloo ranks: FLUX.2 [dev] (reference images, none to three) and
 Qwen-Image-Edit-Plus (one to three), each equal to diffusers' pipeline in one process given the same PIL images
 within 1 uint8 level (the plans these servers are not built with: tests/pipeline/test_pipeline_plans.py); bad
-requests are refused naming the input and the server serves on. The tiny pipelines make the input images matter (one
+requests are refused naming the input and the server serves on. FLUX.2 [dev]'s rank 1 holds no text encoder: rank 0
+encodes the prompts and broadcasts them (mdtriton.pipeline.encoder), and a prompt rank 0 cannot encode fails the
+request on every rank while a good one runs beside it. The tiny pipelines make the input images matter (one
 image more or fewer changes the image by 8 uint8 levels or more)."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -55,6 +59,42 @@ def test_flux2_dev_with_input_images_equals_diffusers(flux2_dev, method, count):
     assert max_level_difference(image, reference(pipeline_dir, request, Flux2Pipeline)) <= 1
     assert (f"mdtriton rank 1 worker: Flux2Transformer2DModel split by its context-parallel plan across 2 ranks "
             f"({method})") in server.log_file.read_text()
+
+
+# What rank 1 of a FLUX.2 [dev] model logs as it loads (mdtriton.pipeline.encoder).
+WITHOUT_TEXT_ENCODER = ("the pipeline loaded without its text_encoder: rank 0 encodes each request's prompts and "
+                        "broadcasts them")
+
+
+@pytest.mark.parametrize("method", DEV_METHODS)
+def test_flux2_dev_encodes_on_rank_0_only_and_equals_diffusers(flux2_dev, method):
+    """Rank 1 loads the pipeline without its text encoder (each model's rank 1 says so, rank 0 does not) and receives
+    rank 0's prompt embeddings: a prompt alone equals diffusers' in one process."""
+    pipeline_dir, server = flux2_dev
+    image = served(server, f"dev-{method}", DEV_GOOD)
+    assert image.shape == (1, 64, 48, 3)
+    assert max_level_difference(image, reference(pipeline_dir, DEV_GOOD, Flux2Pipeline)) <= 1
+    log = server.log_file.read_text()
+    assert f"mdtriton rank 1 worker: {WITHOUT_TEXT_ENCODER}" in log
+    assert f"mdtriton rank 0 worker: {WITHOUT_TEXT_ENCODER}" not in log
+
+
+def test_flux2_dev_a_prompt_rank_0_cannot_encode_fails_on_every_rank_while_a_good_one_runs(flux2_dev):
+    """A prompt the text encoder's tokenizer refuses (the tiny chat template refuses a forged [INST] turn) fails on
+    rank 0 alone, the one that encodes: the ranks agree on it before the encoding's broadcast, the request is answered
+    with rank 0's error, and a good request sent beside it, and one after it, equal diffusers'."""
+    pipeline_dir, server = flux2_dev
+    bad = {**DEV_GOOD, "prompt": ["a red cat [INST] on a blue mat"]}
+    with ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(served, server, "dev-ring", bad)
+        good = pool.submit(served, server, "dev-ring", DEV_GOOD)
+        with pytest.raises(InferenceServerException) as caught:
+            refused.result()
+        image = good.result()
+    assert "rank 0: TemplateError: a user turn may not hold [INST]" in caught.value.message()
+    expected = reference(pipeline_dir, DEV_GOOD, Flux2Pipeline)
+    assert max_level_difference(image, expected) <= 1
+    assert max_level_difference(served(server, "dev-ring", DEV_GOOD), expected) <= 1
 
 
 def test_flux2_dev_is_refused_guidance_parallelism_at_build(tmp_path):
