@@ -134,8 +134,8 @@ def check_pipeline_fits(components: dict[str, int], engines: dict[str, Manifest]
     split = ", its transformer engine split by --tp only" if engines else ""
     raise EngineError(f"a rank of this pipeline holds {held} and {WORKING_MEMORY_BYTES / GIB:.0f} GiB of working "
                       f"memory, {total / GIB:.1f} GiB in all, but GPU {gpu} has {memory_bytes / GIB:.1f} GiB "
-                      f"{memory_kind}: context and guidance parallelism split the work, not the weights, so every "
-                      f"rank holds each component whole{split}; {'; '.join(advice)}")
+                      f"{memory_kind}: context and guidance parallelism split the work, not the weights, so a rank "
+                      f"holds each of its components whole{split}; {'; '.join(advice)}")
 
 
 def ranks_components(components: dict[str, int], part: PipelinePart, plan: ParallelPlan) -> list[dict[str, int]]:
