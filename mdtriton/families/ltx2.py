@@ -59,6 +59,17 @@ class LTX2PipelinePart(DiffusersPipelinePart):
     cache_methods = ("taylorseer",)
     cache_note = ("First Block Cache: diffusers' block hooks know no LTX-2 block, and would pass a skipped block's "
                   "encoder_hidden_states (the text) on where LTX-2's blocks return the sound")
+    # Its blocks compile with static sizes. With every size symbolic, LTX2VideoTransformerBlock's 20 tensor inputs (two
+    # streams, their texts and text masks, 6 modulations, 4 RoPE pairs) made Dynamo and AOTAutograd reason about
+    # ~190,000 symbolic size operations per graph: on CPU (tiny LTX-2, aot_eager) a block's compile took 25.8 s
+    # against 2.5 s static (Qwen-Image's: 8.2 s against 6.0 s). And each kind of call compiled twice: the first block
+    # takes views (the inputs as the transformer reshaped them), the second the first's outputs, and Dynamo guards the
+    # symbolic sizes of a view's base, a guard that fails on a tensor with none. A guided step makes 3 kinds of call
+    # (batch 2 with guidance, batch 1 with spatio-temporal guidance, batch 1 with the modalities isolated): 6 compiles,
+    # and the tiny pipeline's first request took 191-290 s on CPU (Inductor; 135 s with aot_eager) where it runs in
+    # about 2 s uncompiled. Static: 3 compiles, 61 s (12 s with aot_eager), the outputs equal. Each new size compiles
+    # its 3 kinds again: torch's recompile limit (8 per code) holds two sizes, and calls past it run eagerly.
+    compile_dynamic = False
 
     def signature(self) -> Signature:
         inputs = (

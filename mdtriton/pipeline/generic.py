@@ -44,6 +44,9 @@ class DiffusersPipelinePart(PipelinePart):
     # step it names (cache_contexts), offers "taylorseer", and "first_block" where First Block Cache runs its blocks
     # correctly (cache_note says why not).
     cache_methods = ()
+    # Whether prepare compiles the transformer's repeated blocks with symbolic sizes (compile_blocks: a new image size
+    # compiles nothing) or static ones (each new size of a kind of call compiles once more).
+    compile_dynamic: ClassVar[bool] = True
 
     def check_build(self, pipeline_dir: Path, plan: ParallelPlan, data_type: str) -> str:
         """The transformer's class name, after checking (EngineError, before anything is written) that plan can
@@ -86,7 +89,7 @@ class DiffusersPipelinePart(PipelinePart):
         transformer = pipeline.transformer
         split_by_plan(transformer, comm, self.context_parallel_plan(transformer))
         if compiled:
-            compile_blocks(transformer)
+            compile_blocks(transformer, self.compile_dynamic)
             if comm.device.type == "cuda":
                 replay_graphs(transformer)
         split_by_guidance(transformer, comm, self.guidance_in_batch)
@@ -111,14 +114,15 @@ class DiffusersPipelinePart(PipelinePart):
         raise EngineError(f"{self.diffusers_class} serves diffusers' own transformer, not an engine of ours")
 
 
-def compile_blocks(transformer: torch.nn.Module) -> None:
+def compile_blocks(transformer: torch.nn.Module, dynamic: bool = True) -> None:
     """Compile the transformer's repeated blocks (diffusers' `_repeated_blocks`, as its `compile_repeated_blocks` does:
-    one compiled code serves every block of a kind) with symbolic sizes; the split's hooks and our attention run
-    eagerly in between (graph breaks). The first call at a new shape compiles (the first request's first step);
-    deterministic (Inductor times no kernel choices), so a healed rank computes the same bits."""
+    one compiled code serves every block of a kind) with symbolic sizes, or static ones where dynamic is False
+    (DiffusersPipelinePart.compile_dynamic); the split's hooks and our attention run eagerly in between (graph breaks).
+    The first call of each kind compiles (the first request's first step); deterministic (Inductor times no kernel
+    choices), so a healed rank computes the same bits."""
     if not getattr(transformer, "_repeated_blocks", None):
         log.info("%s names no repeated blocks: it runs eagerly", type(transformer).__name__)
         return
-    transformer.compile_repeated_blocks(dynamic=True, options={"deterministic": True})
-    log.info("%s: its repeated blocks compiled (%s)", type(transformer).__name__,
-             ", ".join(transformer._repeated_blocks))
+    transformer.compile_repeated_blocks(dynamic=dynamic, options={"deterministic": True})
+    log.info("%s: its repeated blocks compiled (%s)%s", type(transformer).__name__,
+             ", ".join(transformer._repeated_blocks), "" if dynamic else ", static sizes")

@@ -1,9 +1,11 @@
 """LTX-2's transformer (video and audio streams) split by its own context-parallel plan on real gloo ranks, attention
 by each of our methods: its video and audio outputs equal the same transformer in one process (float32), with
 sequences that split evenly and unevenly, a text whose padding is masked, and a timestep per video token (image to
-video)."""
+video); its blocks compiled as a GPU rank compiles them make one graph for both blocks."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from diffusers import LTX2VideoTransformer3DModel
 
 from mdtriton.engine.comm import Communicator
 from mdtriton.engine.plan import ParallelPlan
-from mdtriton.families.ltx2 import ltx2_context_parallel_plan
+from mdtriton.families.ltx2 import LTX2, ltx2_context_parallel_plan
 from mdtriton.pipeline.context_parallel import split_by_plan
 from tests.distributed import run_ranks
 
@@ -90,3 +92,28 @@ def test_video_and_audio_equal_one_process(two_ranks, index):
     for rank_video, rank_audio in two_ranks[index]:
         torch.testing.assert_close(rank_video, video, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(rank_audio, audio, rtol=1e-4, atol=1e-5)
+
+
+def compiled_on_one_rank(rank: int, world_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """The transformer with its blocks compiled as a rank serving LTX-2 compiles them (LTX2.prepare): its (video,
+    audio) outputs for the even call, and the graphs Dynamo made."""
+    from torch._dynamo.utils import counters
+
+    model = transformer()
+    LTX2.prepare(SimpleNamespace(transformer=model), Communicator.single(), compiled=True)
+    with torch.no_grad():
+        outputs = model(**CALLS["even"], return_dict=False)
+    return outputs, counters["stats"]["unique_graphs"]
+
+
+def test_compiled_blocks_make_one_graph_for_both_blocks():
+    """One compile serves both blocks and equals the eager transformer. The first block takes views (the inputs as
+    the transformer reshaped them), the second the first's outputs; with symbolic sizes, Dynamo guards the sizes of a
+    view's base, a guard that fails on a tensor with none: every kind of call compiled twice, each compile ten times
+    as long as a static one (mdtriton.families.ltx2.LTX2PipelinePart.compile_dynamic)."""
+    [(outputs, graphs)] = run_ranks(1, compiled_on_one_rank)
+    assert graphs == 1
+    with torch.no_grad():
+        expected = transformer()(**CALLS["even"], return_dict=False)
+    for output, reference in zip(outputs, expected):
+        torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-5)
