@@ -26,11 +26,11 @@ from mdtriton.engine.memory import check_gpus_fit
 from mdtriton.engine.step_cache import read_cache
 from mdtriton.families import ANY_PIPELINE, EnginePart, PipelinePart, family, served_part
 from mdtriton.pipeline.any_pipeline import AnyPipelinePart
-from mdtriton.pipeline.fit import check_pipeline_gpus_fit, components_bytes, ranks_components
+from mdtriton.pipeline.fit import (MODEL_INDEX, check_pipeline_gpus_fit, components_bytes, is_component,
+                                   ranks_components)
 from mdtriton.pipeline.generic import DiffusersPipelinePart
 from mdtriton.serving import DEFAULT_REQUEST_TIMEOUT_S
 
-MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
 
 
 class BuildInterrupted(Exception):
@@ -208,11 +208,6 @@ def transformer_folders(pipeline_dir: Path, part: PipelinePart) -> list[str]:
         raise CheckpointError(f"{pipeline_dir / MODEL_INDEX} lists no {' or '.join(part.transformers)}; a {part.diffusers_class} "
                               "directory holds its transformer")
     return folders
-
-
-def is_component(value) -> bool:
-    """Whether a model_index.json entry is a component with a folder (not null, as an optional one may be)."""
-    return isinstance(value, list) and value[0] is not None
 
 
 def copy_components(pipeline_dir: Path, engine_dir: Path, part: PipelinePart) -> None:

@@ -4,8 +4,8 @@ diffusers loads every component but the transformer from the engine directory, a
 `model_index.json` lists them (tokenizers, text encoders, scheduler, VAE), and the pipeline runs as diffusers
 runs it, so an image equals diffusers' for the same components; its `transformer` is our multi-rank engine
 behind the family's adapter. Every rank runs the whole pipeline on the same inputs: the other components are
-replicated (deterministic, so the ranks agree without sending anything), but a part's one-rank components (FLUX.2
-[dev]'s text encoder: the prompts encoded on rank 0 and broadcast, mdtriton.pipeline.encoder), and the
+replicated (deterministic, so the ranks agree without sending anything; but a part's one-rank components, FLUX.2
+[dev]'s text encoder, whose prompts rank 0 encodes and broadcasts: mdtriton.pipeline.encoder), and the
 transformer's collectives keep the ranks in step. The VAE decode is split across the ranks by bands of rows
 (mdtriton.pipeline.split_vae). The ranks agree before the first transformer call that none failed before it, and
 after each step whether to stop (mdtriton.engine.job_control): a request that fails there, or is cancelled, ends on
@@ -15,7 +15,6 @@ every rank at once and leaves them serving.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,7 +38,7 @@ from mdtriton.lora.directory import AdapterSettings
 from mdtriton.lora.weights import AdapterWeights
 from mdtriton.pipeline.diffusers_cache import DiffusersStepCache
 from mdtriton.pipeline.encoder import ENCODING_RANK, encode_on_one_rank
-from mdtriton.pipeline.fit import MODEL_INDEX, check_pipeline_fits, components_bytes
+from mdtriton.pipeline.fit import check_pipeline_fits, components_bytes, listed_components
 from mdtriton.pipeline.part import PipelinePart
 from mdtriton.pipeline.request_checks import loras_of, step_cache_of
 from mdtriton.pipeline.split_vae import split_decode
@@ -213,13 +212,11 @@ def models_on_device(engine_dir: Path, dtypes: dict[str, torch.dtype], device: t
     a host copy. Each model is loaded with its own device_map, not the pipeline's: the pipeline takes only "cuda" (no
     GPU index), which transformers reads as GPU 0 (or $LOCAL_RANK's), not this rank's GPU. A device_map of one device
     adds no hooks, so the pipeline's later `.to(device)` is allowed (and moves nothing)."""
-    index = json.loads((Path(engine_dir) / MODEL_INDEX).read_text())
     models = {}
-    for name, entry in index.items():
-        if name.startswith("_") or name in leave_out or not (isinstance(entry, list)
-                                                             and entry[0] in ("diffusers", "transformers")):
+    for name, (library, class_name) in listed_components(engine_dir).items():
+        if name in leave_out or library not in ("diffusers", "transformers"):
             continue
-        model_class = getattr(importlib.import_module(entry[0]), entry[1], None)
+        model_class = getattr(importlib.import_module(library), class_name, None)
         if isinstance(model_class, type) and issubclass(model_class, torch.nn.Module):
             dtype = dtypes.get(name, dtypes["default"])
             models[name] = model_class.from_pretrained(Path(engine_dir) / name, dtype=dtype, device_map=str(device),

@@ -27,7 +27,7 @@ from mdtriton.engine.memory import GIB, LARGEST_TP_SIZE, WORKING_MEMORY_BYTES, f
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.pipeline.part import PipelinePart
 
-MODEL_INDEX = "model_index.json"
+MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory's list of components
 # The weight files diffusers' and transformers' from_pretrained read (without a variant): one file, or the shards its
 # index names.
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
@@ -44,17 +44,28 @@ def components_bytes(pipeline_dir: Path, data_type: str, float32_components: tup
     our engines serve) holds on a rank: loaded in data_type, float32_components in float32. Tokenizers and schedulers
     hold none (and are left out)."""
     pipeline_dir = Path(pipeline_dir)
-    index = json.loads((pipeline_dir / MODEL_INDEX).read_text())
     sizes = {}
-    for name, entry in index.items():
-        if name.startswith("_") or name in leave_out or not (isinstance(entry, list) and entry[0] is not None):
+    for name, (library, class_name) in listed_components(pipeline_dir).items():
+        if name in leave_out:
             continue
         dtype = torch.float32 if name in float32_components else TORCH_DTYPES[data_type]
         files = weight_files(pipeline_dir / name)
-        size = checkpoint_bytes(files, dtype) if files else module_bytes(entry[0], entry[1], pipeline_dir / name, dtype)
+        size = checkpoint_bytes(files, dtype) if files else module_bytes(library, class_name, pipeline_dir / name, dtype)
         if size:
             sizes[name] = size
     return sizes
+
+
+def listed_components(pipeline_dir: Path) -> dict[str, tuple[str, str]]:
+    """The components a diffusers pipeline directory's model_index.json lists, by folder: (library, class name); not
+    its own entries ("_class_name", ...) nor a null one (an optional component left out)."""
+    index = json.loads((Path(pipeline_dir) / MODEL_INDEX).read_text())
+    return {name: tuple(value) for name, value in index.items() if not name.startswith("_") and is_component(value)}
+
+
+def is_component(value) -> bool:
+    """Whether a model_index.json entry is a component with a folder (not null, as an optional one may be)."""
+    return isinstance(value, list) and value[0] is not None
 
 
 def weight_files(component_dir: Path) -> list[Path]:

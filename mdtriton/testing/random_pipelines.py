@@ -26,7 +26,7 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-from mdtriton.build_tools.build import MODEL_INDEX
+from mdtriton.pipeline.fit import MODEL_INDEX
 from mdtriton.engine.plan import ParallelPlan
 from mdtriton.families.cosmos3 import COSMOS3
 from mdtriton.families.flux.transformer import FLUX_DEV_CONFIG
